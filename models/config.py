@@ -1,0 +1,87 @@
+"""`GPTConfig` and the named presets (GPT-2 sizes and the ZeRO-Infinity paper's models)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  """Shape of a GPT: pre-LN blocks, learned positions, GELU MLP 4x, tied embedding.
+
+  Attributes:
+    vocab_size: number of token ids (any size; ZeRO pads it when sharding).
+    seq_len: longest sequence (size of the position table).
+    num_layers: transformer blocks, stacked on one layer axis.
+    num_heads: attention heads; must divide `hidden`.
+    hidden: model width (the paper's hd).
+    remat: recompute each block in backward, keeping one checkpoint per block.
+  """
+
+  vocab_size: int = 65
+  seq_len: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  hidden: int = 64
+  remat: bool = True
+
+  def __post_init__(self):
+    for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
+    if self.hidden % self.num_heads:
+      raise ValueError(
+          f"GPTConfig.hidden={self.hidden} is not divisible by num_heads="
+          f"{self.num_heads}; pick a head count that divides the width.")
+
+  @property
+  def num_params(self) -> int:
+    """Exact parameter count (tied embedding counted once)."""
+    d, v, t, l = self.hidden, self.vocab_size, self.seq_len, self.num_layers
+    block = (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 4 * d
+    return v * d + t * d + l * block + 2 * d
+
+  def replace(self, **changes) -> "GPTConfig":
+    return dataclasses.replace(self, **changes)
+
+
+# name -> (layers, hidden, heads); seq_len 1024, GPT-2 vocabulary unless said.
+_SIZES = {
+    "gpt2-small": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+    # ZeRO-Infinity, Table 1 and Appendix Table 4 (hidden "K" = 1024).
+    "1.4b": (40, 1536, 16),
+    "2.5b": (32, 2560, 32),
+    "10b": (50, 4096, 16),
+    "13b": (64, 4096, 16),
+    "20b": (98, 4096, 32),
+    "50b": (62, 8192, 64),
+    "100b": (125, 8192, 64),
+    "0.5t": (124, 18432, 128),
+    "1t": (128, 25600, 256),
+    "5t": (174, 49152, 384),
+    "10t": (200, 65536, 512),
+    "20t": (205, 90112, 704),
+}
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=65, seq_len=64, num_layers=2, num_heads=4, hidden=64),
+    "small": GPTConfig(vocab_size=65, seq_len=256, num_layers=6, num_heads=6, hidden=384),
+    **{name: GPTConfig(vocab_size=50257, seq_len=1024, num_layers=l, num_heads=h, hidden=d)
+       for name, (l, d, h) in _SIZES.items()},
+}
+
+
+def get_config(name: str, **overrides) -> GPTConfig:
+  """The preset `name` with `overrides` applied; a clear error for unknown names."""
+  try:
+    config = PRESETS[name]
+  except KeyError:
+    raise ValueError(
+        f"Unknown GPT preset {name!r}. Choose one of: {', '.join(PRESETS)}; "
+        "or pass --layers/--hidden/--heads.") from None
+  overrides = {k: v for k, v in overrides.items() if v is not None}
+  return config.replace(**overrides) if overrides else config

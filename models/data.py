@@ -1,0 +1,82 @@
+"""Token data: a char-level tokenizer for text files and nanoGPT-style uint16 `.bin` files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterator
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CharTokenizer:
+  """Byte-free character tokenizer: ids are positions in the sorted alphabet of a text."""
+
+  alphabet: str
+
+  @classmethod
+  def from_text(cls, text: str) -> "CharTokenizer":
+    return cls("".join(sorted(set(text))))
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.alphabet)
+
+  def encode(self, text: str) -> np.ndarray:
+    table = {c: i for i, c in enumerate(self.alphabet)}
+    try:
+      return np.fromiter((table[c] for c in text), dtype=np.uint16, count=len(text))
+    except KeyError as e:
+      raise ValueError(f"character {e.args[0]!r} is not in the tokenizer's alphabet.") from None
+
+  def decode(self, ids) -> str:
+    return "".join(self.alphabet[int(i)] for i in ids)
+
+
+def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
+  """Tokens and vocabulary size of `path`.
+
+  A `.bin` file holds nanoGPT-style uint16 token ids (memory-mapped, not read
+  whole); its vocabulary is `vocab_size` (default: the GPT-2 size, 50257).
+  Any other file is read as UTF-8 text and tokenized by characters.
+  """
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f"no data file at {path!r}; pass --data with a text file or a uint16 .bin token file.")
+  if path.endswith(".bin"):
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    vocab = vocab_size or 50257
+    if len(tokens) and int(tokens.max()) >= vocab:
+      raise ValueError(f"{path} holds token id {int(tokens.max())} >= vocab_size {vocab}.")
+    return tokens, vocab
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  tokenizer = CharTokenizer.from_text(text)
+  return tokenizer.encode(text), tokenizer.vocab_size
+
+
+@dataclasses.dataclass
+class TokenDataset:
+  """Random windows of `seq_len + 1` tokens, as `{"inputs", "targets"}` int32 batches."""
+
+  tokens: np.ndarray
+  seq_len: int
+  batch_size: int
+  seed: int = 0
+
+  def __post_init__(self):
+    if len(self.tokens) <= self.seq_len + 1:
+      raise ValueError(
+          f"data has {len(self.tokens)} tokens, too few for seq_len={self.seq_len}.")
+    self._rng = np.random.default_rng(self.seed)
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    starts = self._rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+    windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
+    windows = windows.astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}

@@ -1,0 +1,90 @@
+"""A GPT in Flax NNX: pre-LN blocks, learned positions, GELU MLP 4x, tied embedding.
+
+Blocks are built by `zinfjax.layers.Stack` (parameters stacked on a layer axis,
+run with `nnx.scan`, each block remat-able), so the same model trains on one
+device or layer by layer under ZeRO-3. Matrix products run in the parameters'
+dtype (bf16 under mixed precision); layer norms, softmax and the loss in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from zinfjax.layers import Stack
+from .config import GPTConfig
+
+
+def _layer_norm(features: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(features, epsilon=1e-5, dtype=jnp.float32, rngs=rngs)
+
+
+class Block(nnx.Module):
+  """One pre-LN transformer block: x + attn(ln1(x)); x + mlp(ln2(x))."""
+
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    d = config.hidden
+    init = nnx.initializers.normal(0.02)
+    # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
+    out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.num_layers))
+    self.ln1 = _layer_norm(d, rngs)
+    self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
+    self.proj = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
+    self.ln2 = _layer_norm(d, rngs)
+    self.fc = nnx.Linear(d, 4 * d, kernel_init=init, rngs=rngs)
+    self.out = nnx.Linear(4 * d, d, kernel_init=out_init, rngs=rngs)
+    self.num_heads = config.num_heads
+
+  def attention(self, x_BxTxD: jax.Array) -> jax.Array:
+    b, t, d = x_BxTxD.shape
+    h = self.num_heads
+    qkv = self.qkv(x_BxTxD).reshape(b, t, 3, h, d // h)
+    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    logits_BxHxTxT = jnp.einsum("bqhk,bthk->bhqt", q_BxTxHxK, k_BxTxHxK,
+                                preferred_element_type=jnp.float32)
+    logits_BxHxTxT = logits_BxHxTxT / math.sqrt(d // h)
+    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    logits_BxHxTxT = jnp.where(causal_TxT, logits_BxHxTxT, -1e30)
+    probs = jax.nn.softmax(logits_BxHxTxT, axis=-1).astype(v_BxTxHxK.dtype)
+    y_BxTxHxK = jnp.einsum("bhqt,bthk->bqhk", probs, v_BxTxHxK)
+    return self.proj(y_BxTxHxK.reshape(b, t, d))
+
+  def mlp(self, x_BxTxD: jax.Array) -> jax.Array:
+    return self.out(jax.nn.gelu(self.fc(x_BxTxD), approximate=True))
+
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    dtype = x_BxTxD.dtype
+    x_BxTxD = x_BxTxD + self.attention(self.ln1(x_BxTxD).astype(dtype))
+    return x_BxTxD + self.mlp(self.ln2(x_BxTxD).astype(dtype))
+
+
+class GPT(nnx.Module):
+  """Token ids `[B, T]` -> next-token logits `[B, T, vocab]` (fp32)."""
+
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.02)
+    self.config = config
+    self.wte = nnx.Embed(config.vocab_size, config.hidden, embedding_init=init, rngs=rngs)
+    self.wpe = nnx.Embed(config.seq_len, config.hidden, embedding_init=init, rngs=rngs)
+    self.blocks = Stack(lambda r: Block(config, rngs=r), config.num_layers,
+                        rngs=rngs, remat=config.remat)
+    self.ln_f = _layer_norm(config.hidden, rngs)
+
+  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+    t = tokens_BxT.shape[1]
+    if t > self.config.seq_len:
+      raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}.")
+    x_BxTxD = self.wte(tokens_BxT) + self.wpe(jnp.arange(t))
+    x_BxTxD = self.blocks(x_BxTxD)
+    x_BxTxD = self.ln_f(x_BxTxD).astype(x_BxTxD.dtype)
+    return self.wte.attend(x_BxTxD).astype(jnp.float32)
+
+
+def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
+  """Mean next-token cross entropy of `batch["inputs"]` against `batch["targets"]`."""
+  logits_BxTxV = model(batch["inputs"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"]).mean()

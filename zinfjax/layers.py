@@ -1,0 +1,55 @@
+"""`Stack`: N copies of a block with parameters stacked on a leading layer axis.
+
+A model that builds its repeated blocks with `Stack` runs them with `nnx.scan`
+(one compiled block, whatever the depth), and lets zinfjax run the same blocks
+layer by layer under ZeRO-3: zinfjax finds every `Stack` in a model and swaps
+its scan for one that gathers each layer's shards just before use, releases
+them right after, and prefetches the next layer (see `zinfjax.gather`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+
+class Stack(nnx.Module):
+  """`num_layers` blocks made by `make_block`, stacked on axis 0 and scanned.
+
+  Args:
+    make_block: `rngs -> nnx.Module`, one block; its `__call__(x) -> x` keeps
+      the shape of `x`.
+    num_layers: depth of the stack.
+    rngs: randomness for the blocks' parameters (split once per layer).
+    remat: recompute each block's activations in the backward pass, keeping
+      only its input (one activation checkpoint per block).
+  """
+
+  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module],
+               num_layers: int, *, rngs: nnx.Rngs, remat: bool = True):
+    if num_layers < 1:
+      raise ValueError(f"Stack needs num_layers >= 1, got {num_layers}.")
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+      return make_block(rngs)
+
+    self.block = create(rngs)
+    self.num_layers = num_layers
+    self.remat = remat
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    def step(block: nnx.Module, x: jax.Array) -> jax.Array:
+      return block(x)
+
+    if self.remat:
+      step = nnx.remat(step)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(block: nnx.Module, x: jax.Array) -> jax.Array:
+      return step(block, x)
+
+    return run(self.block, x)
