@@ -126,10 +126,20 @@ def init(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTran
     pure = nnx.to_pure_dict(nnx.state(model))
     return jax.tree.map(lambda x, lay: lay.pad(x.astype(jnp.float32)), pure, layouts)
 
-  master = jax.jit(make_master, out_shardings=engine.named(engine.storage_specs()))(key)
-  opt_state = jax.jit(tx.init)(master)
+  storage = engine.named(engine.storage_specs())
+  master = jax.jit(make_master, out_shardings=storage)(key)
+  opt_state = jax.jit(tx.init, out_shardings=_opt_state_shardings(engine, master, storage))(master)
   params = _refresh_params(engine, master)
-  return TrainState(jnp.zeros((), jnp.int32), params, master, opt_state, engine)
+  step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+  return TrainState(step, params, master, opt_state, engine)
+
+
+def _opt_state_shardings(engine: Engine, master: Any, storage: Any) -> Any:
+  """Param-shaped parts of the optimizer state are split like the master; the rest replicated."""
+  abstract = jax.eval_shape(engine.tx.init, master)
+  whole = NamedSharding(engine.mesh, P())
+  return optax.tree_map_params(engine.tx, lambda _, sharding: sharding, abstract, storage,
+                               transform_non_params=lambda _: whole)
 
 
 def _refresh_params(engine: Engine, master: Any) -> Any:
@@ -222,7 +232,9 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Callable[[TrainState,
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
     return TrainState(state.step + 1, params, master, opt_state, engine), metrics
 
-  jitted = jax.jit(step, donate_argnums=(0,))
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, NamedSharding(mesh, P())),
+                   in_shardings=(shardings, NamedSharding(mesh, P(config.axis))))
 
   def run(state: TrainState, batch: Any):
     return jitted(state, shard_batch(engine, batch))

@@ -1,0 +1,96 @@
+"""Train a GPT with zinfjax ZeRO on a text file or a uint16 .bin token file.
+
+  python scripts/train_gpt.py --preset tiny --zero-stage 3 --steps 200 --devices 8
+
+With no accelerator, `--devices N` runs on N host (CPU) devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--preset", default="tiny", help="model preset (see zinfjax.models.PRESETS)")
+  p.add_argument("--layers", type=int, help="override the preset's number of layers")
+  p.add_argument("--hidden", type=int, help="override the preset's width")
+  p.add_argument("--heads", type=int, help="override the preset's attention heads")
+  p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3))
+  p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+  p.add_argument("--prefetch-depth", type=int, default=1)
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--batch-size", type=int, default=16, help="global batch (examples per step)")
+  p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or uint16 .bin tokens")
+  p.add_argument("--devices", type=int, default=None,
+                 help="devices on the data axis (host devices when there is no accelerator)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step here")
+  p.add_argument("--log-every", type=int, default=10)
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.devices:  # must happen before jax is imported; ignored by GPU/TPU backends
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+
+  import jax
+  import optax
+  import zinfjax
+  from zinfjax.memory import tier_bytes
+  from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
+  from zinfjax.progress import Progress
+
+  tokens, vocab = load_tokens(args.data)
+  config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
+                      num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
+  zero = zinfjax.ZeroConfig(stage=args.zero_stage, precision=args.precision,
+                            prefetch_depth=args.prefetch_depth)
+  mesh = zinfjax.make_mesh(args.devices)
+  dp = mesh.shape[zero.axis]
+  if args.batch_size % dp:
+    raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices; "
+                     f"use a multiple of {dp}.")
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, warmup_steps=max(1, min(100, args.steps // 10)), decay_steps=max(args.steps, 2),
+      end_value=args.lr / 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+  print(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
+        f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
+        f"{jax.devices()[0].platform} devices | data {args.data} ({len(tokens):,} tokens, vocab {vocab})")
+  state = zinfjax.init(lambda rngs: GPT(config, rngs=rngs), tx, zero, mesh, args.seed)
+  step_fn = zinfjax.make_train_step(state, lm_loss)
+  data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed)
+  progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl, log_every=args.log_every)
+  tokens_per_step = args.batch_size * config.seq_len
+  first_loss = last_loss = None
+  for step in range(1, args.steps + 1):
+    batch = next(data)
+    t0 = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    loss = float(metrics["loss"])  # blocks until the step is done
+    dt = time.perf_counter() - t0
+    first_loss = loss if first_loss is None else first_loss
+    last_loss = loss
+    progress.update(step, {"loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                           "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                           "tiers": tier_bytes(state)})
+  progress.close()
+  print(f"loss {first_loss:.4f} -> {last_loss:.4f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,85 @@
+"""The ZeRO-Infinity memory model (paper, section 3): estimate before you run.
+
+Bytes per parameter in mixed precision with Adam: 2 (bf16 params) + 2 (bf16
+grads) + 16 (fp32 master, momentum, variance and gradient) = 20. A transformer
+has about 12·nl·hd² parameters. Under ZeRO stage s the optimizer states
+(s >= 1), gradients (s >= 2) and parameters (s = 3) are split over the
+data-parallel devices; each state lives on its own tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+TIERS = ("device", "pinned_host", "nvme")
+PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """All sizes in bytes. Keys of `as_dict()` are the field names (documented in the README)."""
+
+  num_params: int
+  model_states: int                    # all model states of the whole model, 20 B/param
+  per_device: dict[str, int]           # model states held per device, by tier
+  per_node: dict[str, int]             # the same summed over a node's devices, by tier
+  activation_checkpoints: int          # per device: 2·bsz·seq·hd·nl/ci
+  model_state_working_memory: int      # 4·hd·4hd: params + grads of the largest linear
+  activation_working_memory: int       # per device: bsz·seq·ci·(16·hd + 2·heads·seq)
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024,
+                    batch_per_device: int = 1, devices: int = 1, devices_per_node: int | None = None,
+                    stage: int = 3, checkpoint_interval: int = 1, offload_param: str = "device",
+                    offload_grad: str | None = None, offload_optimizer: str = "device",
+                    num_params: int | None = None) -> MemoryEstimate:
+  """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
+
+  `offload_grad` follows `offload_param` unless given. `num_params` overrides
+  the 12·nl·hd² approximation (e.g. with embeddings counted).
+  """
+  for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
+                     ("offload_optimizer", offload_optimizer)):
+    if tier is not None and tier not in TIERS:
+      raise ValueError(f"{name} must be one of {TIERS}, got {tier!r}.")
+  if stage not in (0, 1, 2, 3):
+    raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}.")
+  offload_grad = offload_grad or offload_param
+  per_node_devices = devices_per_node or devices
+  n = num_params if num_params is not None else 12 * layers * hidden ** 2
+
+  def share(bytes_per_param: int, split: bool) -> int:
+    return -(-n * bytes_per_param // devices) if split else n * bytes_per_param
+
+  per_device = dict.fromkeys(TIERS, 0)
+  per_device[offload_param] += share(PARAM_BYTES, stage >= 3)
+  per_device[offload_grad] += share(GRAD_BYTES, stage >= 2)
+  per_device[offload_optimizer] += share(OPTIMIZER_BYTES, stage >= 1)
+  ci = checkpoint_interval
+  return MemoryEstimate(
+      num_params=n,
+      model_states=n * (PARAM_BYTES + GRAD_BYTES + OPTIMIZER_BYTES),
+      per_device=per_device,
+      per_node={t: b * per_node_devices for t, b in per_device.items()},
+      activation_checkpoints=2 * batch_per_device * seq_len * hidden * layers // ci,
+      model_state_working_memory=4 * hidden * 4 * hidden,
+      activation_working_memory=batch_per_device * seq_len * ci * (16 * hidden + 2 * heads * seq_len),
+  )
+
+
+def tier_bytes(tree: Any) -> dict[str, int]:
+  """Bytes each device holds of the arrays in `tree`, by memory kind (device 0's share)."""
+  held = dict.fromkeys(TIERS, 0)
+  for x in jax.tree.leaves(tree):
+    if not isinstance(x, jax.Array):
+      continue
+    kind = getattr(x.sharding, "memory_kind", None) or "device"
+    shard = x.addressable_shards[0].data if x.addressable_shards else x
+    held[kind if kind in held else "device"] += shard.nbytes
+  return held

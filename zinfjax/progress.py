@@ -1,0 +1,51 @@
+"""Per-step progress: a bar on a terminal, a log line elsewhere, and a JSONL metrics file."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import IO, Any
+
+
+def human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.1f} TiB"
+
+
+class Progress:
+  """Shows loss, tokens/s, step time and bytes per tier; writes one JSON object per step."""
+
+  def __init__(self, total: int, *, metrics_jsonl: str | None = None, log_every: int = 1,
+               stream: IO[str] = sys.stdout, width: int = 24):
+    self.total, self.log_every, self.stream, self.width = total, max(1, log_every), stream, width
+    self.tty = stream.isatty()
+    self.jsonl = open(metrics_jsonl, "w") if metrics_jsonl else None
+    self.start = time.perf_counter()
+
+  def update(self, step: int, record: dict[str, Any]) -> None:
+    """`record` holds at least loss, step_time_s, tokens_per_s; `tiers` maps tier -> bytes."""
+    if self.jsonl:
+      self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
+      self.jsonl.flush()
+    if not (self.tty or step % self.log_every == 0 or step == self.total):
+      return
+    done = int(self.width * step / max(self.total, 1))
+    bar = "#" * done + "." * (self.width - done)
+    tiers = " ".join(f"{k} {human_bytes(v)}" for k, v in record.get("tiers", {}).items())
+    line = (f"step {step:>5}/{self.total} [{bar}] loss {record['loss']:.4f} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | {1e3 * record['step_time_s']:.1f} ms/step | "
+            f"per device: {tiers}")
+    self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+    self.stream.flush()
+
+  def close(self) -> None:
+    if self.tty:
+      self.stream.write("\n")
+    if self.jsonl:
+      self.jsonl.close()
+    self.stream.write(f"done in {time.perf_counter() - self.start:.1f} s\n")
+    self.stream.flush()
