@@ -1,5 +1,14 @@
 """zinfjax: ZeRO-Infinity for JAX."""
 
+try:
+  from . import _engine  # noqa: F401  (the compiled C++ engine)
+except ImportError as e:  # pragma: no cover - depends on how Python was started
+  import os as _os
+  raise ImportError(
+      "zinfjax's compiled engine (zinfjax._engine) is missing: Python imported the source tree "
+      f"at {_os.path.dirname(__file__)} instead of an installed zinfjax. Install it with "
+      "`pip install .` and run Python from outside the repository root.") from e
+
 from .config import ZeroConfig
 from .layers import Stack
 from .mesh import make_mesh

@@ -229,7 +229,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Callable[[TrainState,
     updates, opt_state = engine.tx.update(grads, state.opt_state, state.master)
     master = optax.apply_updates(state.master, updates)
     params = _refresh_params(engine, master)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(state.step + 1, params, master, opt_state, engine), metrics
 
   shardings = jax.tree.map(lambda x: x.sharding, state)

@@ -1,0 +1,44 @@
+"""Test helpers: random data and the plain single-device optax reference."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "data", "tinyshakespeare.txt")
+
+
+def text_batches(n: int, batch: int, seq: int, seed: int = 0) -> list[dict]:
+  """Random windows of the shipped tinyshakespeare text (char tokens, vocab 65)."""
+  from zinfjax.models import TokenDataset, load_tokens
+  tokens, _ = load_tokens(DATA)
+  data = TokenDataset(tokens, seq, batch, seed=seed)
+  return [next(data) for _ in range(n)]
+
+
+def random_batches(n: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[dict]:
+  """Fresh random token batches (never zeros)."""
+  rng = np.random.default_rng(seed)
+  return [{"inputs": rng.integers(0, vocab, (batch, seq)).astype(np.int32),
+           "targets": rng.integers(0, vocab, (batch, seq)).astype(np.int32)} for _ in range(n)]
+
+
+def reference_losses(make_model, tx, loss_fn, batches, seed: int = 0):
+  """Losses and final params of `make_model` trained with `tx` on one device, no sharding."""
+  device = jax.devices()[0]
+  with jax.default_device(device):
+    model = make_model(nnx.Rngs(jax.random.key(seed)))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+      loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+      optimizer.update(model, grads)
+      return loss
+
+    losses = [float(step(model, optimizer, b)) for b in batches]
+  return np.asarray(losses), nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -1,0 +1,78 @@
+"""Stage 3 memory bounds, read from the compiled step's `memory_analysis()`."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zinfjax
+from zinfjax.memory import estimate_memory, tier_bytes
+from zinfjax.models import GPT, GPTConfig, lm_loss
+from zinfjax.train import shard_batch
+
+from helpers import random_batches
+
+WIDTH, SEQ, BATCH = 256, 16, 8
+
+
+def compiled_step(mesh, layers, precision="fp32"):
+  config = GPTConfig(vocab_size=64, seq_len=SEQ, num_layers=layers, num_heads=4, hidden=WIDTH)
+  state = zinfjax.init(lambda r: GPT(config, rngs=r), optax.adam(1e-3),
+                       zinfjax.ZeroConfig(stage=3, precision=precision), mesh)
+  step = zinfjax.make_train_step(state, lm_loss)
+  batch = shard_batch(state.engine, random_batches(1, BATCH, SEQ, 64)[0])
+  return state, step.jitted.lower(state, batch).compile().memory_analysis()
+
+
+@pytest.fixture(scope="module")
+def analyses(mesh):
+  return {layers: compiled_step(mesh, layers) for layers in (4, 16)}
+
+
+def test_arguments_are_one_eighth_of_the_states(analyses):
+  for layers, (state, analysis) in analyses.items():
+    total = sum(x.nbytes for x in jax.tree.leaves((state.master, state.opt_state)))
+    scalars = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)
+    per_device = analysis.argument_size_in_bytes
+    # params (= master in fp32 mode), mu, nu: each device holds 1/8 (+ scalars, + the batch)
+    batch_bytes = 2 * (BATCH // 8) * SEQ * 4
+    assert per_device <= (total - scalars) / 8 + scalars * 8 + batch_bytes + 1024, (layers, per_device)
+    assert per_device >= (total - scalars) / 8
+    assert tier_bytes(state.master)["device"] * 8 == sum(x.nbytes for x in jax.tree.leaves(state.master))
+
+
+def test_temporaries_do_not_hold_gathered_layers(analyses):
+  """16 vs 4 layers: temp growth is activations + sharded grads, never gathered params."""
+  (_, small), (_, large) = analyses[4], analyses[16]
+  growth_per_layer = (large.temp_size_in_bytes - small.temp_size_in_bytes) / 12
+  full_layer = 12 * WIDTH * WIDTH * 4              # one gathered layer, fp32
+  sharded_layer = full_layer / 8
+  checkpoint = (BATCH // 8) * SEQ * WIDTH * 4      # one block input per layer
+  assert growth_per_layer <= checkpoint + 1.5 * sharded_layer, growth_per_layer
+  assert growth_per_layer < 0.25 * full_layer
+  # and the whole temporary space holds at most a few gathered layers, whatever the depth
+  assert large.temp_size_in_bytes < small.temp_size_in_bytes + 12 * 0.25 * full_layer
+
+
+def test_paper_memory_model_reproduces_figure_2a():
+  """The 0.1T row of the paper's Figure 2a: 80 layers, hidden 10K, 128 heads."""
+  est = estimate_memory(layers=80, hidden=10 * 1024, heads=128, seq_len=1024, batch_per_device=4,
+                        devices=16, stage=3)
+  tib, gib = 2 ** 40, 2 ** 30
+  assert est.num_params == 12 * 80 * (10 * 1024) ** 2
+  assert round(est.model_states / tib, 2) == 1.83
+  assert abs(est.activation_working_memory / gib - 1.63) < 0.01
+  ckpt_32 = estimate_memory(layers=80, hidden=10 * 1024, heads=128, batch_per_device=32)
+  assert round(ckpt_32.activation_checkpoints / tib, 2) == 0.05
+  assert est.per_device["device"] == est.model_states // 16
+
+
+def test_memory_model_places_states_on_their_tiers():
+  est = estimate_memory(layers=2, hidden=64, heads=4, devices=4, stage=3, offload_param="nvme",
+                        offload_optimizer="pinned_host")
+  n = est.num_params
+  assert est.per_device == {"device": 0, "pinned_host": 16 * n // 4, "nvme": 4 * n // 4}
+  stage1 = estimate_memory(layers=2, hidden=64, heads=4, devices=4, stage=1)
+  assert stage1.per_device["device"] == 4 * n + 16 * n // 4
+  with pytest.raises(ValueError, match="offload_param"):
+    estimate_memory(layers=2, hidden=64, heads=4, offload_param="disk")

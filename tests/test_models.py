@@ -1,0 +1,101 @@
+"""The NNX GPT, the scanned `Stack`, and the data loaders."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from zinfjax.models import GPT, CharTokenizer, TokenDataset, get_config, load_tokens
+from zinfjax.models.gpt import Block
+
+from helpers import DATA
+
+TINY = get_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+  return GPT(TINY, rngs=nnx.Rngs(0))
+
+
+def test_logits_shape_and_params(model):
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, TINY.vocab_size)
+  logits = model(tokens)
+  assert logits.shape == (2, 16, TINY.vocab_size) and logits.dtype == jnp.float32
+  n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert n == TINY.num_params
+  assert model.blocks.block.qkv.kernel.shape == (TINY.num_layers, 64, 192)  # stacked on layer axis
+
+
+def test_scan_equals_python_loop_over_layers(model):
+  x = jax.random.normal(jax.random.key(2), (2, 16, TINY.hidden))
+  graphdef, state = nnx.split(model.blocks.block)
+  y = x
+  for i in range(TINY.num_layers):
+    y = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))(y)
+  np.testing.assert_allclose(model.blocks(x), y, rtol=1e-5, atol=1e-5)
+
+
+def test_remat_does_not_change_gradients():
+  tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, TINY.vocab_size)
+
+  def grads(remat):
+    model = GPT(TINY.replace(remat=remat), rngs=nnx.Rngs(0))
+    return nnx.grad(lambda m: m(tokens).mean())(model)
+
+  a, b = grads(True), grads(False)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  # the two really differ in what they trace: remat wraps the block in a checkpoint
+  def jaxpr(remat):
+    graphdef, state = nnx.split(GPT(TINY.replace(remat=remat), rngs=nnx.Rngs(0)))
+    loss = lambda s: nnx.merge(graphdef, s)(tokens).mean()
+    return str(jax.make_jaxpr(jax.grad(loss))(state))
+
+  assert "remat" in jaxpr(True) and "remat" not in jaxpr(False)
+
+
+def test_causal(model):
+  tokens = jax.random.randint(jax.random.key(4), (1, 16), 0, TINY.vocab_size)
+  changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % TINY.vocab_size)
+  a, b = model(tokens), model(changed)
+  np.testing.assert_allclose(a[0, :10], b[0, :10], rtol=1e-6)
+  assert not np.allclose(a[0, 10:], b[0, 10:])
+
+
+def test_tied_embedding_feeds_the_output(model):
+  x = jnp.ones((1, 1, TINY.hidden))
+  np.testing.assert_allclose(model.wte.attend(x)[0, 0], model.wte.embedding[...].sum(-1), rtol=1e-5)
+
+
+def test_char_tokenizer_round_trip():
+  tokens, vocab = load_tokens(DATA)
+  assert vocab == 65 and tokens.dtype == np.uint16 and len(tokens) > 1_000_000
+  text = open(DATA, encoding="utf-8").read()[:500]
+  tok = CharTokenizer.from_text(open(DATA, encoding="utf-8").read())
+  assert tok.decode(tok.encode(text)) == text
+
+
+def test_bin_tokens_are_memory_mapped(tmp_path):
+  ids = np.random.default_rng(0).integers(0, 50257, 4096).astype(np.uint16)
+  path = tmp_path / "train.bin"
+  ids.tofile(path)
+  tokens, vocab = load_tokens(path)
+  assert isinstance(tokens, np.memmap) and vocab == 50257
+  np.testing.assert_array_equal(tokens, ids)
+  batch = next(TokenDataset(tokens, 32, 4, seed=0))
+  assert batch["inputs"].shape == (4, 32) and batch["inputs"].dtype == np.int32
+  np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+
+
+def test_missing_data_file_names_the_flag(tmp_path):
+  with pytest.raises(FileNotFoundError, match="--data"):
+    load_tokens(tmp_path / "nope.txt")
+
+
+def test_presets_cover_the_paper():
+  for name, (layers, hidden) in {"10b": (50, 4096), "1t": (128, 25600), "gpt2-xl": (48, 1600)}.items():
+    c = get_config(name)
+    assert (c.num_layers, c.hidden) == (layers, hidden)
+  assert abs(get_config("1t").num_params / 1e12 - 1.0) < 0.02

@@ -1,0 +1,57 @@
+"""The command-line scripts run end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+SCRIPTS = os.path.join(REPO, "scripts")
+
+
+def run(args, timeout=600):
+  out = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=timeout, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def test_train_gpt_writes_metrics_and_learns(tmp_path):
+  metrics = tmp_path / "metrics.jsonl"
+  stdout = run([os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny", "--zero-stage", "3",
+                "--steps", "25", "--batch-size", "8", "--seq-len", "32", "--devices", "4",
+                "--log-every", "5", "--metrics-jsonl", str(metrics)])
+  assert "ZeRO-3 bf16 on 4 cpu devices" in stdout
+  assert "tok/s" in stdout and "ms/step" in stdout and "pinned_host" in stdout
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(1, 26))
+  for r in records:
+    assert {"step", "loss", "step_time_s", "tokens_per_s"} <= set(r)
+    assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+  assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def test_train_gpt_rejects_uneven_batch():
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--devices", "4",
+                        "--batch-size", "6", "--steps", "1"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode != 0 and "not divisible by 4 devices" in out.stderr
+
+
+def test_estimate_memory_json():
+  data = json.loads(run([os.path.join(SCRIPTS, "estimate_memory.py"), "--layers", "50", "--hidden",
+                         "4096", "--heads", "16", "--devices", "16", "--offload-optimizer", "nvme",
+                         "--json"]))
+  n = 12 * 50 * 4096 ** 2
+  assert data["num_params"] == n
+  assert data["model_states"] == 20 * n
+  assert data["per_device"] == {"device": 4 * n // 16, "pinned_host": 0, "nvme": 16 * n // 16}
+  assert data["per_node"]["nvme"] == 16 * n
+  assert data["model_state_working_memory"] == 16 * 4096 ** 2
+  assert data["activation_checkpoints"] == 2 * 1024 * 4096 * 50
+
+
+def test_estimate_memory_table_for_a_preset():
+  stdout = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--preset", "1t", "--devices", "16"])
+  assert "1,006.63B params" in stdout and "model-state working memory" in stdout
