@@ -8,7 +8,7 @@ import pytest
 import zinfjax
 from zinfjax.memory import estimate_memory, tier_bytes
 from zinfjax.models import GPT, GPTConfig, lm_loss
-from zinfjax.train import shard_batch
+from zinfjax.train import master_initializer, shard_batch
 
 from helpers import random_batches
 
@@ -76,3 +76,14 @@ def test_memory_model_places_states_on_their_tiers():
   assert stage1.per_device["device"] == 4 * n + 16 * n // 4
   with pytest.raises(ValueError, match="offload_param"):
     estimate_memory(layers=2, hidden=64, heads=4, offload_param="disk")
+
+
+def test_init_never_materializes_the_whole_model(mesh):
+  """The initializer's per-device output and temporaries are a fraction of the model."""
+  config = GPTConfig(vocab_size=64, seq_len=SEQ, num_layers=8, num_heads=4, hidden=WIDTH)
+  state = zinfjax.init(lambda r: GPT(config, rngs=r), optax.sgd(0.1), zinfjax.ZeroConfig(), mesh)
+  init_fn = master_initializer(state.engine, lambda r: GPT(config, rngs=r))
+  analysis = init_fn.lower(jax.random.key(0)).compile().memory_analysis()
+  total = sum(x.nbytes for x in jax.tree.leaves(state.master))
+  assert analysis.output_size_in_bytes <= total / 8 + 4096
+  assert analysis.temp_size_in_bytes < total / 4, (analysis.temp_size_in_bytes, total)

@@ -120,18 +120,27 @@ def init(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTran
                          mesh.shape[config.axis], config.persistence_threshold)
   engine = Engine(graphdef, layouts, stack_paths, config, mesh, tx)
   key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
-
-  def make_master(key):
-    model = model_factory(nnx.Rngs(key))
-    pure = nnx.to_pure_dict(nnx.state(model))
-    return jax.tree.map(lambda x, lay: lay.pad(x.astype(jnp.float32)), pure, layouts)
-
+  master = master_initializer(engine, model_factory)(key)
   storage = engine.named(engine.storage_specs())
-  master = jax.jit(make_master, out_shardings=storage)(key)
   opt_state = jax.jit(tx.init, out_shardings=_opt_state_shardings(engine, master, storage))(master)
   params = _refresh_params(engine, master)
   step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
   return TrainState(step, params, master, opt_state, engine)
+
+
+def master_initializer(engine: Engine, model_factory: Callable[[nnx.Rngs], nnx.Module]):
+  """`key -> fp32 master params`, jitted straight into their sharded storage form.
+
+  With partitionable RNG each device draws only its own shard, so the whole
+  model is never materialized on one device.
+  """
+
+  def make_master(key):
+    model = model_factory(nnx.Rngs(key))
+    pure = nnx.to_pure_dict(nnx.state(model))
+    return jax.tree.map(lambda x, lay: lay.pad(x.astype(jnp.float32)), pure, engine.layouts)
+
+  return jax.jit(make_master, out_shardings=engine.named(engine.storage_specs()))
 
 
 def _opt_state_shardings(engine: Engine, master: Any, storage: Any) -> Any:
