@@ -1,20 +1,175 @@
-// zinfjax._engine: the C++ engine exposed to Python for host-side work.
+// zinfjax._engine: the C++ engine exposed to Python for host-side work
+// (optimizer pipeline, checkpoints, benchmarks), plus the FFI capsules that
+// zinfjax registers with XLA at import.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "core/buffer.h"
+#include "core/errors.h"
+#include "core/hash.h"
+#include "core/pool.h"
+#include "core/store.h"
+#include "xla/swap_ffi.h"
 
 namespace py = pybind11;
+using namespace zinfjax;
+
+namespace {
+
+template <typename T>
+py::capsule EncapsulateFfiHandler(T* fn) {
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+py::dict PoolStatsDict(const PoolStats& s) {
+  py::dict d;
+  d["budget_bytes"] = s.budget_bytes;
+  d["buffer_bytes"] = s.buffer_bytes;
+  d["allocated_bytes"] = s.allocated_bytes;
+  d["in_use_bytes"] = s.in_use_bytes;
+  d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+  d["locked_bytes"] = s.locked_bytes;
+  d["acquires"] = s.acquires;
+  d["waits"] = s.waits;
+  d["timeouts"] = s.timeouts;
+  return d;
+}
+
+size_t Bytes(const py::buffer_info& info) { return static_cast<size_t>(info.size * info.itemsize); }
+
+void RequireContiguous(const py::buffer_info& info) {
+  ssize_t stride = info.itemsize;
+  for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+    if (info.shape[i] > 1 && info.strides[i] != stride)
+      throw EngineError("swap store buffers must be C-contiguous (use numpy.ascontiguousarray)");
+    stride *= info.shape[i];
+  }
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_engine, m) {
-  m.doc() = "zinfjax C++ engine (host-side bindings)";
-  m.attr("ALIGNMENT") = zinfjax::kAlignment;
-  m.def("align_up", [](size_t n) { return zinfjax::AlignUp(n); }, py::arg("n"),
+  m.doc() = "zinfjax C++ engine: aio, pinned buffer pool, swap store, XLA FFI handlers";
+  m.attr("ALIGNMENT") = kAlignment;
+
+  auto base = py::register_exception<EngineError>(m, "EngineError", PyExc_RuntimeError);
+  py::register_exception<NoSpace>(m, "NoSpaceError", PyExc_OSError);
+  py::register_exception<CorruptShard>(m, "CorruptShardError", base.ptr());
+  py::register_exception<MissingShard>(m, "MissingShardError", PyExc_LookupError);
+  py::register_exception<ShardMismatch>(m, "ShardMismatchError", PyExc_ValueError);
+  py::register_exception<StoreLocked>(m, "StoreLockedError", base.ptr());
+  py::register_exception<PoolExhausted>(m, "PoolExhaustedError", PyExc_TimeoutError);
+  py::register_exception<BackendUnavailable>(m, "BackendUnavailableError", base.ptr());
+
+  m.def("align_up", [](size_t n) { return AlignUp(n); }, py::arg("n"),
         "Bytes `n` rounded up to the O_DIRECT alignment.");
+  m.def("checksum", [](py::buffer b) {
+    py::buffer_info info = b.request();
+    RequireContiguous(info);
+    return Checksum(info.ptr, Bytes(info));
+  }, py::arg("data"), "The swap store's 64-bit checksum of a buffer's bytes.");
   m.def("build_info", []() {
     py::dict info;
     info["compiler"] = __VERSION__;
     info["cplusplus"] = __cplusplus;
-    info["alignment"] = zinfjax::kAlignment;
+    info["alignment"] = kAlignment;
     return info;
   });
+
+  py::class_<Lease>(m, "Lease", py::buffer_protocol())
+      .def_property_readonly("size", &Lease::size)
+      .def("release", &Lease::Release)
+      .def_buffer([](Lease& l) {
+        return py::buffer_info(l.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(l.size())}, {1});
+      });
+
+  py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool")
+      .def(py::init<size_t, size_t, bool>(), py::arg("budget_bytes"), py::arg("buffer_bytes"),
+           py::arg("lock_memory") = true)
+      .def("acquire", [](PinnedPool& p, double timeout_s) {
+        return p.Acquire(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+      }, py::arg("timeout_s") = 60.0, py::call_guard<py::gil_scoped_release>())
+      .def("try_acquire", [](PinnedPool& p) -> py::object {
+        auto lease = p.TryAcquire();
+        if (!lease) return py::none();
+        return py::cast(std::move(*lease));
+      })
+      .def_property_readonly("buffer_bytes", &PinnedPool::buffer_bytes)
+      .def_property_readonly("capacity", &PinnedPool::capacity)
+      .def("stats", [](const PinnedPool& p) { return PoolStatsDict(p.Stats()); });
+
+  py::class_<SwapStore, std::shared_ptr<SwapStore>>(m, "SwapStore")
+      .def(py::init([](std::vector<std::string> paths, int rank, size_t block_size,
+                       unsigned queue_depth, std::string backend, bool direct, unsigned io_threads,
+                       size_t pinned_budget, double pool_timeout_s) {
+             StoreConfig c;
+             c.paths = std::move(paths);
+             c.rank = rank;
+             c.block_size = block_size;
+             c.queue_depth = queue_depth;
+             c.backend = std::move(backend);
+             c.direct = direct;
+             c.io_threads = io_threads;
+             c.pinned_budget = pinned_budget;
+             c.pool_timeout_ms = static_cast<int>(pool_timeout_s * 1000);
+             return std::make_shared<SwapStore>(std::move(c));
+           }),
+           py::arg("paths"), py::arg("rank") = 0, py::arg("block_size") = 1 << 20,
+           py::arg("queue_depth") = 32, py::arg("backend") = "auto", py::arg("direct") = true,
+           py::arg("io_threads") = 2, py::arg("pinned_budget") = 64 << 20,
+           py::arg("pool_timeout_s") = 60.0)
+      .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
+                             const std::string& dtype, std::vector<int64_t> shape) {
+        py::buffer_info info = data.request();
+        RequireContiguous(info);
+        return s.WriteAsync(key, info.ptr, Bytes(info), dtype, shape);
+      }, py::arg("key"), py::arg("data"), py::arg("dtype"), py::arg("shape"))
+      .def("read_async", [](SwapStore& s, const std::string& key, py::buffer out,
+                            const std::string& dtype, std::vector<int64_t> shape) {
+        py::buffer_info info = out.request(true);
+        RequireContiguous(info);
+        return s.ReadAsync(key, info.ptr, Bytes(info), dtype, shape);
+      }, py::arg("key"), py::arg("out"), py::arg("dtype"), py::arg("shape"))
+      .def("wait", &SwapStore::Wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
+      .def("sync", &SwapStore::Sync, py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &SwapStore::Reserve, py::arg("bytes"))
+      .def("has", &SwapStore::Has)
+      .def("keys", &SwapStore::Keys)
+      .def("entry", [](const SwapStore& s, const std::string& key) {
+        ShardEntry e = s.Entry(key);
+        py::dict d;
+        d["dtype"] = e.dtype;
+        d["shape"] = py::tuple(py::cast(e.shape));
+        d["offset"] = e.offset;
+        d["nbytes"] = e.nbytes;
+        d["capacity"] = e.capacity;
+        d["checksum"] = e.checksum;
+        return d;
+      })
+      .def_property_readonly("backend", &SwapStore::backend_name)
+      .def_property_readonly("direct", &SwapStore::direct)
+      .def_property_readonly("folder", &SwapStore::folder)
+      .def_property_readonly("files", &SwapStore::files)
+      .def_property_readonly("bytes_used", &SwapStore::bytes_used)
+      .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
+      .def("set_fault_free_bytes", &SwapStore::SetFaultFreeBytes, py::arg("bytes"),
+           "Test-only: pretend only `bytes` more can be allocated (negative: off).")
+      .def("register", [](std::shared_ptr<SwapStore> s) { return RegisterStore(std::move(s)); },
+           "Enter the store in the engine's handle table; returns the handle FFI calls use.");
+  m.def("unregister_store", &UnregisterStore, py::arg("handle"));
+
+  m.def("registrations", []() {
+    py::dict d;
+    d["zinfjax_swap_write"] = EncapsulateFfiHandler(ZinfjaxSwapWrite);
+    d["zinfjax_swap_read"] = EncapsulateFfiHandler(ZinfjaxSwapRead);
+    d["zinfjax_swap_read_start"] = EncapsulateFfiHandler(ZinfjaxSwapReadStart);
+    d["zinfjax_swap_read_wait"] = EncapsulateFfiHandler(ZinfjaxSwapReadWait);
+    return d;
+  }, "XLA FFI handler capsules (CPU platform), by target name.");
 }

@@ -1,0 +1,465 @@
+#include "core/store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "core/errors.h"
+
+namespace zinfjax {
+
+struct SwapStore::Job {
+  std::function<void(Job&, AioBackend&)> work;
+  bool done = false;
+  std::exception_ptr error;
+  std::unique_ptr<AlignedBuffer> result;
+  std::string key;
+  ShardEntry entry;  // what a read expects
+};
+
+namespace {
+
+void MakeDirs(const std::string& path) {
+  std::string partial;
+  std::stringstream ss(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') partial = "/";
+  while (std::getline(ss, part, '/')) {
+    if (part.empty()) continue;
+    partial += part + "/";
+    if (mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST)
+      throw EngineError(SysError("cannot create nvme_path folder " + partial +
+                                 " (choose a writable nvme_path)", errno));
+  }
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::string s;
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s;
+}
+
+std::string Describe(const std::string& dtype, const std::vector<int64_t>& shape) {
+  return dtype + "[" + ShapeString(shape) + "]";
+}
+
+uint64_t FreeBytes(const std::string& folder) {
+  struct statvfs s;
+  if (statvfs(folder.c_str(), &s) != 0) return 0;
+  return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
+}
+
+std::mutex registry_mu;
+std::map<int64_t, std::shared_ptr<SwapStore>>& Registry() {
+  static auto* registry = new std::map<int64_t, std::shared_ptr<SwapStore>>();
+  return *registry;
+}
+int64_t next_handle = 1;
+
+}  // namespace
+
+SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
+  if (config_.paths.empty()) throw EngineError("the swap store needs at least one nvme_path");
+  if (config_.block_size < kAlignment || config_.block_size % kAlignment)
+    throw EngineError("block_size must be a multiple of " + std::to_string(kAlignment) +
+                      " bytes, got " + std::to_string(config_.block_size));
+  if (config_.queue_depth < 1 || config_.io_threads < 1)
+    throw EngineError("queue_depth and io_threads must be >= 1");
+  for (const auto& p : config_.paths) {
+    std::string folder = p + "/rank" + std::to_string(config_.rank);
+    MakeDirs(folder);
+    if (access(folder.c_str(), W_OK) != 0)
+      throw EngineError(SysError("nvme_path folder " + folder +
+                                 " is not writable (choose a writable nvme_path)", errno));
+    folders_.push_back(folder);
+  }
+  std::string lock_path = folders_[0] + "/.lock";
+  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) throw EngineError(SysError("cannot open lock file " + lock_path, errno));
+  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    char owner[32] = {0};
+    ssize_t n = pread(lock_fd_, owner, sizeof(owner) - 1, 0);
+    close(lock_fd_);
+    lock_fd_ = -1;
+    throw StoreLocked("swap folder " + folders_[0] + " is in use by another process (pid " +
+                      (n > 0 ? std::string(owner) : std::string("unknown")) +
+                      "); give each process its own nvme_path or rank");
+  }
+  std::string pid = std::to_string(getpid());
+  if (ftruncate(lock_fd_, 0) == 0 && pwrite(lock_fd_, pid.data(), pid.size(), 0) < 0) {
+    // the pid is only informative
+  }
+
+  direct_ = config_.direct;
+  for (const auto& folder : folders_) {
+    std::string file = folder + "/swap.bin";
+    int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+    int fd = direct_ ? open(file.c_str(), flags | O_DIRECT, 0644) : -1;
+    if (fd < 0 && direct_ && errno == EINVAL) direct_ = false;  // e.g. tmpfs: no O_DIRECT
+    if (fd < 0) fd = open(file.c_str(), flags, 0644);
+    if (fd < 0) throw EngineError(SysError("cannot open swap file " + file, errno));
+    struct stat st;
+    fstat(fd, &st);
+    fds_.push_back(fd);
+    file_sizes_.push_back(static_cast<uint64_t>(st.st_size));
+  }
+  if (!direct_) {  // all files buffered if any must be
+    for (size_t i = 0; i < fds_.size(); ++i) fcntl(fds_[i], F_SETFL, fcntl(fds_[i], F_GETFL) & ~O_DIRECT);
+  }
+  pool_ = std::make_unique<PinnedPool>(std::max(config_.pinned_budget, config_.block_size),
+                                       config_.block_size);
+  LoadManifest();
+  std::vector<std::unique_ptr<AioBackend>> backends;
+  for (unsigned i = 0; i < config_.io_threads; ++i)
+    backends.push_back(MakeBackend(config_.backend, config_.queue_depth, config_.fallback_threads));
+  backend_name_ = backends[0]->name();
+  for (unsigned i = 0; i < config_.io_threads; ++i) {
+    drivers_.emplace_back([this, b = std::shared_ptr<AioBackend>(std::move(backends[i]))] {
+      for (;;) {
+        std::shared_ptr<Job> job;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          jobs_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+          if (queue_.empty()) return;
+          job = queue_.front();
+          queue_.pop_front();
+        }
+        try {
+          job->work(*job, *b);
+        } catch (...) {
+          job->error = std::current_exception();
+        }
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          job->done = true;
+        }
+        jobs_cv_.notify_all();
+      }
+    });
+  }
+}
+
+SwapStore::~SwapStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  jobs_cv_.notify_all();
+  for (auto& t : drivers_) t.join();
+  try {
+    Sync();
+  } catch (...) {
+  }
+  for (int fd : fds_) close(fd);
+  if (lock_fd_ >= 0) {
+    flock(lock_fd_, LOCK_UN);
+    close(lock_fd_);
+  }
+}
+
+uint64_t SwapStore::Enqueue(std::function<void(Job&)> work, const std::string& key,
+                            const ShardEntry& entry) {
+  auto job = std::make_shared<Job>();
+  job->key = key;
+  job->entry = entry;
+  job->work = [w = std::move(work), this](Job& j, AioBackend& b) {
+    current_backend_ = &b;
+    w(j);
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t ticket = next_ticket_++;
+  jobs_[ticket] = job;
+  queue_.push_back(job);
+  jobs_cv_.notify_all();
+  return ticket;
+}
+
+thread_local AioBackend* SwapStore::current_backend_ = nullptr;
+
+std::vector<Block> SwapStore::BlocksFor(const ShardEntry& e) const {
+  std::vector<Block> blocks;
+  const uint64_t unit = config_.block_size, n = fds_.size();
+  for (uint64_t pos = e.offset, end = e.offset + e.capacity; pos < end;) {
+    uint64_t stripe = pos / unit, within = pos % unit;
+    uint64_t len = std::min(unit - within, end - pos);
+    uint64_t file = stripe % n;
+    blocks.push_back({fds_[file], static_cast<off_t>((stripe / n) * unit + within),
+                      static_cast<size_t>(len), static_cast<size_t>(pos - e.offset)});
+    pos += len;
+  }
+  return blocks;
+}
+
+void SwapStore::EnsureAllocated(uint64_t logical_end) {
+  const uint64_t unit = config_.block_size, n = fds_.size();
+  uint64_t stripes = (logical_end + unit - 1) / unit;
+  std::vector<uint64_t> need(n);
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    need[i] = ((stripes + n - 1 - i) / n) * unit;
+    if (need[i] > file_sizes_[i]) total += need[i] - file_sizes_[i];
+  }
+  if (total == 0) return;
+  if (fault_free_bytes_ >= 0 && total > static_cast<uint64_t>(fault_free_bytes_)) {
+    throw NoSpace("no space left for the swap store in " + folders_[0] + ": it needs " +
+                  std::to_string(total) + " more bytes, " + std::to_string(fault_free_bytes_) +
+                  " are free; free space or point nvme_path at a larger drive");
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    if (need[i] <= file_sizes_[i]) continue;
+    uint64_t grow = need[i] - file_sizes_[i];
+    int rc = fallocate(fds_[i], 0, static_cast<off_t>(file_sizes_[i]), static_cast<off_t>(grow));
+    if (rc != 0 && errno == EOPNOTSUPP) rc = ftruncate(fds_[i], static_cast<off_t>(need[i]));
+    if (rc != 0) {
+      int err = errno;
+      std::string file = folders_[i] + "/swap.bin";
+      if (err == ENOSPC || err == EDQUOT)
+        throw NoSpace("no space left on the device of " + file + ": the swap store needs " +
+                      std::to_string(grow) + " more bytes there, " +
+                      std::to_string(FreeBytes(folders_[i])) +
+                      " are free; free space or point nvme_path at a larger drive");
+      throw EngineError(SysError("cannot allocate " + std::to_string(grow) + " bytes in " + file, err));
+    }
+    if (fault_free_bytes_ >= 0) fault_free_bytes_ -= static_cast<int64_t>(grow);
+    file_sizes_[i] = need[i];
+  }
+}
+
+void SwapStore::Reserve(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  EnsureAllocated(next_offset_ + AlignUp(bytes));
+}
+
+ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std::string& dtype,
+                               const std::vector<int64_t>& shape) {
+  if (key.empty() || key.find_first_of("\t\n") != std::string::npos)
+    throw EngineError("swap key must be non-empty and hold no tab or newline: '" + key + "'");
+  std::lock_guard<std::mutex> lock(mu_);
+  ShardEntry e;
+  auto it = manifest_.find(key);
+  if (it != manifest_.end() && it->second.capacity == AlignUp(nbytes)) {
+    e = it->second;  // same size: rewrite in place
+  } else {
+    e.offset = next_offset_;
+    e.capacity = AlignUp(nbytes);
+    EnsureAllocated(e.offset + e.capacity);  // throws NoSpace before anything is written
+    next_offset_ += e.capacity;
+  }
+  e.dtype = dtype;
+  e.shape = shape;
+  e.nbytes = nbytes;
+  return e;
+}
+
+uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
+                               const std::string& dtype, const std::vector<int64_t>& shape) {
+  ShardEntry e = Allocate(key, nbytes, dtype, shape);
+  return Enqueue([this, key, e, src, nbytes](Job&) mutable {
+    TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
+    e.checksum = WriteExtent(*current_backend_, *pool_, BlocksFor(e),
+                             static_cast<const uint8_t*>(src), nbytes, options);
+    std::lock_guard<std::mutex> lock(mu_);
+    manifest_[key] = e;
+  }, key, e);
+}
+
+void SwapStore::CheckReadable(const std::string& key, const ShardEntry& e,
+                              const std::string& dtype, const std::vector<int64_t>& shape,
+                              size_t nbytes) const {
+  if (e.dtype != dtype || e.shape != shape || e.nbytes != nbytes)
+    throw ShardMismatch("shard '" + key + "' was written as " + Describe(e.dtype, e.shape) + " (" +
+                        std::to_string(e.nbytes) + " bytes) but is read as " +
+                        Describe(dtype, shape) + " (" + std::to_string(nbytes) + " bytes)");
+  for (const Block& b : BlocksFor(e)) {
+    struct stat st;
+    if (fstat(b.fd, &st) != 0) throw EngineError(SysError("fstat swap file", errno));
+    uint64_t need = static_cast<uint64_t>(b.file_offset) + b.length;
+    if (static_cast<uint64_t>(st.st_size) < need) {
+      size_t i = 0;
+      while (fds_[i] != b.fd) ++i;
+      throw CorruptShard("swap file " + folders_[i] + "/swap.bin is " + std::to_string(st.st_size) +
+                         " bytes, shorter than the " + std::to_string(need) + " bytes shard '" +
+                         key + "' needs: the file was truncated; restore it from a checkpoint");
+    }
+  }
+}
+
+uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
+                              const std::string& dtype, const std::vector<int64_t>& shape) {
+  ShardEntry e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = manifest_.find(key);
+    if (it == manifest_.end())
+      throw MissingShard("no shard '" + key + "' in the swap manifest of " + folders_[0] +
+                         ": it was never written there (or the manifest belongs to another run)");
+    e = it->second;
+  }
+  CheckReadable(key, e, dtype, shape, nbytes);
+  return Enqueue([this, key, e, dst, nbytes](Job& job) {
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    if (out == nullptr) {
+      job.result = std::make_unique<AlignedBuffer>(nbytes);
+      out = job.result->data();
+    }
+    TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
+    std::string what = "swap file " + folders_[0] + "/swap.bin (shard '" + key + "')";
+    uint64_t checksum = ReadExtent(*current_backend_, *pool_, BlocksFor(e), out, nbytes, options, what);
+    if (checksum != e.checksum)
+      throw CorruptShard("checksum mismatch for shard '" + key + "' (" + std::to_string(e.nbytes) +
+                         " bytes at offset " + std::to_string(e.offset) + ") in " +
+                         (fds_.size() > 1 ? "the swap files under " : "") + folders_[0] +
+                         "/swap.bin: the swap file is corrupted; restore it from a checkpoint");
+  }, key, e);
+}
+
+std::shared_ptr<SwapStore::Job> SwapStore::FindJob(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(ticket);
+  if (it == jobs_.end()) throw EngineError("unknown or already awaited ticket " + std::to_string(ticket));
+  return it->second;
+}
+
+void SwapStore::Wait(uint64_t ticket) {
+  std::shared_ptr<Job> job = FindJob(ticket);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    jobs_cv_.wait(lock, [&] { return job->done; });
+    jobs_.erase(ticket);
+  }
+  if (job->error) std::rethrow_exception(job->error);
+}
+
+void SwapStore::TakeResult(uint64_t ticket, void* dst, size_t nbytes, const std::string& dtype,
+                           const std::vector<int64_t>& shape) {
+  std::shared_ptr<Job> job = FindJob(ticket);
+  Wait(ticket);
+  const ShardEntry& e = job->entry;
+  if (e.dtype != dtype || e.shape != shape)
+    throw ShardMismatch("shard '" + job->key + "' was written as " + Describe(e.dtype, e.shape) +
+                        " but is read as " + Describe(dtype, shape));
+  if (!job->result || job->result->size() != nbytes)
+    throw EngineError("ticket " + std::to_string(ticket) + " holds no result of " +
+                      std::to_string(nbytes) + " bytes");
+  std::memcpy(dst, job->result->data(), nbytes);
+}
+
+void SwapStore::LoadManifest() {
+  std::ifstream in(folders_[0] + "/manifest.tsv");
+  if (!in) return;
+  std::string line;
+  std::getline(in, line);
+  std::istringstream header(line);
+  std::string magic;
+  int version = 0;
+  uint64_t block = 0, files = 0;
+  header >> magic >> version >> block >> files;
+  if (magic != "zinfjax-swap" || version != 1)
+    throw CorruptShard("swap manifest " + folders_[0] + "/manifest.tsv is not a zinfjax v1 manifest");
+  if (block != config_.block_size || files != fds_.size())
+    throw CorruptShard("swap manifest " + folders_[0] + "/manifest.tsv was written with block size " +
+                       std::to_string(block) + " over " + std::to_string(files) +
+                       " nvme paths; reopen it with the same nvme paths and block size");
+  while (std::getline(in, line)) {
+    std::istringstream row(line);
+    std::string key, dtype, shape;
+    ShardEntry e;
+    if (!std::getline(row, key, '\t') || !std::getline(row, e.dtype, '\t') ||
+        !std::getline(row, shape, '\t') || !(row >> e.offset >> e.nbytes >> e.capacity >> std::hex >> e.checksum))
+      throw CorruptShard("swap manifest " + folders_[0] + "/manifest.tsv has a malformed line: " + line);
+    std::stringstream dims(shape);
+    std::string d;
+    while (std::getline(dims, d, ',')) e.shape.push_back(std::stoll(d));
+    manifest_[key] = e;
+    next_offset_ = std::max(next_offset_, e.offset + e.capacity);
+  }
+}
+
+void SwapStore::WriteManifestLocked() {
+  std::string path = folders_[0] + "/manifest.tsv", tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << "zinfjax-swap 1 " << config_.block_size << " " << fds_.size() << "\n";
+    for (const auto& [key, e] : manifest_)
+      out << key << '\t' << e.dtype << '\t' << ShapeString(e.shape) << '\t' << e.offset << ' '
+          << e.nbytes << ' ' << e.capacity << ' ' << std::hex << e.checksum << std::dec << "\n";
+    if (!out) throw NoSpace("cannot write swap manifest " + tmp + " (disk full?)");
+  }
+  int fd = open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    fsync(fd);
+    close(fd);
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0)
+    throw EngineError(SysError("cannot replace swap manifest " + path, errno));
+}
+
+void SwapStore::Sync() {
+  for (int fd : fds_) fdatasync(fd);
+  std::lock_guard<std::mutex> lock(mu_);
+  WriteManifestLocked();
+}
+
+bool SwapStore::Has(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return manifest_.count(key) > 0;
+}
+
+ShardEntry SwapStore::Entry(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = manifest_.find(key);
+  if (it == manifest_.end())
+    throw MissingShard("no shard '" + key + "' in the swap manifest of " + folders_[0] +
+                       ": it was never written there (or the manifest belongs to another run)");
+  return it->second;
+}
+
+std::vector<std::string> SwapStore::Keys() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> keys;
+  for (const auto& kv : manifest_) keys.push_back(kv.first);
+  return keys;
+}
+
+std::vector<std::string> SwapStore::files() const {
+  std::vector<std::string> out;
+  for (const auto& f : folders_) out.push_back(f + "/swap.bin");
+  return out;
+}
+
+uint64_t SwapStore::bytes_used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_offset_;
+}
+
+void SwapStore::SetFaultFreeBytes(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fault_free_bytes_ = bytes;
+}
+
+int64_t RegisterStore(std::shared_ptr<SwapStore> store) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  int64_t handle = next_handle++;
+  Registry()[handle] = std::move(store);
+  return handle;
+}
+
+std::shared_ptr<SwapStore> LookupStore(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Registry().find(handle);
+  return it == Registry().end() ? nullptr : it->second;
+}
+
+void UnregisterStore(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Registry().erase(handle);
+}
+
+}  // namespace zinfjax

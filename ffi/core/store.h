@@ -1,0 +1,137 @@
+// The swap store: each rank's shards in preallocated, striped files on NVMe.
+//
+// Layout: for every path P in `paths`, the folder P/rank{r}/ holds one
+// preallocated file swap.bin; the logical space is striped over those files
+// in units of `block_size` (RAID 0), so several drives add up. The first
+// folder also holds the manifest (key, dtype, shape, offset, bytes, checksum
+// per shard) and a lock file that keeps a second process out.
+//
+// Writes and reads are jobs on I/O driver threads and return tickets; Wait
+// rethrows a job's error. Every read is checked against the manifest: a
+// missing key, a dtype/shape mismatch, a short file or a bad checksum each
+// raise their own error. A failed write never touches other shards' bytes.
+#ifndef ZINFJAX_CORE_STORE_H_
+#define ZINFJAX_CORE_STORE_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/aio.h"
+#include "core/buffer.h"
+#include "core/pool.h"
+
+namespace zinfjax {
+
+struct StoreConfig {
+  std::vector<std::string> paths;
+  int rank = 0;
+  size_t block_size = 1 << 20;        // I/O block and stripe unit
+  unsigned queue_depth = 32;          // blocks in flight per transfer
+  std::string backend = "auto";       // auto | io_uring | threads
+  bool direct = true;                 // O_DIRECT (falls back to buffered where unsupported)
+  unsigned io_threads = 2;            // concurrent transfers (driver threads)
+  unsigned fallback_threads = 8;      // pread/pwrite workers per driver (threads backend)
+  size_t pinned_budget = 64 << 20;    // staging buffer pool budget
+  int pool_timeout_ms = 60000;
+};
+
+struct ShardEntry {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;    // logical offset (multiple of kAlignment)
+  uint64_t nbytes = 0;
+  uint64_t capacity = 0;  // AlignUp(nbytes)
+  uint64_t checksum = 0;
+};
+
+class SwapStore {
+ public:
+  explicit SwapStore(StoreConfig config);
+  ~SwapStore();
+  SwapStore(const SwapStore&) = delete;
+  SwapStore& operator=(const SwapStore&) = delete;
+
+  // Copies nothing: `src` must stay valid until Wait(ticket) returns.
+  uint64_t WriteAsync(const std::string& key, const void* src, size_t nbytes,
+                      const std::string& dtype, const std::vector<int64_t>& shape);
+  // Reads into `dst` (valid until Wait), or, with dst == nullptr, into a
+  // buffer the ticket owns (TakeResult copies it out).
+  uint64_t ReadAsync(const std::string& key, void* dst, size_t nbytes, const std::string& dtype,
+                     const std::vector<int64_t>& shape);
+  void Wait(uint64_t ticket);
+  // Waits for a ReadAsync(dst=nullptr) and copies its bytes into `dst`,
+  // after checking they were written as `dtype[shape]`.
+  void TakeResult(uint64_t ticket, void* dst, size_t nbytes, const std::string& dtype,
+                  const std::vector<int64_t>& shape);
+
+  // Makes the manifest and file contents durable (fsync + atomic rename).
+  void Sync();
+  // Preallocates the files for `bytes` more of shards (ENOSPC now, not mid-training).
+  void Reserve(uint64_t bytes);
+
+  bool Has(const std::string& key) const;
+  ShardEntry Entry(const std::string& key) const;
+  std::vector<std::string> Keys() const;
+  std::string backend_name() const { return backend_name_; }
+  bool direct() const { return direct_; }
+  std::string folder() const { return folders_.front(); }
+  std::vector<std::string> files() const;
+  PoolStats pool_stats() const { return pool_->Stats(); }
+  uint64_t bytes_used() const;
+
+  // Test-only fault switch: pretend only `bytes` more can be allocated
+  // (negative: off, the default). Lets tests hit ENOSPC without a full disk.
+  void SetFaultFreeBytes(int64_t bytes);
+
+ private:
+  struct Job;
+  uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry);
+  static thread_local AioBackend* current_backend_;  // the driver thread's backend
+  std::vector<Block> BlocksFor(const ShardEntry& e) const;
+  ShardEntry Allocate(const std::string& key, size_t nbytes, const std::string& dtype,
+                      const std::vector<int64_t>& shape);
+  void EnsureAllocated(uint64_t logical_end);
+  void CheckReadable(const std::string& key, const ShardEntry& e, const std::string& dtype,
+                     const std::vector<int64_t>& shape, size_t nbytes) const;
+  void LoadManifest();
+  void WriteManifestLocked();
+  std::shared_ptr<Job> FindJob(uint64_t ticket);
+
+  StoreConfig config_;
+  std::vector<std::string> folders_;
+  std::vector<int> fds_;
+  std::vector<uint64_t> file_sizes_;  // bytes allocated per stripe file
+  int lock_fd_ = -1;
+  bool direct_ = true;
+  std::string backend_name_;
+  std::unique_ptr<PinnedPool> pool_;
+
+  mutable std::mutex mu_;  // manifest, allocation, jobs
+  std::map<std::string, ShardEntry> manifest_;
+  uint64_t next_offset_ = 0;
+  int64_t fault_free_bytes_ = -1;
+
+  std::condition_variable jobs_cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  std::map<uint64_t, std::shared_ptr<Job>> jobs_;
+  uint64_t next_ticket_ = 1;
+  bool stop_ = false;
+  std::vector<std::thread> drivers_;
+};
+
+// The engine's handle table: FFI handlers find stores by integer handle.
+int64_t RegisterStore(std::shared_ptr<SwapStore> store);
+std::shared_ptr<SwapStore> LookupStore(int64_t handle);
+void UnregisterStore(int64_t handle);
+
+}  // namespace zinfjax
+
+#endif  // ZINFJAX_CORE_STORE_H_

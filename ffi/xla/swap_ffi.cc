@@ -1,0 +1,142 @@
+// XLA FFI handlers for the swap store, CPU platform.
+//
+// The store is an attribute (a handle into the engine's table); the shard's
+// rank and layer are int32 operands, so one compiled call serves every device
+// of a shard_map and every iteration of a scan. Reads take the token of the
+// write they depend on as an operand: XLA orders FFI calls only by data.
+// Handlers return ffi::Error and never throw.
+#include "xla/swap_ffi.h"
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/store.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace zinfjax {
+namespace {
+
+std::atomic<int32_t> write_tokens{1};
+
+const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    default: return "unknown";
+  }
+}
+
+std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  return std::vector<int64_t>(d.begin(), d.end());
+}
+
+std::string Key(std::string_view base, const ffi::Buffer<ffi::S32>& rank,
+                const ffi::Buffer<ffi::S32>& layer) {
+  return std::string(base) + "/r" + std::to_string(rank.typed_data()[0]) + "/l" +
+         std::to_string(layer.typed_data()[0]);
+}
+
+template <typename F>
+ffi::Error WithStore(int64_t handle, F&& body) {
+  std::shared_ptr<SwapStore> store = LookupStore(handle);
+  if (!store)
+    return ffi::Error::InvalidArgument("no zinfjax swap store with handle " +
+                                       std::to_string(handle) + " (was it closed?)");
+  try {
+    body(*store);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SwapWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
+                         ffi::ResultBuffer<ffi::S32> token, int64_t store, std::string_view key) {
+  return WithStore(store, [&](SwapStore& s) {
+    s.Wait(s.WriteAsync(Key(key, rank, layer), x.untyped_data(), x.size_bytes(),
+                        DtypeName(x.element_type()), Dims(x)));
+    token->typed_data()[0] = write_tokens.fetch_add(1);
+  });
+}
+
+ffi::Error SwapReadImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
+                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t store, std::string_view key) {
+  (void)token;  // only orders this read after its write
+  return WithStore(store, [&](SwapStore& s) {
+    s.Wait(s.ReadAsync(Key(key, rank, layer), y->untyped_data(), y->size_bytes(),
+                       DtypeName(y->element_type()), Dims(*y)));
+  });
+}
+
+ffi::Error SwapReadStartImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
+                             int64_t store, std::string_view key) {
+  (void)token;
+  return WithStore(store, [&](SwapStore& s) {
+    std::string k = Key(key, rank, layer);
+    ShardEntry e = s.Entry(k);
+    ticket->typed_data()[0] = static_cast<int32_t>(s.ReadAsync(k, nullptr, e.nbytes, e.dtype, e.shape));
+  });
+}
+
+ffi::Error SwapReadWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::Result<ffi::AnyBuffer> y,
+                            int64_t store) {
+  return WithStore(store, [&](SwapStore& s) {
+    s.TakeResult(static_cast<uint64_t>(ticket.typed_data()[0]), y->untyped_data(), y->size_bytes(),
+                 DtypeName(y->element_type()), Dims(*y));
+  });
+}
+
+}  // namespace
+}  // namespace zinfjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWrite, zinfjax::SwapWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("key"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapRead, zinfjax::SwapReadImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("key"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStart, zinfjax::SwapReadStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("key"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWait, zinfjax::SwapReadWaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("store"));

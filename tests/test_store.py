@@ -1,0 +1,240 @@
+"""Swap stores: bit-exact round trips on every backend, and every bad input's error."""
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from zinfjax import _engine
+from zinfjax.offload import (AioStore, CorruptShardError, EngineError, MissingShardError,
+                             NoSpaceError, ShardMismatchError, StoreLockedError, open_store)
+
+BACKENDS = {
+    "aio-io_uring": lambda path: AioStore(path, backend="auto", block_size=64 << 10, queue_depth=8),
+    "aio-threads": lambda path: AioStore(path, backend="threads", block_size=64 << 10),
+    "aio-striped": lambda path: AioStore([path / "nvme0", path / "nvme1", path / "nvme2"],
+                                         block_size=16 << 10, queue_depth=16),
+    "tensorstore": lambda path: open_store("tensorstore", path),
+}
+DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int8]
+
+
+def random_array(rng, size, dtype):
+  if np.dtype(dtype).kind == "i":
+    return rng.integers(-128, 127, size).astype(dtype)
+  return rng.standard_normal(size).astype(dtype)
+
+
+@pytest.fixture(params=list(BACKENDS))
+def store(request, tmp_path):
+  s = BACKENDS[request.param](tmp_path)
+  yield s
+  s.close()
+
+
+def test_round_trip_is_bit_exact(store):
+  rng = np.random.default_rng(0)
+  # sizes around and off 4 KiB multiples, a multi-block shard, a scalar-ish one
+  sizes = [1, 3, 4095, 4097, 10_001, 300_007, 1 << 16]
+  arrays = {f"shard{i}/{np.dtype(dt).name}": random_array(rng, n, dt)
+            for i, n in enumerate(sizes) for dt in DTYPES}
+  tickets = [store.write(k, a) for k, a in arrays.items()]  # all in flight together
+  for t in tickets:
+    t.wait()
+  reads = {k: store.read(k) for k in arrays}
+  for k, a in arrays.items():
+    b = reads[k].wait()
+    assert b.dtype == a.dtype and b.shape == a.shape
+    assert a.tobytes() == b.tobytes(), k
+  assert sorted(store.keys()) == sorted(arrays)
+
+
+def test_rewrite_in_place_and_read_into(store):
+  rng = np.random.default_rng(1)
+  a, b = random_array(rng, (64, 33), np.float32), random_array(rng, (64, 33), np.float32)
+  store.write("w", a).wait()
+  store.write("w", b).wait()
+  out = np.empty_like(b)
+  assert store.read("w", out).wait() is out
+  np.testing.assert_array_equal(out, b)
+
+
+def test_aio_reports_backend_and_uses_io_uring(tmp_path):
+  s = AioStore(tmp_path)
+  assert s.backend == "io_uring"  # available on these kernels; "threads" is the fallback
+  assert AioStore(tmp_path / "t", backend="threads").backend == "threads"
+  assert s.stats()["direct"] is True
+
+
+def test_striping_spreads_blocks_over_paths(tmp_path):
+  paths = [tmp_path / f"nvme{i}" for i in range(3)]
+  s = AioStore(paths, block_size=16 << 10)
+  s.write("big", np.ones(3 * (16 << 10) // 4 * 4, np.float32)).wait()
+  s.sync()
+  sizes = [os.path.getsize(p / "rank0" / "swap.bin") for p in paths]
+  assert all(size >= 4 * (16 << 10) for size in sizes), sizes  # every drive holds stripes
+
+
+def test_manifest_survives_reopen(tmp_path):
+  a = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
+  s = AioStore(tmp_path, rank=3)
+  s.write("kept", a).wait()
+  s.close()
+  assert os.path.exists(tmp_path / "rank3" / "manifest.tsv")
+  again = AioStore(tmp_path, rank=3)
+  np.testing.assert_array_equal(again.read("kept").wait(), a)
+  again.close()
+  with pytest.raises(CorruptShardError, match="block size"):
+    AioStore(tmp_path, rank=3, block_size=8192)
+
+
+# ------------------------------------------------------------------ bad input
+
+def written(store, key="x", n=20_000, dtype=np.float32):
+  a = np.random.default_rng(3).standard_normal(n).astype(dtype)
+  store.write(key, a).wait()
+  store.sync()
+  return a
+
+
+def swap_file(store, key):
+  if isinstance(store, AioStore):
+    return os.path.join(store.folder, "swap.bin"), store.entry(key)["offset"]
+  return os.path.join(store.folder, key), 0
+
+
+def test_missing_key(store):
+  with pytest.raises(MissingShardError, match="never written"):
+    store.read("nope")
+
+
+def test_dtype_or_shape_mismatch(store):
+  written(store)
+  with pytest.raises(ShardMismatchError, match="written as float32"):
+    store.read("x", np.empty(20_000, ml_dtypes.bfloat16)).wait()
+  with pytest.raises(ShardMismatchError, match="written as float32"):
+    store.read("x", np.empty((100, 200), np.float32)).wait()
+
+
+def test_corrupted_file(store):
+  a = written(store)
+  path, offset = swap_file(store, "x")
+  with open(path, "r+b") as f:
+    f.seek(offset + 1000)
+    f.write(b"\xde\xad\xbe\xef")
+  with pytest.raises(CorruptShardError, match="checksum mismatch.*corrupted"):
+    store.read("x").wait()
+  written(store, "y")  # the store keeps working for other shards
+  assert store.read("y").wait().shape == a.shape
+
+
+def test_short_file(store):
+  written(store)
+  path, offset = swap_file(store, "x")
+  os.truncate(path, offset + 4096)
+  with pytest.raises(CorruptShardError, match="truncated"):
+    store.read("x").wait()
+
+
+def test_no_space_is_clear_and_keeps_earlier_shards(tmp_path):
+  s = AioStore(tmp_path, block_size=64 << 10)
+  a = written(s, "early")
+  s.engine.set_fault_free_bytes(100_000)  # test-only switch: pretend the disk is nearly full
+  with pytest.raises(NoSpaceError, match=r"no space left .* needs \d+ more bytes"):
+    s.write("big", np.ones(1 << 20, np.float32)).wait()
+  np.testing.assert_array_equal(s.read("early").wait(), a)
+  assert "big" not in s.keys()
+
+
+def test_no_space_on_a_real_small_filesystem(tmp_path):
+  mnt = tmp_path / "small"
+  mnt.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                    capture_output=True).returncode != 0:
+    pytest.skip("mounting a small tmpfs needs root; the fault-switch test covers ENOSPC")
+  s = None
+  try:
+    s = AioStore(mnt, block_size=64 << 10)
+    a = written(s, "fits", n=50_000)
+    with pytest.raises(NoSpaceError, match=str(mnt)):
+      s.write("too-big", np.ones(2 << 20, np.float32)).wait()
+    np.testing.assert_array_equal(s.read("fits").wait(), a)
+  finally:
+    if s is not None:
+      s.close()
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_folder_in_use_by_another_process(tmp_path):
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, zinfjax.offload as o; s = o.AioStore(sys.argv[1]); "
+       "print('ready', flush=True); sys.stdin.read()", str(tmp_path)],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+  try:
+    assert holder.stdout.readline().strip() == "ready"
+    with pytest.raises(StoreLockedError, match=rf"in use by another process \(pid {holder.pid}\)"):
+      AioStore(tmp_path)
+  finally:
+    holder.communicate("", timeout=60)
+  AioStore(tmp_path).close()  # free again once the holder exits
+
+
+def test_unwritable_or_missing_nvme_path(tmp_path):
+  created = tmp_path / "does" / "not" / "exist"
+  AioStore(created).close()
+  assert (created / "rank0").is_dir()
+  blocker = tmp_path / "file"
+  blocker.write_text("not a folder")
+  with pytest.raises(EngineError, match="cannot create nvme_path folder.*writable nvme_path"):
+    AioStore(blocker / "sub")
+  with pytest.raises(EngineError, match="writable nvme_path"):
+    open_store("tensorstore", blocker / "sub")
+
+
+def test_bad_store_options(tmp_path):
+  with pytest.raises(EngineError, match="block_size must be a multiple of 4096"):
+    AioStore(tmp_path, block_size=1000)
+  with pytest.raises(EngineError, match="unknown aio backend"):
+    AioStore(tmp_path / "b", backend="spdk")
+
+
+# ---------------------------------------------------------------- pinned pool
+
+def test_pool_reuses_buffers_within_budget():
+  pool = _engine.PinnedPool(4 * 8192, 8192)
+  assert pool.capacity == 4
+  leases = [pool.acquire(1.0) for _ in range(4)]
+  assert pool.try_acquire() is None
+  with pytest.raises(TimeoutError, match=r"pool exhausted.*budget 32768 bytes.*raise the pinned"):
+    pool.acquire(0.05)
+  for lease in leases:
+    lease.release()
+  for _ in range(10):
+    pool.acquire(1.0).release()
+  stats = pool.stats()
+  assert stats["allocated_bytes"] == 4 * 8192 and stats["peak_in_use_bytes"] == 4 * 8192
+  assert stats["timeouts"] == 1 and stats["waits"] >= 1 and stats["acquires"] == 14
+  lease = pool.acquire(1.0)
+  view = memoryview(lease)
+  assert view.nbytes == 8192 and np.frombuffer(view, np.uint8).ctypes.data % 4096 == 0
+
+
+def test_store_staging_stays_within_its_budget(tmp_path):
+  s = AioStore(tmp_path, block_size=64 << 10, queue_depth=32, pinned_budget=256 << 10)
+  tickets = [s.write(f"k{i}", np.ones(1 << 20, np.float32)) for i in range(4)]
+  for t in tickets:
+    t.wait()
+  pool = s.stats()["pool"]
+  assert pool["allocated_bytes"] <= 256 << 10 and pool["peak_in_use_bytes"] <= 256 << 10
+  assert pool["acquires"] >= 4 * (4 << 20) // (64 << 10)
+
+
+def test_checksum_is_deterministic_and_sensitive():
+  data = np.random.default_rng(4).integers(0, 255, 100_003).astype(np.uint8)
+  assert _engine.checksum(data) == _engine.checksum(data.copy())
+  flipped = data.copy()
+  flipped[77_777] ^= 1
+  assert _engine.checksum(flipped) != _engine.checksum(data)

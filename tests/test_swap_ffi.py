@@ -1,0 +1,96 @@
+"""The swap store's XLA custom calls: in jit, in scan, in shard_map, ordered by tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from zinfjax.offload import AioStore, swap
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+  s = AioStore(tmp_path_factory.mktemp("nvme"), block_size=64 << 10)
+  yield s
+  s.close()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8])
+def test_write_then_read_in_jit(store, dtype):
+  x = (jax.random.normal(jax.random.key(0), (37, 129)) * 50).astype(dtype)
+
+  @jax.jit
+  def round_trip(x):
+    token = swap.write(store.handle, "jit", x)
+    return swap.read(store.handle, "jit", jax.ShapeDtypeStruct(x.shape, x.dtype), token)
+
+  np.testing.assert_array_equal(np.asarray(round_trip(x)), np.asarray(x))
+  assert store.entry("jit/r0/l0")["dtype"] == jnp.dtype(dtype).name
+
+
+def test_scan_with_layer_index_operand_and_prefetch(store):
+  xs = jax.random.normal(jax.random.key(1), (6, 4, 1000))
+
+  @jax.jit
+  def offload_then_stream(xs):
+    def put(token, layer_x):
+      layer, x = layer_x
+      return swap.write(store.handle, "layers", x, layer=layer) + token, None
+
+    token, _ = jax.lax.scan(put, jnp.int32(0), (jnp.arange(6), xs))
+    like = jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype)
+
+    def get(ticket, layer):  # wait for layer i, start layer i+1 (prefetch)
+      x = swap.read_wait(store.handle, ticket, like)
+      following = swap.read_start(store.handle, "layers", token, layer=jnp.minimum(layer + 1, 5))
+      return following, x * 2
+
+    first = swap.read_start(store.handle, "layers", token, layer=0)
+    last, ys = jax.lax.scan(get, first, jnp.arange(6))
+    swap.read_wait(store.handle, last, like)  # drain the extra prefetch
+    return ys
+
+  np.testing.assert_array_equal(np.asarray(offload_then_stream(xs)), 2 * np.asarray(xs))
+  assert {f"layers/r0/l{i}" for i in range(6)} <= set(store.keys())
+
+
+def test_shard_map_each_device_moves_its_own_shard(store, mesh):
+  x = jax.device_put(jax.random.normal(jax.random.key(2), (8, 3000)),
+                     jax.sharding.NamedSharding(mesh, P("data")))
+
+  def per_device(x):
+    rank = jax.lax.axis_index("data")
+    token = swap.write(store.handle, "sharded", x, rank=rank)
+    return swap.read(store.handle, "sharded", jax.ShapeDtypeStruct(x.shape, x.dtype), token,
+                     rank=rank)
+
+  f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+  np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))
+  for r in range(8):  # every rank wrote exactly its own row
+    row = store.read(f"sharded/r{r}/l0").wait()
+    np.testing.assert_array_equal(row, np.asarray(x)[r:r + 1])
+
+
+def test_read_is_ordered_after_its_write_by_the_token(store):
+  """The read's only link to the write is the token: it must see the new value, every time."""
+
+  @jax.jit
+  def overwrite_and_read(x):
+    token = swap.write(store.handle, "ordered", x)
+    return swap.read(store.handle, "ordered", jax.ShapeDtypeStruct(x.shape, x.dtype), token)
+
+  for i in range(5):
+    x = jnp.full((2048,), float(i))
+    np.testing.assert_array_equal(np.asarray(overwrite_and_read(x)), np.asarray(x))
+
+
+def test_errors_surface_from_inside_jit(store):
+  with pytest.raises(Exception, match="no shard 'never/r0/l0'"):
+    jax.jit(lambda t: swap.read(store.handle, "never", jax.ShapeDtypeStruct((4,), jnp.float32), t))(0)
+  with pytest.raises(Exception, match="no zinfjax swap store with handle 999999"):
+    jax.jit(lambda x: swap.write(999999, "x", x))(jnp.ones(3))
+  store.write("typed/r0/l0", np.ones(16, np.float32)).wait()
+  with pytest.raises(Exception, match="written as float32"):
+    jax.jit(lambda t: swap.read(store.handle, "typed", jax.ShapeDtypeStruct((16,), jnp.bfloat16), t,
+                                layer=0))(0)

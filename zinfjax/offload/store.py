@@ -1,0 +1,268 @@
+"""Swap stores for the NVMe tier: the C++ aio engine (fast path) and tensorstore.
+
+Both implement one interface, `SwapStore`: `write(key, array) -> Ticket`,
+`read(key, out=None) -> Ticket`, `ticket.wait()`, `sync()`, `keys()`,
+`close()`. Each rank keeps its own folder `path/rank{r}/`; reads are checked
+against a manifest (dtype, shape, checksum), and every failure raises one of
+the engine's error types with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Callable, Protocol, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from .. import _engine
+
+EngineError = _engine.EngineError
+NoSpaceError = _engine.NoSpaceError
+CorruptShardError = _engine.CorruptShardError
+MissingShardError = _engine.MissingShardError
+ShardMismatchError = _engine.ShardMismatchError
+StoreLockedError = _engine.StoreLockedError
+PoolExhaustedError = _engine.PoolExhaustedError
+
+PathLike = str | os.PathLike
+
+
+def dtype_of(name: str) -> np.dtype:
+  """numpy dtype for a manifest dtype name (ml_dtypes' names included)."""
+  try:
+    return np.dtype(name)
+  except TypeError:
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+  return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+class Ticket:
+  """A transfer in flight; `wait()` returns the array read (None for a write).
+
+  The ticket keeps the transfer's host buffers alive until it completes: a
+  ticket dropped without `wait()` waits on its way out, so the engine never
+  touches freed memory.
+  """
+
+  def __init__(self, wait: Callable[[], Any], *buffers: Any):
+    self._wait, self._buffers = wait, buffers
+    self._done, self._result = False, None
+
+  def wait(self) -> Any:
+    if not self._done:
+      self._done = True
+      try:
+        self._result = self._wait()
+      finally:
+        self._buffers = ()
+    return self._result
+
+  def __del__(self):
+    if not getattr(self, "_done", True):
+      try:
+        self.wait()
+      except Exception:  # noqa: BLE001 - nobody is left to see it
+        pass
+
+
+class SwapStore(Protocol):
+  folder: str
+
+  def write(self, key: str, array: np.ndarray) -> Ticket: ...
+  def read(self, key: str, out: np.ndarray | None = None) -> Ticket: ...
+  def sync(self) -> None: ...
+  def keys(self) -> list[str]: ...
+  def close(self) -> None: ...
+
+
+class AioStore:
+  """The C++ engine: io_uring (or the thread-pool fallback), O_DIRECT, pinned staging, striping.
+
+  Args:
+    paths: one folder or several (one swap file each, striped like RAID 0).
+    rank: this process's rank; its files live in `path/rank{rank}/`.
+    block_size: I/O block and stripe unit in bytes (multiple of 4 KiB).
+    queue_depth: blocks kept in flight per transfer.
+    backend: "auto" (io_uring, else threads), "io_uring" or "threads".
+    direct: O_DIRECT (buffered where the filesystem refuses it).
+    io_threads: transfers that run concurrently.
+    pinned_budget: bytes of staging buffers the store may hold (never more).
+  """
+
+  def __init__(self, paths: PathLike | Sequence[PathLike], rank: int = 0, *,
+               block_size: int = 1 << 20, queue_depth: int = 32, backend: str = "auto",
+               direct: bool = True, io_threads: int = 2, pinned_budget: int = 64 << 20,
+               pool_timeout_s: float = 60.0):
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    self._store = _engine.SwapStore([os.fspath(p) for p in paths], rank, block_size, queue_depth,
+                                    backend, direct, io_threads, pinned_budget, pool_timeout_s)
+    self._handle: int | None = None
+
+  @property
+  def folder(self) -> str:
+    return self._store.folder
+
+  @property
+  def backend(self) -> str:
+    return self._store.backend
+
+  @property
+  def engine(self) -> Any:
+    """The underlying `_engine.SwapStore` (for the optimizer pipeline and benchmarks)."""
+    return self._store
+
+  @property
+  def handle(self) -> int:
+    """Handle of this store in the engine's table, for the FFI calls in `zinfjax.offload.swap`."""
+    if self._handle is None:
+      self._handle = self._store.register()
+    return self._handle
+
+  def write(self, key: str, array: np.ndarray) -> Ticket:
+    array = np.ascontiguousarray(array)
+    ticket = self._store.write_async(key, _as_bytes(array), array.dtype.name, list(array.shape))
+    return Ticket(lambda: self._store.wait(ticket), array)
+
+  def read(self, key: str, out: np.ndarray | None = None) -> Ticket:
+    if out is None:
+      entry = self._store.entry(key)
+      out = np.empty(entry["shape"], dtype_of(entry["dtype"]))
+    ticket = self._store.read_async(key, _as_bytes(out), out.dtype.name, list(out.shape))
+
+    def finish():
+      self._store.wait(ticket)
+      return out
+
+    return Ticket(finish, out)
+
+  def entry(self, key: str) -> dict:
+    return self._store.entry(key)
+
+  def sync(self) -> None:
+    self._store.sync()
+
+  def reserve(self, nbytes: int) -> None:
+    self._store.reserve(nbytes)
+
+  def keys(self) -> list[str]:
+    return self._store.keys()
+
+  def stats(self) -> dict:
+    return {"backend": self.backend, "direct": self._store.direct,
+            "bytes_used": self._store.bytes_used, "pool": self._store.pool_stats()}
+
+  def close(self) -> None:
+    if self._handle is not None:
+      _engine.unregister_store(self._handle)
+      self._handle = None
+    if self._store is not None:
+      self._store.sync()
+      self._store = None  # releases files and the folder lock
+
+
+class TensorstoreStore:
+  """The same interface over tensorstore's `file` kvstore (portable, what orbax uses).
+
+  One kvstore value per shard under `path/rank{rank}/tensorstore/`, and a JSON
+  manifest with dtype, shape and checksum per shard.
+  """
+
+  def __init__(self, path: PathLike, rank: int = 0):
+    import tensorstore as ts
+    self.folder = os.path.join(os.fspath(path), f"rank{rank}", "tensorstore")
+    try:
+      os.makedirs(self.folder, exist_ok=True)
+    except OSError as e:
+      raise EngineError(f"cannot create nvme_path folder {self.folder} ({e.strerror}); choose a "
+                        "writable nvme_path") from None
+    if not os.access(self.folder, os.W_OK):
+      raise EngineError(f"nvme_path folder {self.folder} is not writable; choose a writable nvme_path")
+    self._kv = ts.KvStore.open({"driver": "file", "path": self.folder + "/"}).result()
+    self._manifest_path = os.path.join(self.folder, "manifest.json")
+    self._lock = threading.Lock()
+    self._manifest: dict[str, dict] = {}
+    if os.path.exists(self._manifest_path):
+      with open(self._manifest_path) as f:
+        self._manifest = json.load(f)
+
+  def write(self, key: str, array: np.ndarray) -> Ticket:
+    array = np.ascontiguousarray(array)
+    data = _as_bytes(array).tobytes()
+    entry = {"dtype": array.dtype.name, "shape": list(array.shape), "nbytes": len(data),
+             "checksum": _engine.checksum(np.frombuffer(data, np.uint8))}
+    future = self._kv.write(key, data)
+
+    def finish():
+      try:
+        future.result()
+      except Exception as e:  # tensorstore reports ENOSPC as a generic error
+        if "space" in str(e).lower():
+          raise NoSpaceError(f"no space left writing {key!r} under {self.folder}: {e}") from None
+        raise
+      with self._lock:
+        self._manifest[key] = entry
+
+    return Ticket(finish)
+
+  def read(self, key: str, out: np.ndarray | None = None) -> Ticket:
+    with self._lock:
+      entry = self._manifest.get(key)
+    if entry is None:
+      raise MissingShardError(f"no shard {key!r} in the swap manifest of {self.folder}: it was "
+                              "never written there (or the manifest belongs to another run)")
+    if out is None:
+      out = np.empty(entry["shape"], dtype_of(entry["dtype"]))
+    if out.dtype.name != entry["dtype"] or list(out.shape) != entry["shape"]:
+      raise ShardMismatchError(
+          f"shard {key!r} was written as {entry['dtype']}{entry['shape']} but is read as "
+          f"{out.dtype.name}{list(out.shape)}")
+    future = self._kv.read(key)
+
+    def finish():
+      result = future.result()
+      data = np.frombuffer(result.value, np.uint8)
+      if result.state != "value" or data.size != entry["nbytes"]:
+        raise CorruptShardError(f"shard {key!r} in {self.folder} holds {data.size} of "
+                                f"{entry['nbytes']} bytes: the file was truncated or removed")
+      if _engine.checksum(data) != entry["checksum"]:
+        raise CorruptShardError(f"checksum mismatch for shard {key!r} in {self.folder}: the swap "
+                                "file is corrupted; restore it from a checkpoint")
+      _as_bytes(out)[:] = data
+      return out
+
+    return Ticket(finish)
+
+  def sync(self) -> None:
+    with self._lock:
+      tmp = self._manifest_path + ".tmp"
+      with open(tmp, "w") as f:
+        json.dump(self._manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, self._manifest_path)
+
+  def keys(self) -> list[str]:
+    with self._lock:
+      return sorted(self._manifest)
+
+  def close(self) -> None:
+    self.sync()
+
+
+def open_store(kind: str, paths: PathLike | Sequence[PathLike], rank: int = 0, **options) -> SwapStore:
+  """`kind` "aio" (the C++ engine) or "tensorstore"."""
+  if kind == "aio":
+    return AioStore(paths, rank, **options)
+  if kind == "tensorstore":
+    if not isinstance(paths, (str, os.PathLike)):
+      if len(paths) != 1:
+        raise ValueError("the tensorstore backend takes one nvme_path; striping needs kind='aio'")
+      paths = paths[0]
+    return TensorstoreStore(paths, rank)
+  raise ValueError(f"unknown swap store kind {kind!r}; use 'aio' or 'tensorstore'")

@@ -1,0 +1,63 @@
+"""Typed `jax.ffi` wrappers for the swap store's XLA custom calls (CPU).
+
+Each call names its store by handle (a static attribute) and its shard by a
+string key plus the device's `rank` and the `layer` as int32 operands, so one
+compiled call serves every device of a `shard_map` and every step of a scan.
+Reads take the token of the write they depend on: XLA orders custom calls
+only through data, so the token is what keeps a read behind its write.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _engine
+
+_registered = False
+
+
+def register() -> None:
+  """Register the CPU handlers with XLA (once per process; done at import)."""
+  global _registered
+  if _registered:
+    return
+  for name, capsule in _engine.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  _registered = True
+
+
+def _i32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.int32).reshape(())
+
+
+def write(store: int, key: str, x: jax.Array, *, rank=0, layer=0) -> jax.Array:
+  """Write `x` as shard `key/r{rank}/l{layer}`; returns an int32 token once it is on disk."""
+  call = jax.ffi.ffi_call("zinfjax_swap_write", jax.ShapeDtypeStruct((), jnp.int32),
+                          has_side_effect=True)
+  return call(x, _i32(rank), _i32(layer), store=np.int64(store), key=key)
+
+
+def read(store: int, key: str, like: jax.ShapeDtypeStruct, token, *, rank=0, layer=0) -> jax.Array:
+  """Read shard `key/r{rank}/l{layer}` (shaped like `like`) after the write that made `token`."""
+  call = jax.ffi.ffi_call("zinfjax_swap_read", jax.ShapeDtypeStruct(like.shape, like.dtype),
+                          has_side_effect=True)
+  return call(_i32(token), _i32(rank), _i32(layer), store=np.int64(store), key=key)
+
+
+def read_start(store: int, key: str, token, *, rank=0, layer=0) -> jax.Array:
+  """Start reading a shard into an engine-owned buffer; returns a ticket for `read_wait`."""
+  call = jax.ffi.ffi_call("zinfjax_swap_read_start", jax.ShapeDtypeStruct((), jnp.int32),
+                          has_side_effect=True)
+  return call(_i32(token), _i32(rank), _i32(layer), store=np.int64(store), key=key)
+
+
+def read_wait(store: int, ticket: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
+  """Finish a `read_start`: wait for it and return the shard (checked against `like`)."""
+  call = jax.ffi.ffi_call("zinfjax_swap_read_wait", jax.ShapeDtypeStruct(like.shape, like.dtype),
+                          has_side_effect=True)
+  return call(_i32(ticket), store=np.int64(store))
+
+
+register()
