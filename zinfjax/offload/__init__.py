@@ -3,8 +3,8 @@
 from . import swap
 from .store import (AioStore, CorruptShardError, EngineError, MissingShardError, NoSpaceError,
                     PoolExhaustedError, ShardMismatchError, StoreLockedError, SwapStore,
-                    TensorstoreStore, Ticket, open_store)
+                    TensorstoreStore, Ticket, aligned_empty, open_store)
 
-__all__ = ["AioStore", "TensorstoreStore", "SwapStore", "Ticket", "open_store", "swap",
+__all__ = ["AioStore", "TensorstoreStore", "SwapStore", "Ticket", "aligned_empty", "open_store", "swap",
            "EngineError", "NoSpaceError", "CorruptShardError", "MissingShardError",
            "ShardMismatchError", "StoreLockedError", "PoolExhaustedError"]
