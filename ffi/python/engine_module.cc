@@ -9,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "core/adam.h"
 #include "core/buffer.h"
 #include "core/errors.h"
 #include "core/hash.h"
 #include "core/pool.h"
 #include "core/store.h"
+#include "xla/adam_ffi.h"
 #include "xla/swap_ffi.h"
 
 namespace py = pybind11;
@@ -164,12 +166,49 @@ PYBIND11_MODULE(_engine, m) {
            "Enter the store in the engine's handle table; returns the handle FFI calls use.");
   m.def("unregister_store", &UnregisterStore, py::arg("handle"));
 
+  m.def("adam_isa", &AdamIsa, "Instruction set the AdamW kernel uses on this CPU.");
+  m.def("adamw", [](py::buffer master, py::buffer m, py::buffer v, py::buffer grad,
+                    py::object params_out, float lr, float b1, float one_minus_b1, float b2,
+                    float one_minus_b2, float eps, float weight_decay, float bc1, float bc2,
+                    int threads) {
+    py::buffer_info mi = master.request(true), mo = m.request(true), vo = v.request(true);
+    py::buffer_info gi = grad.request();
+    for (auto* info : {&mi, &mo, &vo, &gi}) RequireContiguous(*info);
+    size_t n = static_cast<size_t>(mi.size);
+    if (mi.itemsize != 4 || mo.itemsize != 4 || vo.itemsize != 4)
+      throw EngineError("adamw: master, m and v must be float32");
+    if (static_cast<size_t>(mo.size) != n || static_cast<size_t>(vo.size) != n ||
+        static_cast<size_t>(gi.size) != n)
+      throw EngineError("adamw: master, m, v and grad must have the same number of elements");
+    if (gi.itemsize != 4 && gi.itemsize != 2)
+      throw EngineError("adamw: grad must be float32 or bfloat16");
+    void* out = nullptr;
+    Precision pt = Precision::kNone;
+    py::buffer_info po;
+    if (!params_out.is_none()) {
+      po = params_out.cast<py::buffer>().request(true);
+      RequireContiguous(po);
+      if (static_cast<size_t>(po.size) != n || (po.itemsize != 4 && po.itemsize != 2))
+        throw EngineError("adamw: params_out must be float32 or bfloat16 with as many elements");
+      out = po.ptr;
+      pt = po.itemsize == 4 ? Precision::kF32 : Precision::kBF16;
+    }
+    AdamHyper h{lr, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, bc1, bc2};
+    py::gil_scoped_release release;
+    AdamW(static_cast<float*>(mi.ptr), static_cast<float*>(mo.ptr), static_cast<float*>(vo.ptr),
+          gi.ptr, gi.itemsize == 4 ? Precision::kF32 : Precision::kBF16, out, pt, n, h, threads);
+  }, py::arg("master"), py::arg("m"), py::arg("v"), py::arg("grad"), py::arg("params_out"),
+     py::arg("lr"), py::arg("b1"), py::arg("one_minus_b1"), py::arg("b2"), py::arg("one_minus_b2"),
+     py::arg("eps"), py::arg("weight_decay"), py::arg("bc1"), py::arg("bc2"), py::arg("threads") = 0,
+     "Fused AdamW over numpy buffers, in place (grad and params_out may be bfloat16).");
+
   m.def("registrations", []() {
     py::dict d;
     d["zinfjax_swap_write"] = EncapsulateFfiHandler(ZinfjaxSwapWrite);
     d["zinfjax_swap_read"] = EncapsulateFfiHandler(ZinfjaxSwapRead);
     d["zinfjax_swap_read_start"] = EncapsulateFfiHandler(ZinfjaxSwapReadStart);
     d["zinfjax_swap_read_wait"] = EncapsulateFfiHandler(ZinfjaxSwapReadWait);
+    d["zinfjax_adamw"] = EncapsulateFfiHandler(ZinfjaxAdamW);
     return d;
   }, "XLA FFI handler capsules (CPU platform), by target name.");
 }

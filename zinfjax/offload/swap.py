@@ -13,19 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _engine
-
-_registered = False
-
-
-def register() -> None:
-  """Register the CPU handlers with XLA (once per process; done at import)."""
-  global _registered
-  if _registered:
-    return
-  for name, capsule in _engine.registrations().items():
-    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  _registered = True
+from .. import _ffi  # noqa: F401  (registers the handlers)
 
 
 def _i32(x) -> jax.Array:
@@ -59,5 +47,3 @@ def read_wait(store: int, ticket: jax.Array, like: jax.ShapeDtypeStruct) -> jax.
                           has_side_effect=True)
   return call(_i32(ticket), store=np.int64(store))
 
-
-register()

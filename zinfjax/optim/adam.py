@@ -1,0 +1,193 @@
+"""Offloaded Adam(W): an optax `GradientTransformation` whose states live on a chosen tier.
+
+    tx = zinfjax.optim.adamw(3e-4, weight_decay=0.1, offload="pinned_host")
+
+is a drop-in for `optax.adamw(3e-4, weight_decay=0.1)`: same hyperparameters
+(schedules included), works in `optax.chain` and with `flax.nnx.Optimizer`.
+Its state keeps an fp32 master copy of the params and both moments:
+
+* `offload="device"`: states on the device, updated by XLA (jnp).
+* `offload="pinned_host"`: states in pinned host memory, updated on the CPU by
+  the fused C++ kernel (an XLA custom call under `compute_on("device_host")`).
+* `offload="nvme"`: states in the swap store under `nvme_path`, streamed
+  through the CPU in pipelined sub-groups (see `nvme.py`).
+
+The updates it returns make `optax.apply_updates` land exactly on the new
+master params rounded to the params' dtype (round to nearest even for bf16).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import io_callback
+from jax.experimental.compute_on import compute_on
+
+from .kernel import AdamConstants, adamw_ffi, adamw_jnp, bias_corrections
+from .nvme import NvmeAdam
+
+TIERS = ("device", "pinned_host", "nvme")
+
+
+class OffloadAdamState(NamedTuple):
+  """State for the device and pinned_host tiers."""
+
+  count: jax.Array   # int32 steps taken
+  master: Any        # fp32 master params
+  mu: Any            # fp32 first moment
+  nu: Any            # fp32 second moment
+
+
+class NvmeAdamState(NamedTuple):
+  """State for the NVMe tier: the arrays live in the swap store, only the count here."""
+
+  count: jax.Array
+
+
+def _check_params(params: Any) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise ValueError(
+          f"zinfjax.optim.adamw trains floating-point params, but {jax.tree_util.keystr(path)} "
+          f"has dtype {jnp.result_type(leaf)}; keep it out of the optimizer (e.g. nnx.Optimizer("
+          "..., wrt=nnx.Param)) or make it a float.")
+
+
+def _check_structure(tree: Any, reference: jax.tree_util.PyTreeDef, what: str) -> None:
+  structure = jax.tree.structure(tree)
+  if structure != reference:
+    raise ValueError(
+        f"{what} do not have the tree structure of the params the optimizer was initialized "
+        f"with.\n  expected: {reference}\n  got:      {structure}\nPass the grads of the same "
+        "params, in the same order, that were given to init.")
+
+
+def _weight_decays(params: Any, weight_decay: float, mask) -> list[float]:
+  leaves = jax.tree.leaves(params)
+  if mask is None:
+    return [float(weight_decay)] * len(leaves)
+  flags = mask(params) if callable(mask) else mask
+  flags = jax.tree.leaves(flags)
+  if len(flags) != len(leaves):
+    raise ValueError(f"weight decay mask has {len(flags)} leaves but params have {len(leaves)}.")
+  return [float(weight_decay) if bool(f) else 0.0 for f in flags]
+
+
+def _as_updates(new_params: list, params: list) -> list:
+  """fp32 updates u with params + u == new_params once rounded to the params' dtype."""
+  return [n.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+          for n, p in zip(new_params, params)]
+
+
+def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
+          b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+          mask: Any = None, *, offload: str = "device", nvme_path: str | None = None,
+          sub_group_size: int = 1 << 22, rank: int = 0, threads: int = 0,
+          **store_options) -> optax.GradientTransformation:
+  """AdamW with decoupled weight decay, states offloaded to `offload`.
+
+  Args:
+    learning_rate, b1, b2, eps, weight_decay, mask: as in `optax.adamw`.
+    offload: "device", "pinned_host" or "nvme".
+    nvme_path: folder (or folders) for the NVMe tier's swap store.
+    sub_group_size: elements per NVMe sub-group (host memory: 36 bytes x 3 x this).
+    rank: the NVMe store's rank folder (one per process).
+    threads: CPU threads for the host kernel (0: all).
+    store_options: passed to `zinfjax.offload.AioStore` (block_size, queue_depth, ...).
+
+  Examples:
+    >>> import optax, zinfjax
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
+    ...                  zinfjax.optim.adamw(1e-3, offload="pinned_host"))
+  """
+  if offload not in TIERS:
+    raise ValueError(f"offload must be one of {TIERS}, got {offload!r}.")
+  if offload == "nvme" and not nvme_path:
+    raise ValueError("offload='nvme' needs nvme_path: a folder on a fast local drive.")
+  if not isinstance(learning_rate, (int, float)) and not callable(learning_rate):
+    raise ValueError(f"learning_rate must be a float or a schedule, got {learning_rate!r}.")
+  constants = AdamConstants(b1, b2, eps)
+  schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+  nvme = (NvmeAdam(nvme_path, rank=rank, sub_group_size=sub_group_size, constants=constants,
+                   threads=threads, **store_options) if offload == "nvme" else None)
+  structure: list[jax.tree_util.PyTreeDef] = []
+
+  def init(params):
+    _check_params(params)
+    structure[:] = [jax.tree.structure(params)]
+    leaves = jax.tree.leaves(params)
+    if nvme is not None:
+      nvme.configure([jnp.shape(p) for p in leaves])
+      count = io_callback(nvme.host_init, jax.ShapeDtypeStruct((), jnp.int32), *leaves,
+                          ordered=True)
+      return NvmeAdamState(count)
+    master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    zeros = jax.tree.map(jnp.zeros_like, master)
+    state = OffloadAdamState(jnp.zeros((), jnp.int32), master, zeros,
+                             jax.tree.map(jnp.zeros_like, master))
+    if offload == "pinned_host":
+      state = state._replace(**{k: jax.device_put(getattr(state, k), jax.memory.Space.Host)
+                                for k in ("master", "mu", "nu")})
+    return state
+
+  def update(grads, state, params=None):
+    if params is None:
+      raise ValueError("zinfjax.optim.adamw needs params in update(grads, state, params).")
+    if not structure:
+      structure.append(jax.tree.structure(params))
+    _check_structure(grads, structure[0], "grads")
+    _check_structure(params, structure[0], "params")
+    treedef = structure[0]
+    count = optax.safe_int32_increment(state.count)
+    bc1, bc2 = bias_corrections(b1, b2, count)
+    lr = jnp.asarray(schedule(state.count), jnp.float32)
+    decays = _weight_decays(params, weight_decay, mask)
+    g_leaves, p_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
+
+    if nvme is not None:
+      shapes = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in p_leaves]
+      host_step = functools.partial(nvme.host_step, decays, [s.dtype for s in shapes])
+      new_params = io_callback(host_step, shapes, lr, bc1, bc2, *g_leaves, ordered=True)
+      updates = _as_updates(list(new_params), p_leaves)
+      return jax.tree.unflatten(treedef, updates), NvmeAdamState(count)
+
+    masters, mus, nus = (jax.tree.leaves(getattr(state, k)) for k in ("master", "mu", "nu"))
+    if offload == "pinned_host":
+      @compute_on("device_host")
+      @jax.jit
+      def host_update(masters, mus, nus, grads, lr, bc1, bc2):
+        out = [adamw_ffi(*a, lr, bc1, bc2, constants, wd, jnp.result_type(p))
+               for *a, wd, p in zip(masters, mus, nus, grads, decays, p_leaves)]
+        return [list(x) for x in zip(*out)]
+
+      new_m, new_mu, new_nu, new_params = host_update(masters, mus, nus, g_leaves, lr, bc1, bc2)
+      new_m, new_mu, new_nu = (jax.device_put(x, jax.memory.Space.Host)
+                               for x in (new_m, new_mu, new_nu))
+      new_params = [jax.device_put(x, jax.memory.Space.Device) for x in new_params]
+    else:
+      out = [adamw_jnp(*a, lr, bc1, bc2, constants, wd)
+             for *a, wd in zip(masters, mus, nus, g_leaves, decays)]
+      new_m, new_mu, new_nu = (list(x) for x in zip(*out))
+      new_params = new_m
+    updates = _as_updates(new_params, p_leaves)
+    unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
+    return unflat(updates), OffloadAdamState(count, unflat(new_m), unflat(new_mu), unflat(new_nu))
+
+  tx = OffloadedTransformation(init, update)
+  tx.nvme = nvme  # the NVMe pipeline (stats, store), None on other tiers
+  return tx
+
+
+class OffloadedTransformation(optax.GradientTransformation):
+  """An optax `GradientTransformation` (two fields, so `optax.chain` takes it) with `.nvme`."""
+
+
+def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+         offload: str = "device", **options) -> optax.GradientTransformation:
+  """Adam (no weight decay) with states offloaded to `offload`; see `adamw`."""
+  return adamw(learning_rate, b1, b2, eps, weight_decay=0.0, offload=offload, **options)

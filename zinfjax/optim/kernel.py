@@ -1,0 +1,81 @@
+"""The fused AdamW kernel from JAX (XLA FFI, CPU) and the identical reference math in jnp.
+
+Both follow optax.adamw operation by operation: moments, bias correction,
+`m / (sqrt(v) + eps)`, decoupled weight decay on the fp32 master, then
+`master + update * (-lr)`. The jnp version matches optax bit for bit; the
+C++ kernel (no fused multiply-adds) agrees to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _engine, _ffi  # noqa: F401  (_ffi registers the handlers)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamConstants:
+  """Step-independent hyperparameters, as the float32 values optax computes with."""
+
+  b1: float
+  b2: float
+  eps: float
+
+  @property
+  def attrs(self) -> dict:
+    f32 = np.float32
+    # (1 - b) is computed in Python double precision, then rounded, exactly as optax does.
+    return dict(b1=f32(self.b1), one_minus_b1=f32(1 - self.b1), b2=f32(self.b2),
+                one_minus_b2=f32(1 - self.b2), eps=f32(self.eps))
+
+
+def bias_corrections(b1: float, b2: float, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`1 - b**count` for both moments, as optax computes them (count already incremented)."""
+  return (1 - b1 ** count).astype(jnp.float32), (1 - b2 ** count).astype(jnp.float32)
+
+
+def adamw_jnp(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float):
+  """Reference AdamW on one leaf; returns (master, m, v)."""
+  g = grad.astype(jnp.float32)
+  m = (1 - c.b1) * g + c.b1 * m
+  v = (1 - c.b2) * (g ** 2) + c.b2 * v
+  update = (m / bc1) / (jnp.sqrt(v / bc2 + 0.0) + c.eps)
+  if weight_decay:
+    update = update + weight_decay * master
+  return master + update * (-lr), m, v
+
+
+def adamw_ffi(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
+              params_dtype) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The C++ kernel on one leaf; returns (master, m, v, params in `params_dtype`)."""
+  f32 = jax.ShapeDtypeStruct(master.shape, jnp.float32)
+  call = jax.ffi.ffi_call(
+      "zinfjax_adamw", (f32, f32, f32, jax.ShapeDtypeStruct(master.shape, params_dtype)),
+      input_output_aliases={0: 0, 1: 1, 2: 2}, vmap_method="broadcast_all")
+  scalar = lambda x: jnp.asarray(x, jnp.float32).reshape(())
+  return call(master, m, v, grad, scalar(lr), scalar(bc1), scalar(bc2),
+              weight_decay=np.float32(weight_decay), **c.attrs)
+
+
+def adamw_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
+                params_out: np.ndarray | None, lr: float, bc1: float, bc2: float,
+                c: AdamConstants, weight_decay: float, threads: int = 0) -> None:
+  """The C++ kernel on host numpy buffers, in place (grad/params_out may be bfloat16)."""
+  _engine.adamw(master.reshape(-1), m.reshape(-1), v.reshape(-1), _flat(grad),
+                None if params_out is None else _flat(params_out), float(np.float32(lr)),
+                weight_decay=float(np.float32(weight_decay)), bc1=float(bc1), bc2=float(bc2),
+                threads=threads, **{k: float(x) for k, x in c.attrs.items()})
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+  x = x.reshape(-1)
+  return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+
+
+def isa() -> str:
+  """The instruction set the kernel dispatches to here (avx512, avx2 or generic)."""
+  return _engine.adam_isa()
