@@ -58,13 +58,15 @@ def _check_params(params: Any) -> None:
           "..., wrt=nnx.Param)) or make it a float.")
 
 
-def _check_structure(tree: Any, reference: jax.tree_util.PyTreeDef, what: str) -> None:
-  structure = jax.tree.structure(tree)
-  if structure != reference:
+def _check_structure(tree: Any, shapes: list[tuple[int, ...]], what: str) -> None:
+  got = [tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)]
+  if got != shapes:
     raise ValueError(
-        f"{what} do not have the tree structure of the params the optimizer was initialized "
-        f"with.\n  expected: {reference}\n  got:      {structure}\nPass the grads of the same "
-        "params, in the same order, that were given to init.")
+        f"{what} do not match the params the optimizer was initialized with: expected "
+        f"{len(shapes)} leaves of shapes {shapes[:6]}{' ...' if len(shapes) > 6 else ''}, got "
+        f"{len(got)} leaves of shapes {got[:6]}{' ...' if len(got) > 6 else ''} "
+        f"({jax.tree.structure(tree)}). Pass the grads of the same params, in the same order, "
+        "that were given to init.")
 
 
 def _weight_decays(params: Any, weight_decay: float, mask) -> list[float]:
@@ -115,12 +117,12 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
   schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
   nvme = (NvmeAdam(nvme_path, rank=rank, sub_group_size=sub_group_size, constants=constants,
                    threads=threads, **store_options) if offload == "nvme" else None)
-  structure: list[jax.tree_util.PyTreeDef] = []
+  shapes: list[tuple[int, ...]] = []  # of the params given to init
 
   def init(params):
     _check_params(params)
-    structure[:] = [jax.tree.structure(params)]
     leaves = jax.tree.leaves(params)
+    shapes[:] = [tuple(jnp.shape(p)) for p in leaves]
     if nvme is not None:
       nvme.configure([jnp.shape(p) for p in leaves])
       count = io_callback(nvme.host_init, jax.ShapeDtypeStruct((), jnp.int32), *leaves,
@@ -138,11 +140,11 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
   def update(grads, state, params=None):
     if params is None:
       raise ValueError("zinfjax.optim.adamw needs params in update(grads, state, params).")
-    if not structure:
-      structure.append(jax.tree.structure(params))
-    _check_structure(grads, structure[0], "grads")
-    _check_structure(params, structure[0], "params")
-    treedef = structure[0]
+    if not shapes:  # state made elsewhere (e.g. restored): trust the params
+      shapes[:] = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
+    _check_structure(grads, shapes, "grads")
+    _check_structure(params, shapes, "params")
+    treedef = jax.tree.structure(params)
     count = optax.safe_int32_increment(state.count)
     bc1, bc2 = bias_corrections(b1, b2, count)
     lr = jnp.asarray(schedule(state.count), jnp.float32)
@@ -150,9 +152,9 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     g_leaves, p_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
 
     if nvme is not None:
-      shapes = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in p_leaves]
-      host_step = functools.partial(nvme.host_step, decays, [s.dtype for s in shapes])
-      new_params = io_callback(host_step, shapes, lr, bc1, bc2, *g_leaves, ordered=True)
+      outs = [jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)) for p in p_leaves]
+      host_step = functools.partial(nvme.host_step, decays, [o.dtype for o in outs])
+      new_params = io_callback(host_step, outs, lr, bc1, bc2, *g_leaves, ordered=True)
       updates = _as_updates(list(new_params), p_leaves)
       return jax.tree.unflatten(treedef, updates), NvmeAdamState(count)
 
@@ -174,9 +176,9 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
              for *a, wd in zip(masters, mus, nus, g_leaves, decays)]
       new_m, new_mu, new_nu = (list(x) for x in zip(*out))
       new_params = new_m
-    updates = _as_updates(new_params, p_leaves)
-    unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
-    return unflat(updates), OffloadAdamState(count, unflat(new_m), unflat(new_mu), unflat(new_nu))
+    updates = jax.tree.unflatten(treedef, _as_updates(new_params, p_leaves))
+    like_state = lambda leaves: jax.tree.unflatten(jax.tree.structure(state.master), leaves)
+    return updates, OffloadAdamState(count, like_state(new_m), like_state(new_mu), like_state(new_nu))
 
   tx = OffloadedTransformation(init, update)
   tx.nvme = nvme  # the NVMe pipeline (stats, store), None on other tiers

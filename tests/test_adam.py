@@ -1,0 +1,193 @@
+"""zinfjax.optim.adamw on every tier against optax.adamw, and the fused C++ kernel."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zinfjax
+from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.optim.kernel import AdamConstants, adamw_jnp, adamw_numpy
+
+from helpers import text_batches
+
+TIERS = ["device", "pinned_host", "nvme"]
+STEPS = 100
+
+
+def make_params(dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.standard_normal((37, 65)), dtype),
+          "b": jnp.asarray(rng.standard_normal(1001), dtype),
+          "scale": {"s": jnp.asarray(rng.standard_normal(7) + 1.0, dtype)}}
+
+
+def grad_noise(params, steps, seed=1):
+  rng = np.random.default_rng(seed)
+  return [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+          for _ in range(steps)]
+
+
+def train(tx, params, noise):
+  """`steps` updates with fresh random grads that also depend on the params."""
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, noise):
+    grads = jax.tree.map(lambda p, e: (e + 0.5 * p.astype(jnp.float32)).astype(p.dtype), params, noise)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for n in noise:
+    params, state = step(params, state, n)
+  return params, state
+
+
+def rel_err(a, b):
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y)) / jnp.max(jnp.abs(y)))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def offloaded(tmp_path, offload, *args, **kwargs):
+  return zinfjax.optim.adamw(*args, offload=offload, nvme_path=str(tmp_path / "nvme"),
+                             sub_group_size=1024, **kwargs)
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 10, STEPS)
+MASK = lambda p: {"w": True, "b": False, "scale": {"s": False}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+  params = make_params()
+  noise = grad_noise(params, STEPS)
+  return params, noise, train(optax.adamw(SCHEDULE, weight_decay=0.1, mask=MASK), params, noise)[0]
+
+
+@pytest.mark.parametrize("offload", TIERS)
+def test_matches_optax_adamw_for_100_steps(offload, tmp_path, reference):
+  params, noise, want = reference
+  tx = offloaded(tmp_path, offload, SCHEDULE, weight_decay=0.1, mask=MASK)
+  got, state = train(tx, params, noise)
+  assert rel_err(got, want) < 1e-6
+  assert rel_err(got, params) > 1e-2  # it really trained
+  assert int(state.count) == STEPS
+  if offload == "pinned_host":
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((state.master, state.mu))} == {"pinned_host"}
+  if offload == "nvme":
+    assert len(jax.tree.leaves(state)) == 1  # only the count: the states live on disk
+    assert len(tx.nvme.store.keys()) == 3 * len(tx.nvme.groups) and len(tx.nvme.groups) > 3
+
+
+@pytest.mark.parametrize("offload", TIERS)
+def test_bf16_params_are_the_rounded_master(offload, tmp_path):
+  params = make_params(jnp.bfloat16)
+  tx = offloaded(tmp_path, offload, 3e-3, weight_decay=0.1)
+  got, state = train(tx, params, grad_noise(params, 5))
+  assert {x.dtype for x in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
+  if offload == "nvme":
+    pipe = tx.nvme
+    masters = [np.concatenate([pipe.store.read(f"adam/{k}/master").wait()
+                               for k, g in enumerate(pipe.groups) if g.leaf == i])
+               for i in range(len(pipe.shapes))]
+  else:
+    masters = [np.asarray(m).reshape(-1) for m in jax.tree.leaves(state.master)]
+  for p, m in zip(jax.tree.leaves(got), masters):
+    rounded = m.astype(ml_dtypes.bfloat16)  # numpy's cast rounds to nearest even
+    np.testing.assert_array_equal(np.asarray(p).reshape(-1).view(np.uint16), rounded.view(np.uint16))
+    assert not np.array_equal(m, rounded.astype(np.float32))  # the master keeps more bits
+
+
+@pytest.mark.parametrize("offload", TIERS)
+def test_inside_optax_chain_with_clipping(offload, tmp_path, reference):
+  params, noise, _ = reference
+  want, _ = train(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.05)),
+                  params, noise[:30])
+  tx = optax.chain(optax.clip_by_global_norm(1.0), offloaded(tmp_path, offload, 1e-2, weight_decay=0.05))
+  got, _ = train(tx, params, noise[:30])
+  assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("offload", TIERS)
+def test_with_nnx_optimizer_on_the_tiny_gpt(offload, tmp_path):
+  config = get_config("tiny")
+  batches = text_batches(6, batch=8, seq=32, seed=3)
+
+  def losses(tx):
+    model = GPT(config, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+      loss, grads = nnx.value_and_grad(lm_loss)(model, batch)
+      optimizer.update(model, grads)
+      return loss
+
+    return np.array([float(step(model, optimizer, b)) for b in batches])
+
+  want = losses(optax.adamw(3e-3, weight_decay=0.1))
+  got = losses(offloaded(tmp_path, offload, 3e-3, weight_decay=0.1))
+  assert want[-1] < want[0] - 0.2
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_kernel_matches_reference_math_with_threads_and_bf16():
+  rng = np.random.default_rng(5)
+  n = 300_001  # several threads' chunks and a ragged tail
+  master = rng.standard_normal(n).astype(np.float32)
+  m, v = (rng.standard_normal(n) * 0.1).astype(np.float32), rng.random(n).astype(np.float32)
+  grad = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+  c = AdamConstants(0.9, 0.95, 1e-8)
+  want = adamw_jnp(jnp.asarray(master), jnp.asarray(m), jnp.asarray(v), jnp.asarray(grad),
+                   1e-3, 0.19, 0.0975, c, 0.01)
+  out = np.empty(n, ml_dtypes.bfloat16)
+  adamw_numpy(master, m, v, grad, out, 1e-3, 0.19, 0.0975, c, 0.01, threads=3)
+  for got, ref in zip((master, m, v), want):
+    np.testing.assert_allclose(got, np.asarray(ref), rtol=2e-7, atol=1e-9)
+  np.testing.assert_array_equal(out.view(np.uint16), master.astype(ml_dtypes.bfloat16).view(np.uint16))
+  assert zinfjax.optim.isa() in ("avx512", "avx2", "generic")
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_mismatched_tree_structure():
+  params = make_params()
+  tx = zinfjax.optim.adamw(1e-3, offload="pinned_host")
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="do not match the params the optimizer was initialized with"):
+    tx.update({"w": params["w"], "b": params["b"]}, state, params)
+
+
+def test_non_float_leaves():
+  with pytest.raises(ValueError, match=r"\['step'\] has dtype int32"):
+    zinfjax.optim.adamw(1e-3).init({"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)})
+
+
+def test_bad_options():
+  with pytest.raises(ValueError, match="offload must be one of"):
+    zinfjax.optim.adamw(1e-3, offload="disk")
+  with pytest.raises(ValueError, match="needs nvme_path"):
+    zinfjax.optim.adamw(1e-3, offload="nvme")
+
+
+def test_nvme_store_missing_or_corrupted(tmp_path):
+  params = make_params()
+  tx = offloaded(tmp_path, "nvme", 1e-3)
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx.update(grads, state, params)
+  store = tx.nvme.store
+  entry = store.entry("adam/2/m")
+  with open(os.path.join(store.folder, "swap.bin"), "r+b") as f:
+    f.seek(entry["offset"] + 100)
+    f.write(b"\x01\x02\x03\x04")
+  with pytest.raises(Exception, match="checksum mismatch for shard 'adam/2/m'"):
+    jax.block_until_ready(tx.update(grads, state, params))
+  os.truncate(os.path.join(store.folder, "swap.bin"), 0)
+  with pytest.raises(Exception, match="truncated"):
+    jax.block_until_ready(tx.update(grads, state, params))
