@@ -1,0 +1,197 @@
+"""AdamW throughput on the CPU: zinfjax's fused kernel against its peers and memory bandwidth.
+
+  python scripts/bench_adam.py --params 1e8 [--json]
+  python scripts/bench_adam.py --params 1e8 --nvme-params 1e9 --nvme-path /mnt/nvme
+
+Table 1: parameters per second of one AdamW step over `--params` parameters
+(fp32 master and moments) for the zinfjax C++ kernel (bf16 grads in, bf16
+params out), optax.adamw jitted on the CPU backend (fp32), torch
+AdamW(fused=True) and DeepSpeedCPUAdam when installed. The memory-bandwidth
+bound is copy bandwidth measured in the same run divided by the bytes one
+update moves per parameter (28: read master, m, v, grad; write master, m, v,
+params). Table 2 (with --nvme-params): one NVMe-offloaded step over that many
+parameters against (bytes read / read bandwidth + bytes written / write
+bandwidth) of the disk, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from _disk import disk_ceiling
+
+BYTES_PER_PARAM = 28
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--params", type=float, default=1e8)
+  p.add_argument("--repeats", type=int, default=5, help="timed steps per row (best kept)")
+  p.add_argument("--nvme-params", type=float, default=0, help="also time an NVMe step this large")
+  p.add_argument("--nvme-path", default=None)
+  p.add_argument("--sub-group", type=float, default=5e7, help="NVMe sub-group size (elements)")
+  p.add_argument("--json", action="store_true")
+  return p.parse_args(argv)
+
+
+def best_time(fn, repeats: int) -> float:
+  fn()  # warm up (compile, page faults)
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return min(times)
+
+
+def copy_bandwidth(n_bytes: int, repeats: int) -> float:
+  """Bytes moved per second (read + write) by a large memcpy on every core at once."""
+  from concurrent.futures import ThreadPoolExecutor
+  a = np.ones(n_bytes // 4, np.float32)
+  b = np.ones_like(a)
+  workers = os.cpu_count() or 1
+  parts = np.array_split(np.arange(a.size), workers)
+  bounds = [(p[0], p[-1] + 1) for p in parts if len(p)]
+  with ThreadPoolExecutor(workers) as pool:  # numpy releases the GIL while copying
+    t = best_time(lambda: list(pool.map(lambda r: np.copyto(b[r[0]:r[1]], a[r[0]:r[1]]), bounds)),
+                  repeats)
+  return 2 * a.nbytes / t
+
+
+def bench_zinfjax(n: int, repeats: int) -> float:
+  import ml_dtypes
+  from zinfjax.optim.kernel import AdamConstants, adamw_numpy
+  rng = np.random.default_rng(0)
+  master = rng.standard_normal(n, np.float32)
+  m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+  grad = rng.standard_normal(n, np.float32).astype(ml_dtypes.bfloat16)
+  out = np.empty(n, ml_dtypes.bfloat16)
+  c = AdamConstants(0.9, 0.999, 1e-8)
+  return best_time(lambda: adamw_numpy(master, m, v, grad, out, 1e-3, 0.1, 0.001, c, 0.01), repeats)
+
+
+def bench_optax(n: int, repeats: int) -> float:
+  import jax
+  import jax.numpy as jnp
+  import optax
+  tx = optax.adamw(1e-3, weight_decay=0.01)
+  params = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+  grads = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+  state = [params, tx.init(params)]
+
+  @jax.jit
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+
+  def run():
+    state[0], state[1] = step(state[0], state[1], grads)
+    jax.block_until_ready(state[0])
+
+  return best_time(run, repeats)
+
+
+def bench_torch(n: int, repeats: int) -> float | None:
+  try:
+    import torch
+  except ImportError:
+    return None
+  p = torch.nn.Parameter(torch.randn(n))
+  p.grad = torch.randn(n)
+  opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
+  return best_time(opt.step, repeats)
+
+
+def bench_deepspeed(n: int, repeats: int) -> float | None:
+  try:
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+  except Exception:  # noqa: BLE001 - not installed or its op does not build here
+    return None
+  p = torch.nn.Parameter(torch.randn(n))
+  p.grad = torch.randn(n)
+  opt = DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01)
+  return best_time(opt.step, repeats)
+
+
+def bench_nvme(n: int, path: str, sub_group: int) -> dict:
+  import ml_dtypes
+  import jax.numpy as jnp
+  from zinfjax.optim.kernel import AdamConstants
+  from zinfjax.optim.nvme import NvmeAdam
+  folder = tempfile.mkdtemp(prefix="zinfjax-bench-adam-", dir=path)
+  try:
+    c = AdamConstants(0.9, 0.999, 1e-8)
+    pipe = NvmeAdam(folder, sub_group_size=sub_group, constants=c)
+    pipe.configure([(n,)])
+    params = np.random.default_rng(0).standard_normal(n, np.float32)
+    pipe.host_init(params)
+    grad = params.astype(ml_dtypes.bfloat16)
+    del params
+    tool, write_bw, read_bw = disk_ceiling(folder, min(8 << 30, 12 * n // 4))
+    pipe.host_step([0.01], [jnp.bfloat16], 1e-3, 0.1, 0.001, grad)
+    stats = dict(pipe.last_step)
+    pipe.close()
+    io_bound = stats["bytes_read"] / (read_bw * 1e9) + stats["bytes_written"] / (write_bw * 1e9)
+    return {"params": n, "step_s": stats["step_s"], "io_bound_s": io_bound,
+            "ratio": stats["step_s"] / io_bound, "disk_tool": tool, "disk_read_gbps": read_bw,
+            "disk_write_gbps": write_bw, "breakdown": stats, "pinned_bytes": pipe.pinned_bytes}
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  from zinfjax.optim import isa
+  n = int(args.params)
+  bandwidth = copy_bandwidth(min(n * 4, 1 << 30), args.repeats)
+  bound = bandwidth / BYTES_PER_PARAM
+  rows = {"zinfjax C++ AdamW (" + isa() + ")": bench_zinfjax(n, args.repeats),
+          "optax.adamw (jit, CPU)": bench_optax(n, args.repeats),
+          "torch AdamW(fused=True)": bench_torch(n, args.repeats),
+          "DeepSpeedCPUAdam": bench_deepspeed(n, args.repeats)}
+  report = {"params": n, "copy_bandwidth_gbps": bandwidth / 1e9, "bound_params_per_s": bound,
+            "rows": {k: None if t is None else {"seconds": t, "params_per_s": n / t,
+                                                "vs_bound": n / t / bound}
+                     for k, t in rows.items()}}
+  if args.nvme_params:
+    report["nvme"] = bench_nvme(int(args.nvme_params), args.nvme_path or tempfile.gettempdir(),
+                                int(args.sub_group))
+  if args.json:
+    print(json.dumps(report, indent=2))
+    return 0
+  print(f"AdamW step over {n:.2e} params; copy bandwidth {bandwidth / 1e9:.1f} GB/s -> bound "
+        f"{bound / 1e9:.3f} G params/s at {BYTES_PER_PARAM} B/param")
+  print(f"{'':32} {'params/s':>12} {'vs bound':>9} {'vs optax':>9}")
+  optax_t = rows["optax.adamw (jit, CPU)"]
+  for name, t in rows.items():
+    if t is None:
+      print(f"{name:32} {'not installed':>12}")
+      continue
+    print(f"{name:32} {n / t:12.3e} {n / t / bound:9.0%} {optax_t / t:8.2f}x")
+  if args.nvme_params:
+    r = report["nvme"]
+    b = r["breakdown"]
+    print(f"\nNVMe-offloaded step over {r['params']:.2e} params (sub-groups of {int(args.sub_group):.1e}, "
+          f"{r['pinned_bytes'] / 2**30:.2f} GiB pinned):")
+    print(f"  step {r['step_s']:.2f} s | I/O bound {r['io_bound_s']:.2f} s "
+          f"({b['bytes_read'] / 1e9:.1f} GB read at {r['disk_read_gbps']:.2f} GB/s + "
+          f"{b['bytes_written'] / 1e9:.1f} GB written at {r['disk_write_gbps']:.2f} GB/s) | "
+          f"ratio {r['ratio']:.2f}")
+    print(f"  waits: read {b['read_wait_s']:.2f} s, write {b['write_wait_s']:.2f} s, "
+          f"compute {b['compute_s']:.2f} s  (disk: {r['disk_tool']})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
