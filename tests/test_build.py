@@ -17,8 +17,7 @@ def test_bazel_and_cmake_build_the_same_sources():
   in_bazel = sources(bazel, r'"(ffi/[\w/]+\.cc)"')
   assert in_cmake == in_bazel
   on_disk = {os.path.relpath(os.path.join(d, f), REPO).replace(os.sep, "/")
-             for d, _, files in os.walk(os.path.join(REPO, "ffi")) for f in files if f.endswith(".cc")
-             if "cuda" not in d}
+             for d, _, files in os.walk(os.path.join(REPO, "ffi")) for f in files if f.endswith(".cc")}
   assert on_disk == in_cmake, "every C++ source is built by both"
 
 
@@ -27,3 +26,13 @@ def test_engine_module_is_built_and_installed():
   assert _engine.ALIGNMENT == 4096
   assert _engine.align_up(1) == 4096 and _engine.align_up(8192) == 8192
   assert _engine.build_info()["cplusplus"] >= 201703
+
+
+def test_cuda_module_when_the_toolkit_was_found():
+  """Where CMake found CUDA, the handler module is built and loads without a GPU."""
+  import importlib.util
+  import pytest
+  if importlib.util.find_spec("zinfjax._engine_cuda") is None:
+    pytest.skip("built without the CUDA toolkit: CPU handlers only")
+  from zinfjax import _engine_cuda
+  assert set(_engine_cuda.registrations()) == {"zinfjax_swap_write", "zinfjax_swap_read"}
