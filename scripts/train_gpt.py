@@ -25,6 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3))
   p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
   p.add_argument("--prefetch-depth", type=int, default=1)
+  p.add_argument("--tiles", type=int, default=1,
+                 help="memory-centric tiling of each block's matrix products (ZeRO-3)")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch-size", type=int, default=16, help="global batch (examples per step)")
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
   config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
                       num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
   zero = zinfjax.ZeroConfig(stage=args.zero_stage, precision=args.precision,
-                            prefetch_depth=args.prefetch_depth)
+                            prefetch_depth=args.prefetch_depth, tiles=args.tiles)
   mesh = zinfjax.make_mesh(args.devices)
   dp = mesh.shape[zero.axis]
   if args.batch_size % dp:

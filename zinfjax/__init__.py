@@ -13,7 +13,8 @@ from . import _ffi, optim  # noqa: F401  (_ffi registers the XLA handlers)
 from .config import ZeroConfig
 from .layers import Stack
 from .mesh import make_mesh
+from .tiling import TiledLinear, tile_matmuls
 from .train import TrainState, init, make_train_step, train_step
 
-__all__ = ["ZeroConfig", "Stack", "TrainState", "init", "make_mesh", "make_train_step",
+__all__ = ["ZeroConfig", "Stack", "TiledLinear", "tile_matmuls", "TrainState", "init", "make_mesh", "make_train_step",
            "train_step"]

@@ -22,6 +22,9 @@ class ZeroConfig:
       layer norms): gathering them costs more latency than it saves memory.
     prefetch_depth: layers gathered ahead of the one computing (0 = none).
     axis: name of the data-parallel mesh axis.
+    tiles: memory-centric tiling (stage 3): each large matrix product in a
+      block runs as a scan over this many tiles of its weight, each tile's
+      shard gathered, used and released in turn (1 = off).
   """
 
   stage: int = 3
@@ -29,6 +32,7 @@ class ZeroConfig:
   persistence_threshold: int = 0
   prefetch_depth: int = 1
   axis: str = "data"
+  tiles: int = 1
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -45,6 +49,13 @@ class ZeroConfig:
     if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
       raise ValueError(
           f"ZeroConfig.prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}.")
+
+    if not isinstance(self.tiles, int) or self.tiles < 1:
+      raise ValueError(f"ZeroConfig.tiles must be an int >= 1, got {self.tiles!r}.")
+    if self.tiles > 1 and self.stage != 3:
+      raise ValueError(
+          f"ZeroConfig.tiles={self.tiles} needs stage=3: tiling gathers each weight tile from its "
+          "shards, and stages 1 and 2 keep whole params on every device.")
 
   @property
   def compute_dtype(self):

@@ -88,14 +88,31 @@ class ScanPlan:
   num_layers: int
   prefetch_depth: int
   axis_name: str
+  tiles: int = 1          # > 1: gather large weights tile by tile (memory-centric tiling)
 
-  def apply(self, full_params: Any, x: jax.Array) -> jax.Array:
-    return nnx.merge(self.graphdef, full_params)(x)
+  def apply(self, params: Any, x: jax.Array) -> jax.Array:
+    """One block on `x`: `params` are gathered, or (tiles > 1) this layer's local shards."""
+    if self.tiles == 1:
+      return nnx.merge(self.graphdef, params)(x)
+    from .tiling import tile_matmuls
+    run = lambda shards, x: nnx.merge(self.graphdef, _tree_gather(shards, self.layouts,
+                                                                  self.axis_name))(x)
+    return tile_matmuls(run, tiles=self.tiles)(params, x)
 
   def fetch_layer(self, shards: Any, i) -> Any:
     i = jnp.clip(i, 0, self.num_layers - 1)
     layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), shards)
+    if self.tiles > 1:  # gathered inside the tiled block, one tile at a time
+      return layer
     return _tree_gather(layer, self.layouts, self.axis_name)
+
+  def reduce_grads(self, grads: Any) -> Any:
+    """Per-layer grads -> this rank's shards (reduce-scatter; already done when tiled)."""
+    if self.tiles == 1:
+      return _tree_reduce_scatter(grads, self.layouts, self.axis_name)
+    # the tiled block differentiated through its all-gathers: only whole leaves need a sum
+    return jax.tree.map(lambda g, lay: lax.psum(g, self.axis_name) if lay.axis is None else g,
+                        grads, self.layouts, is_leaf=is_layout)
 
 
 def _forward(plan: ScanPlan, shards, x):
@@ -138,7 +155,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
     h = lax.dynamic_index_in_dim(inputs, i, 0, keepdims=False)
     _, vjp = jax.vjp(plan.apply, full, h)
     g_full, g_h = vjp(g)
-    return (g_h, queue), _tree_reduce_scatter(g_full, plan.layouts, plan.axis_name)
+    return (g_h, queue), plan.reduce_grads(g_full)
 
   queue = tuple(plan.fetch_layer(shards, last - k) for k in range(depth))
   (g_x, _), g_shards = lax.scan(body, (g_y, queue), jnp.arange(plan.num_layers), reverse=True)

@@ -201,7 +201,7 @@ def _local_loss_and_grads(engine: Engine, loss_fn: LossFn, params: Any, batch: A
         plan = G.ScanPlan(nnx.graphdef(stack.block),
                           jax.tree.map(lambda lay: lay.layer(), _get(engine.layouts, p + ("block",)),
                                        is_leaf=is_layout),
-                          stack.num_layers, config.prefetch_depth, axis)
+                          stack.num_layers, config.prefetch_depth, axis, config.tiles)
         _set_attr(model, p, G.ZeroStack(plan, shards))
     else:
       model = nnx.merge(engine.graphdef, params)
