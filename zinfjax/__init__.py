@@ -14,7 +14,7 @@ from .config import ZeroConfig
 from .layers import Stack
 from .mesh import make_mesh
 from .tiling import TiledLinear, tile_matmuls
-from .train import TrainState, init, make_train_step, train_step
+from .train import TrainState, abstract_init, init, make_train_step, train_step
 
-__all__ = ["ZeroConfig", "Stack", "TiledLinear", "tile_matmuls", "TrainState", "init", "make_mesh", "make_train_step",
+__all__ = ["ZeroConfig", "Stack", "TiledLinear", "tile_matmuls", "TrainState", "abstract_init", "init", "make_mesh", "make_train_step",
            "train_step"]

@@ -108,6 +108,20 @@ def init(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTran
     mesh: a mesh with a `config.axis` axis (see `make_mesh`).
     rng: seed or PRNG key for the parameters.
   """
+  return _create(model_factory, tx, config, mesh, rng, abstract=False)
+
+
+def abstract_init(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
+                  config: ZeroConfig, mesh: Mesh) -> TrainState:
+  """The `TrainState` `init` would make, as sharded `ShapeDtypeStruct`s: nothing is allocated.
+
+  Lower a step on it to read its memory before committing to a model size:
+  `make_train_step(s, loss).jitted.lower(s, batch).compile().memory_analysis()`.
+  """
+  return _create(model_factory, tx, config, mesh, 0, abstract=True)
+
+
+def _create(model_factory, tx, config, mesh, rng, *, abstract: bool) -> TrainState:
   if config.axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.shape)} have no {config.axis!r} axis; "
                      "build the mesh with zinfjax.make_mesh().")
@@ -119,12 +133,16 @@ def init(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTran
                          {p + ("block",) for p in stack_paths},
                          mesh.shape[config.axis], config.persistence_threshold)
   engine = Engine(graphdef, layouts, stack_paths, config, mesh, tx)
+  run = jax.eval_shape if abstract else (lambda f, *args: f(*args))
   key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
-  master = master_initializer(engine, model_factory)(key)
+  master = run(master_initializer(engine, model_factory), key)
   storage = engine.named(engine.storage_specs())
-  opt_state = jax.jit(tx.init, out_shardings=_opt_state_shardings(engine, master, storage))(master)
-  params = _refresh_params(engine, master)
-  step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+  opt_init = jax.jit(tx.init, out_shardings=_opt_state_shardings(engine, master, storage))
+  opt_state = run(opt_init, master)
+  compute = engine.named(engine.compute_specs())
+  params = None if (config.stage == 3 and config.precision == "fp32") else run(
+      jax.jit(lambda m: _refresh_params(engine, m), out_shardings=compute), master)
+  step = run(jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P())))
   return TrainState(step, params, master, opt_state, engine)
 
 
