@@ -18,6 +18,7 @@
 #include "core/buffer.h"
 #include "core/store.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla/ffi_util.h"
 
 namespace ffi = xla::ffi;
 namespace py = pybind11;
@@ -47,24 +48,6 @@ Staging& staging() {
   return *s;
 }
 
-const char* DtypeName(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::BF16: return "bfloat16";
-    default: return "unknown";
-  }
-}
-
-std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  return std::vector<int64_t>(d.begin(), d.end());
-}
-
 ffi::Error Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
@@ -88,15 +71,11 @@ ffi::Error Guard(int64_t handle, F&& body) {
   }
 }
 
-std::string Key(std::string_view base, int32_t rank, int32_t layer) {
-  return std::string(base) + "/r" + std::to_string(rank) + "/l" + std::to_string(layer);
-}
-
 ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> token, int64_t store,
                      std::string_view key) {
   return Guard(store, [&](SwapStore& s) {
-    std::string k = Key(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
+    std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     std::lock_guard<std::mutex> lock(staging().mu);
     uint8_t* host = staging().Get(x.size_bytes());
     if (auto e = Check(cudaMemcpyAsync(host, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream), "copy to host"); e.failure()) return e;
@@ -112,7 +91,7 @@ ffi::Error ReadImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffe
                     std::string_view key) {
   (void)token;
   return Guard(store, [&](SwapStore& s) {
-    std::string k = Key(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
+    std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     std::lock_guard<std::mutex> lock(staging().mu);
     uint8_t* host = staging().Get(y->size_bytes());
     s.Wait(s.ReadAsync(k, host, y->size_bytes(), DtypeName(y->element_type()), Dims(*y)));

@@ -15,6 +15,7 @@
 
 #include "core/store.h"
 #include "xla/ffi/api/ffi.h"
+#include "xla/ffi_util.h"
 
 namespace ffi = xla::ffi;
 
@@ -23,34 +24,9 @@ namespace {
 
 std::atomic<int32_t> write_tokens{1};
 
-const char* DtypeName(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::PRED: return "bool";
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::S16: return "int16";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::U16: return "uint16";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::U64: return "uint64";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::BF16: return "bfloat16";
-    default: return "unknown";
-  }
-}
-
-std::vector<int64_t> Dims(const ffi::AnyBuffer& b) {
-  auto d = b.dimensions();
-  return std::vector<int64_t>(d.begin(), d.end());
-}
-
 std::string Key(std::string_view base, const ffi::Buffer<ffi::S32>& rank,
                 const ffi::Buffer<ffi::S32>& layer) {
-  return std::string(base) + "/r" + std::to_string(rank.typed_data()[0]) + "/l" +
-         std::to_string(layer.typed_data()[0]);
+  return ShardKey(base, rank.typed_data()[0], layer.typed_data()[0]);
 }
 
 template <typename F>
