@@ -104,7 +104,7 @@ def _maybe_tiled_dot(eqn, invals, producers, read, tiles, max_tile_bytes):
   w = invals[w_index]
   weight_bytes = w.size * w.dtype.itemsize
   n = _tile_count(weight_bytes, tiles, max_tile_bytes)
-  if n <= 1 or (max_tile_bytes is not None and weight_bytes <= max_tile_bytes):
+  if n <= 1:  # fits in one tile
     return plain()
   gather = producers.get(eqn.invars[w_index])
   gathered = None

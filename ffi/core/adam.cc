@@ -36,12 +36,7 @@ __attribute__((always_inline)) inline void Body(float* __restrict master, float*
     v[i] = vi;
     master[i] = p;
     if constexpr (P == Precision::kF32) pf[i] = p;
-    if constexpr (P == Precision::kBF16) {
-      uint32_t bits;
-      std::memcpy(&bits, &p, 4);
-      uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-      pb[i] = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
-    }
+    if constexpr (P == Precision::kBF16) pb[i] = ToBF16(p);
   }
 }
 

@@ -33,13 +33,13 @@ void AdamW(float* master, float* m, float* v, const void* grad, Precision grad_t
 // The instruction set the kernel dispatches to on this CPU: avx512, avx2 or generic.
 const char* AdamIsa();
 
-// float -> bf16 bits, round to nearest even (NaN stays NaN).
+// float -> bf16 bits, round to nearest even (NaN stays NaN). Branch-free so
+// the kernel's loop still vectorizes.
 inline uint16_t ToBF16(float f) {
   uint32_t bits;
   __builtin_memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
+  uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
 }
 
 }  // namespace zinfjax

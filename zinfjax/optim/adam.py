@@ -23,7 +23,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.experimental import io_callback
 from jax.experimental.compute_on import compute_on
