@@ -5,10 +5,14 @@ local shards. `fetch` turns a shard into the full tensor (all-gather) and its
 transpose reduce-scatters the gradient back to the shard. `layer_scan` runs a
 stack of blocks one layer at a time:
 
-  forward   gather layer i+d while layer i computes (d = prefetch depth);
-            keep only each layer's input (one activation checkpoint per block)
+  forward   bring layer i+d from its tier (device, pinned host, NVMe) and
+            gather it while layer i computes (d = prefetch depth), with NVMe
+            reads running further ahead (see `schedule.py`); keep only each
+            layer's input (one activation checkpoint per block, optionally in
+            pinned host memory)
   backward  re-gather layer i (prefetching i-d), recompute the block from its
-            checkpoint, reduce-scatter layer i's gradient to its shard
+            checkpoint, reduce-scatter layer i's gradient to its shard and send
+            it to the tier of its params
 
 so no more than d+1 gathered layers are alive at once, and gathered params are
 never saved as residuals.
@@ -25,7 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from .offload import tiers
 from .partition import LeafLayout, is_layout
+from .schedule import LayerSchedule, layer_schedule
 
 
 def gather(x: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:
@@ -69,6 +75,34 @@ def _fetch_bwd(layout, axis_name, _, g):
 fetch.defvjp(_fetch_fwd, _fetch_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def fetch_from(x: jax.Array, layout: LeafLayout, axis_name: str, tier: str,
+               nvme: tuple | None = None) -> jax.Array:
+  """`fetch` of a leaf held on `tier`; its gradient goes back to that tier.
+
+  On NVMe, `x` is an anchor (float32[1, 2]) and `nvme` its (param, grad) `NvmeLeaf`s: the
+  shard is read from the swap store, the gradient shard written there, and
+  the anchor's gradient is `[token, sum of squares]` of that write.
+  """
+  return _fetch_from_fwd(x, layout, axis_name, tier, nvme)[0]
+
+
+def _fetch_from_fwd(x, layout, axis_name, tier, nvme):
+  local = nvme[0].read(0, tiers.rank(axis_name)) if tier == "nvme" else tiers.to_device(x, tier)
+  return gather(local, layout, axis_name), x if tier == "nvme" else None
+
+
+def _fetch_from_bwd(layout, axis_name, tier, nvme, anchor, g):
+  g = reduce_scatter(g, layout, axis_name)
+  if tier != "nvme":
+    return (tiers.to_tier(g, tier),)
+  token = nvme[1].write(g, tiers.rank(axis_name)).astype(jnp.float32)
+  return (jnp.stack([token, _sum_squares(g, layout, axis_name)]).reshape(anchor.shape),)
+
+
+fetch_from.defvjp(_fetch_from_fwd, _fetch_from_bwd)
+
+
 def _tree_gather(shards, layouts, axis_name):
   return jax.tree.map(lambda x, lay: gather(x, lay, axis_name), shards, layouts,
                       is_leaf=is_layout)
@@ -81,7 +115,7 @@ def _tree_reduce_scatter(grads, layouts, axis_name):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScanPlan:
-  """Static description of one stack: the block's graph, per-layer layouts, depth."""
+  """Static description of one stack: the block's graph, per-layer layouts, tiers, depths."""
 
   graphdef: Any
   layouts: Any            # tree of per-layer LeafLayout
@@ -89,6 +123,11 @@ class ScanPlan:
   prefetch_depth: int
   axis_name: str
   tiles: int = 1          # > 1: gather large weights tile by tile (memory-centric tiling)
+  param_tier: str = "device"
+  nvme: Any = None        # param_tier "nvme": tree of NvmeLeaf for params and grads
+  grad_nvme: Any = None
+  nvme_depth: int = 0     # NVMe reads run this many layers ahead of the device prefetch
+  offload_activations: bool = False
 
   def apply(self, params: Any, x: jax.Array) -> jax.Array:
     """One block on `x`: `params` are gathered, or (tiles > 1) this layer's local shards."""
@@ -99,12 +138,14 @@ class ScanPlan:
                                                                   self.axis_name))(x)
     return tile_matmuls(run, tiles=self.tiles)(params, x)
 
-  def fetch_layer(self, shards: Any, i) -> Any:
-    i = jnp.clip(i, 0, self.num_layers - 1)
-    layer = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), shards)
+  def schedule(self, reverse: bool) -> LayerSchedule:
+    depth = self.nvme_depth if self.param_tier == "nvme" else 0
+    return layer_schedule(self.num_layers, self.prefetch_depth, depth, reverse=reverse)
+
+  def gather_layer(self, local: Any) -> Any:
     if self.tiles > 1:  # gathered inside the tiled block, one tile at a time
-      return layer
-    return _tree_gather(layer, self.layouts, self.axis_name)
+      return local
+    return _tree_gather(local, self.layouts, self.axis_name)
 
   def reduce_grads(self, grads: Any) -> Any:
     """Per-layer grads -> this rank's shards (reduce-scatter; already done when tiled)."""
@@ -114,26 +155,92 @@ class ScanPlan:
     return jax.tree.map(lambda g, lay: lax.psum(g, self.axis_name) if lay.axis is None else g,
                         grads, self.layouts, is_leaf=is_layout)
 
+  def save_activation(self, h: jax.Array) -> jax.Array:
+    return tiers.to_tier(h, "pinned_host") if self.offload_activations else h
+
+  def load_activation(self, inputs: jax.Array, i) -> jax.Array:
+    h = lax.dynamic_index_in_dim(inputs, i, 0, keepdims=False)
+    return tiers.to_device(h, "pinned_host") if self.offload_activations else h
+
+
+class _Fetcher:
+  """Brings layers from the param tier to the device, gathered, `prefetch_depth` ahead.
+
+  State (a pytree carried through the scan): the queue of gathered layers and,
+  for NVMe, the tickets of the reads in flight.
+  """
+
+  def __init__(self, plan: ScanPlan, shards: Any, schedule: LayerSchedule):
+    self.plan, self.shards, self.sched = plan, shards, schedule
+    self.nvme = plan.param_tier == "nvme"
+    self.rank = tiers.rank(plan.axis_name) if self.nvme else None
+
+  def _start(self, layer) -> Any:
+    return jax.tree.map(lambda leaf: leaf.start(0, self.rank, layer), self.plan.nvme)
+
+  def _local(self, layer, pending) -> tuple[Any, tuple]:
+    """This rank's shard of `layer` on the device (consuming the oldest read in flight)."""
+    plan = self.plan
+    if not self.nvme:
+      local = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False),
+                           self.shards)
+      return jax.tree.map(lambda x: tiers.to_device(x, plan.param_tier), local), pending
+    if not pending:
+      return jax.tree.map(lambda leaf: leaf.read(0, self.rank, layer), plan.nvme), pending
+    oldest, pending = pending[0], pending[1:]
+    return jax.tree.map(lambda leaf, t: leaf.wait(t), plan.nvme, oldest), pending
+
+  def prologue(self) -> tuple:
+    pending = ()
+    if self.nvme and self.plan.nvme_depth:
+      pending = tuple(self._start(layer) for layer in self.sched.prologue_read)
+    queue = []
+    for layer in self.sched.prologue_arrive:
+      local, pending = self._local(layer, pending)
+      queue.append(self.plan.gather_layer(local))
+    return tuple(queue), pending
+
+  def next(self, state: tuple, i) -> tuple[Any, tuple]:
+    """The gathered layer at position `i`; starts the fetches the schedule puts at `i`."""
+    queue, pending = state
+    arrive, read = jnp.asarray(self.sched.arrive)[i], jnp.asarray(self.sched.read)[i]
+    if self.nvme and self.plan.nvme_depth:
+      pending = pending + (self._start(read),)
+    if not queue:  # no device prefetch: fetch the layer we compute now
+      local, pending = self._local(arrive, pending)
+      return self.plan.gather_layer(local), (queue, pending)
+    local, pending = self._local(arrive, pending)
+    queue = queue[1:] + (self.plan.gather_layer(local),)
+    return state[0][0], (queue, pending)
+
+  def drain(self, state: tuple) -> None:
+    """Wait for the clamped reads still in flight past the last layer (frees their buffers)."""
+    for tickets in state[1]:
+      jax.tree.map(lambda leaf, t: leaf.wait(t), self.plan.nvme, tickets)
+
 
 def _forward(plan: ScanPlan, shards, x):
-  depth = plan.prefetch_depth
+  sched = plan.schedule(reverse=False)
+  fetcher = _Fetcher(plan, shards, sched)
 
   def body(carry, i):
-    h, queue = carry
-    if depth:
-      full, queue = queue[0], queue[1:] + (plan.fetch_layer(shards, i + depth),)
-    else:
-      full = plan.fetch_layer(shards, i)
-    return (plan.apply(full, h), queue), h
+    h, state = carry
+    full, state = fetcher.next(state, i)
+    return (plan.apply(full, h), state), plan.save_activation(h)
 
-  queue = tuple(plan.fetch_layer(shards, k) for k in range(depth))
-  (y, _), inputs = lax.scan(body, (x, queue), jnp.arange(plan.num_layers))
+  (y, state), inputs = lax.scan(body, (x, fetcher.prologue()), jnp.arange(plan.num_layers))
+  fetcher.drain(state)
   return y, inputs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def layer_scan(plan: ScanPlan, shards: Any, x: jax.Array) -> jax.Array:
-  """Run all layers of a stack on `x`; `shards` are the stacked local shards."""
+  """Run all layers of a stack on `x`; `shards` are the stacked local shards.
+
+  With params on NVMe, `shards` is a tree of per-leaf anchors (float32[1, 2]):
+  the data comes from the swap store, and each anchor's gradient is
+  `[token, sum of squares]` of the gradients written back there.
+  """
   return _forward(plan, shards, x)[0]
 
 
@@ -144,22 +251,38 @@ def _layer_scan_fwd(plan, shards, x):
 
 def _layer_scan_bwd(plan, residuals, g_y):
   shards, inputs = residuals
-  depth, last = plan.prefetch_depth, plan.num_layers - 1
+  sched = plan.schedule(reverse=True)
+  fetcher = _Fetcher(plan, shards, sched)
+  to_nvme = plan.param_tier == "nvme"
+  rank = tiers.rank(plan.axis_name) if to_nvme else None
 
   def body(carry, i):
-    g, queue = carry
-    if depth:
-      full, queue = queue[0], queue[1:] + (plan.fetch_layer(shards, i - depth),)
-    else:
-      full = plan.fetch_layer(shards, i)
-    h = lax.dynamic_index_in_dim(inputs, i, 0, keepdims=False)
-    _, vjp = jax.vjp(plan.apply, full, h)
+    g, state, sums = carry
+    full, state = fetcher.next(state, i)
+    _, vjp = jax.vjp(plan.apply, full, plan.load_activation(inputs, i))
     g_full, g_h = vjp(g)
-    return (g_h, queue), plan.reduce_grads(g_full)
+    g_shard = plan.reduce_grads(g_full)
+    if not to_nvme:
+      return (g_h, state, sums), jax.tree.map(lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
+    sums = jax.tree.map(
+        lambda s, leaf, x, lay: s + jnp.stack([leaf.write(x, rank, i).astype(jnp.float32),
+                                               _sum_squares(x, lay, plan.axis_name)]),
+        sums, plan.grad_nvme, g_shard, plan.layouts, is_leaf=is_layout)
+    return (g_h, state, sums), None
 
-  queue = tuple(plan.fetch_layer(shards, last - k) for k in range(depth))
-  (g_x, _), g_shards = lax.scan(body, (g_y, queue), jnp.arange(plan.num_layers), reverse=True)
+  sums = jax.tree.map(lambda a: jnp.zeros((2,), jnp.float32), shards) if to_nvme else None
+  (g_x, state, sums), g_shards = lax.scan(
+      body, (g_y, fetcher.prologue(), sums), jnp.arange(plan.num_layers), reverse=True)
+  fetcher.drain(state)
+  if to_nvme:
+    g_shards = jax.tree.map(lambda s, a: s.reshape(a.shape), sums, shards)
   return g_shards, g_x
+
+
+def _sum_squares(g: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:
+  """This rank's share of the squared gradient norm (whole leaves count 1/dp per rank)."""
+  s = jnp.sum(jnp.square(g.astype(jnp.float32)))
+  return s if layout.axis is not None else s / lax.axis_size(axis_name)
 
 
 layer_scan.defvjp(_layer_scan_fwd, _layer_scan_bwd)

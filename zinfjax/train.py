@@ -39,6 +39,10 @@ class Engine:
   config: ZeroConfig
   mesh: Mesh
   tx: optax.GradientTransformation
+  store: Any = None        # the process's swap store when a state is on NVMe
+  param_nvme: Any = None   # tree of NvmeLeaf: params / grads in the swap store
+  grad_nvme: Any = None
+  pipeline: Any = None     # the NVMe optimizer pipeline (offload_optimizer="nvme")
   _steps: dict = dataclasses.field(default_factory=dict)
 
   @property
@@ -53,9 +57,14 @@ class Engine:
       return self.storage_specs()
     return jax.tree.map(lambda lay: P(), self.layouts, is_leaf=is_layout)
 
-  def named(self, specs: Any) -> Any:
-    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+  def named(self, specs: Any, memory_kind: str | None = None) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=memory_kind), specs,
                         is_leaf=lambda x: isinstance(x, P))
+
+  @property
+  def tiered(self) -> bool:
+    """Whether params or optimizer states leave the device (see `tiered.py`)."""
+    return "device" != self.config.offload_param or "device" != self.config.offload_optimizer
 
 
 @jax.tree_util.register_dataclass
@@ -75,7 +84,11 @@ class TrainState:
 
   def full_params(self, dtype=jnp.float32) -> Any:
     """The fp32 master params in their logical shapes, as a pure dict (for tests, export)."""
-    return jax.tree.map(lambda x, lay: lay.unpad(x).astype(dtype), self.master,
+    master = self.master
+    if master is None:  # on NVMe: gather the shards from the swap store
+      from .tiered import read_master
+      master = read_master(self.engine)
+    return jax.tree.map(lambda x, lay: lay.unpad(jnp.asarray(x)).astype(dtype), master,
                         self.engine.layouts)
 
   def model(self) -> nnx.Module:
@@ -135,6 +148,12 @@ def _create(model_factory, tx, config, mesh, rng, *, abstract: bool) -> TrainSta
   engine = Engine(graphdef, layouts, stack_paths, config, mesh, tx)
   run = jax.eval_shape if abstract else (lambda f, *args: f(*args))
   key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
+  if engine.tiered:
+    from . import tiered
+    engine = tiered.make_engine(engine, abstract=abstract)
+    params, master, opt_state = tiered.init_states(engine, model_factory, key, abstract=abstract)
+    step = run(jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P())))
+    return TrainState(step, params, master, opt_state, engine)
   master = run(master_initializer(engine, model_factory), key)
   storage = engine.named(engine.storage_specs())
   opt_init = jax.jit(tx.init, out_shardings=_opt_state_shardings(engine, master, storage))
@@ -208,18 +227,31 @@ def _local_loss_and_grads(engine: Engine, loss_fn: LossFn, params: Any, batch: A
   """Per-rank loss and gradients (already reduced to this rank's storage shard)."""
   config, axis, dp = engine.config, engine.config.axis, engine.dp
 
+  tier = config.offload_param
+  pairs = (None if engine.param_nvme is None else
+           jax.tree.map(lambda a, b: (a, b), engine.param_nvme, engine.grad_nvme))
+
+  def fetch(x, lay, pair=None):
+    if lay.stacked:
+      return x
+    return G.fetch(x, lay, axis) if tier == "device" else G.fetch_from(x, lay, axis, tier, pair)
+
   def loss_of(params):
     if config.stage == 3:
       stacked = {p: _get(params, p + ("block",)) for p in engine.stack_paths}
-      view = jax.tree.map(lambda x, lay: x if lay.stacked else G.fetch(x, lay, axis),
-                          params, engine.layouts)
+      view = (jax.tree.map(fetch, params, engine.layouts) if pairs is None else
+              jax.tree.map(fetch, params, engine.layouts, pairs))
       model = nnx.merge(engine.graphdef, view)
       for p, shards in stacked.items():
         stack = _get(model, p)
+        sub = lambda tree: None if tree is None else _get(tree, p + ("block",))
         plan = G.ScanPlan(nnx.graphdef(stack.block),
                           jax.tree.map(lambda lay: lay.layer(), _get(engine.layouts, p + ("block",)),
                                        is_leaf=is_layout),
-                          stack.num_layers, config.prefetch_depth, axis, config.tiles)
+                          stack.num_layers, config.prefetch_depth, axis, config.tiles,
+                          param_tier=tier, nvme=sub(engine.param_nvme),
+                          grad_nvme=sub(engine.grad_nvme), nvme_depth=config.nvme_prefetch_depth,
+                          offload_activations=config.offload_activations)
         _set_attr(model, p, G.ZeroStack(plan, shards))
     else:
       model = nnx.merge(engine.graphdef, params)
@@ -245,6 +277,10 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Callable[[TrainState,
   if cached is not None:
     return cached
   config, mesh = engine.config, engine.mesh
+  if engine.tiered:
+    from .tiered import make_step
+    engine._steps[loss_fn] = make_step(state, loss_fn)
+    return engine._steps[loss_fn]
 
   def step(state: TrainState, batch: Any):
     grad_fn = jax.shard_map(

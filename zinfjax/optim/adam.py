@@ -29,6 +29,7 @@ from jax.experimental.compute_on import compute_on
 
 from .kernel import AdamConstants, adamw_ffi, adamw_jnp, bias_corrections
 from .nvme import NvmeAdam
+from .sharded import AdamHyper
 
 TIERS = ("device", "pinned_host", "nvme")
 
@@ -181,6 +182,9 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
 
   tx = OffloadedTransformation(init, update)
   tx.nvme = nvme  # the NVMe pipeline (stats, store), None on other tiers
+  tx.offload = offload
+  # what `train_step` needs to run this AdamW itself on the tier ZeroConfig.offload_optimizer names
+  tx.hyper = AdamHyper(schedule, constants, float(weight_decay), mask)
   return tx
 
 

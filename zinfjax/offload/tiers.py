@@ -1,0 +1,84 @@
+"""One rank's shards moving between tiers inside a `shard_map`ped step.
+
+`device` and `pinned_host` are JAX memory kinds: a move is a `device_put`
+across memory spaces, which XLA runs asynchronously next to compute. `nvme`
+leaves live in the swap store: `NvmeLeaf` names one leaf's shards there
+(`{key}/r{rank}/l{layer}`, one file extent per rank and layer) and reads or
+writes them through the engine's XLA custom calls, so every rank moves only
+its own shard and all ranks' links work at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import swap
+
+DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
+KINDS = {"device": "device", "pinned_host": "pinned_host", "nvme": None}
+
+
+def to_device(x: jax.Array, tier: str) -> jax.Array:
+  """A shard held on `tier` (device or pinned_host) as a device array."""
+  return jax.device_put(x, DEVICE) if tier == "pinned_host" else x
+
+
+def to_tier(x: jax.Array, tier: str) -> jax.Array:
+  """A device array sent to `tier` (device or pinned_host)."""
+  return jax.device_put(x, HOST) if tier == "pinned_host" else x
+
+
+@dataclasses.dataclass(frozen=True)
+class NvmeLeaf:
+  """Where one leaf's per-rank shards live in the swap store, and their per-layer shape."""
+
+  store: int                  # handle of the process's AioStore
+  key: str                    # base key; shards are `{key}/r{rank}/l{layer}`
+  shape: tuple[int, ...]      # one layer's local shard
+  dtype: Any
+  layers: int | None = None   # stacked leaves: number of layers
+
+  @property
+  def like(self) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(self.shape, self.dtype)
+
+  def read(self, token, rank, layer=0) -> jax.Array:
+    return swap.read(self.store, self.key, self.like, token, rank=rank, layer=layer)
+
+  def start(self, token, rank, layer=0) -> jax.Array:
+    """Start reading layer `layer`; `wait` the returned ticket for the data."""
+    return swap.read_start(self.store, self.key, token, rank=rank, layer=layer)
+
+  def wait(self, ticket: jax.Array) -> jax.Array:
+    return swap.read_wait(self.store, ticket, self.like)
+
+  def write(self, x: jax.Array, rank, layer=0) -> jax.Array:
+    """Write one layer's shard; returns a token for the reads that need it."""
+    return swap.write(self.store, self.key, x.astype(self.dtype), rank=rank, layer=layer)
+
+  def read_all(self, token, rank) -> jax.Array:
+    """The whole local shard (all layers, stacked, for a stacked leaf)."""
+    if self.layers is None:
+      return self.read(token, rank)
+    return lax.map(lambda i: self.read(token, rank, i), jnp.arange(self.layers))
+
+  def write_all(self, x: jax.Array, rank) -> jax.Array:
+    """Write the whole local shard, layer by layer; returns one token for all of it."""
+    if self.layers is None:
+      return self.write(x, rank)
+
+    def one(token, i_x):
+      i, layer = i_x
+      return token + self.write(layer, rank, i), None
+
+    return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers), x))[0]
+
+
+def rank(axis_name: str) -> jax.Array:
+  """This device's position on the data axis: the rank in its shards' keys."""
+  return lax.axis_index(axis_name)

@@ -1,0 +1,237 @@
+"""AdamW over the engine's sharded states where they live: pinned host or NVMe.
+
+`train_step` uses these when `ZeroConfig.offload_optimizer` is a host tier:
+
+* `host_update` runs inside the step's `shard_map`: each rank's fp32 master
+  and moments stay in pinned host memory and the C++ kernel updates them on
+  the CPU (an XLA custom call under `compute_on("device_host")`), returning
+  the new compute params.
+* `NvmePipeline` runs on the host between steps: every rank's shard of every
+  layer of every leaf is one sub-group, streamed through three rotating
+  pinned buffer sets (read k+1 / update k / write k-1) so NVMe reads, the
+  CPU kernel and NVMe writes overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.compute_on import compute_on
+
+from ..offload import tiers
+from ..offload.store import AioStore, aligned_empty
+from .kernel import AdamConstants, adamw_ffi, adamw_numpy, bias_corrections
+
+SLOTS = 3  # reading k+1, computing k, writing k-1
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamHyper:
+  """The hyperparameters of a `zinfjax.optim.adamw`, for the engine to run it itself."""
+
+  schedule: Callable[[Any], Any]
+  constants: AdamConstants
+  weight_decay: float
+  mask: Any = None
+
+  def decays(self, params: Any) -> list[float]:
+    from .adam import _weight_decays
+    return _weight_decays(params, self.weight_decay, self.mask)
+
+  def scalars(self, count) -> tuple:
+    """(lr, bc1, bc2) of the step after `count` steps (count not yet incremented)."""
+    c = self.constants
+    bc1, bc2 = bias_corrections(c.b1, c.b2, count + 1)
+    return jnp.asarray(self.schedule(count), jnp.float32), bc1, bc2
+
+
+class HostAdamState(NamedTuple):
+  """Optimizer state of the engine's host AdamW: moments on pinned host (None on NVMe)."""
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def host_update(hyper: AdamHyper, decays: Sequence[float], count: jax.Array, masters: list,
+                mus: list, nus: list, grads: list, params_dtype) -> tuple[list, list, list, list]:
+  """One AdamW step on this rank's host-resident shards (call inside `shard_map`).
+
+  Returns the new masters, moments (pinned host) and compute params (device).
+  """
+  lr, bc1, bc2 = hyper.scalars(count)
+  grads = [tiers.to_tier(g, "pinned_host") for g in grads]
+
+  @compute_on("device_host")
+  @jax.jit
+  def update(masters, mus, nus, grads, lr, bc1, bc2):
+    out = [adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
+           for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
+    return [list(x) for x in zip(*out)]
+
+  new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2)
+  host = lambda xs: [tiers.to_tier(x, "pinned_host") for x in xs]
+  return host(new_m), host(new_mu), host(new_nu), [tiers.to_device(p, "pinned_host") for p in params]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One sub-group: rank `rank`'s shard of layer `layer` of leaf `leaf`."""
+
+  leaf: int
+  rank: int
+  layer: int
+  size: int
+
+
+def shard_key(base: str, rank: int, layer: int = 0) -> str:
+  """The store key the XLA custom calls use for one rank's shard of one layer."""
+  return f"{base}/r{rank}/l{layer}"
+
+
+class NvmePipeline:
+  """AdamW over states in the swap store, for the ranks this process owns.
+
+  Args:
+    store: the process's swap store.
+    names: one key per leaf (e.g. "blocks/block/mlp/fc1/kernel").
+    shapes: per leaf, one layer's local shard shape.
+    layers: per leaf, its number of layers (None: not stacked).
+    ranks: the data-axis positions of this process's devices.
+    hyper, decays: AdamW hyperparameters and per-leaf weight decay.
+    params_dtype: dtype of the compute params it writes.
+    params_on_nvme, grads_on_nvme: where compute params go and grads come from.
+    budget: bytes the rotating buffers may take.
+  """
+
+  def __init__(self, store: AioStore, names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+               layers: Sequence[int | None], ranks: Sequence[int], hyper: AdamHyper,
+               decays: Sequence[float], params_dtype, grads_dtype, *, params_on_nvme: bool,
+               grads_on_nvme: bool, budget: int, threads: int = 0):
+    self.store, self.names, self.hyper, self.decays = store, list(names), hyper, list(decays)
+    self.shapes = [tuple(s) for s in shapes]
+    self.layers = list(layers)
+    self.params_dtype, self.grads_dtype = np.dtype(params_dtype), np.dtype(grads_dtype)
+    self.params_on_nvme, self.grads_on_nvme, self.threads = params_on_nvme, grads_on_nvme, threads
+    self.units = [Unit(i, r, layer, int(np.prod(shape, dtype=np.int64)))
+                  for r in ranks for i, shape in enumerate(self.shapes)
+                  for layer in range(layers[i] or 1)]
+    largest = max((u.size for u in self.units), default=0)
+    self.pinned_bytes = SLOTS * largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
+    if self.pinned_bytes > budget:
+      raise ValueError(
+          f"the NVMe optimizer needs {SLOTS} buffer sets for its largest sub-group (one rank's "
+          f"shard of one layer, {largest:,} elements): {self.pinned_bytes / 2**20:.1f} MiB, more than "
+          f"the {budget / 2**20:.1f} MiB of ZeroConfig.pinned_budget left for it. Raise pinned_budget "
+          "or split the model over more devices.")
+    self._slots: list[dict[str, np.ndarray]] = []
+    self.last_step: dict[str, float] = {}
+
+  def key(self, what: str, unit: Unit) -> str:
+    return shard_key(f"{what}/{self.names[unit.leaf]}", unit.rank, unit.layer)
+
+  def _slot(self, k: int, unit: Unit) -> dict[str, np.ndarray]:
+    if not self._slots:
+      n = max(u.size for u in self.units)
+      self._slots = [{"master": aligned_empty(n, np.float32), "m": aligned_empty(n, np.float32),
+                      "v": aligned_empty(n, np.float32), "grad": aligned_empty(n, self.grads_dtype),
+                      "param": aligned_empty(n, self.params_dtype)} for _ in range(SLOTS)]
+    return {name: buf[:unit.size] for name, buf in self._slots[k % SLOTS].items()}
+
+  # ---------------------------------------------------------------- init
+  def write_leaf(self, leaf: int, master_shards: dict[int, np.ndarray]) -> None:
+    """Store one leaf's fp32 master shards (rank -> local storage shard) with zero moments,
+    and its compute params when they live on NVMe."""
+    tickets = []
+    for rank, shard in master_shards.items():
+      shard = np.asarray(shard, np.float32)
+      stacked = self.layers[leaf] is not None
+      for layer in range(self.layers[leaf] or 1):
+        unit = Unit(leaf, rank, layer, 0)
+        data = np.ascontiguousarray(shard[layer] if stacked else shard)
+        zeros = np.zeros_like(data)
+        tickets += [self.store.write(self.key("o/master", unit), data),
+                    self.store.write(self.key("o/m", unit), zeros),
+                    self.store.write(self.key("o/v", unit), zeros)]
+        if self.params_on_nvme:
+          tickets.append(self.store.write(self.key("p", unit), data.astype(self.params_dtype)))
+      for t in tickets:
+        t.wait()
+      tickets = []
+
+  # ---------------------------------------------------------------- step
+  def step(self, count: int, grads: list[dict[int, np.ndarray]] | None) -> list[dict[int, np.ndarray]]:
+    """One AdamW step over every sub-group.
+
+    `grads` (per leaf, rank -> local shard) when they are not on NVMe.
+    Returns the new compute params (per leaf, rank -> local shard) unless
+    they are written to NVMe (then empty dicts).
+    """
+    lr, bc1, bc2 = (float(x) for x in self.hyper.scalars(jnp.int32(count)))
+    c = self.hyper.constants
+    outs: list[dict[int, np.ndarray]] = [{} for _ in self.names]
+    if not self.params_on_nvme:
+      for u in self.units:
+        if u.rank not in outs[u.leaf]:
+          shape = ((self.layers[u.leaf],) if self.layers[u.leaf] else ()) + self.shapes[u.leaf]
+          outs[u.leaf][u.rank] = np.empty(shape, self.params_dtype)
+    stats = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0, "bytes_read": 0,
+             "bytes_written": 0}
+    reads: dict[int, list] = {}
+    writes: dict[int, list] = {}
+    start = time.perf_counter()
+
+    def start_read(k):
+      u, slot = self.units[k], self._slot(k, self.units[k])
+      names = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
+      if self.grads_on_nvme:
+        names.append(("g", "grad"))
+      reads[k] = [self.store.read(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf]))
+                  for what, buf in names]
+      stats["bytes_read"] += sum(slot[buf].nbytes for _, buf in names)
+
+    if self.units:
+      start_read(0)
+    for k, u in enumerate(self.units):
+      t0 = time.perf_counter()
+      for t in reads.pop(k):
+        t.wait()
+      t1 = time.perf_counter()
+      if k + 1 < len(self.units):  # the slot k+1 uses was k-2's: its writes must be done
+        for t in writes.pop(k + 1 - SLOTS, []):
+          t.wait()
+        start_read(k + 1)
+      t2 = time.perf_counter()
+      slot = self._slot(k, u)
+      if self.grads_on_nvme:
+        grad = slot["grad"]
+      else:
+        g = grads[u.leaf][u.rank]
+        grad = np.ascontiguousarray(g[u.layer] if self.layers[u.leaf] else g).reshape(-1)
+      param = slot["param"] if self.params_on_nvme else (
+          outs[u.leaf][u.rank][u.layer] if self.layers[u.leaf] else outs[u.leaf][u.rank]).reshape(-1)
+      adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
+                  self.decays[u.leaf], self.threads)
+      t3 = time.perf_counter()
+      names = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
+      if self.params_on_nvme:
+        names.append(("p", "param"))
+      writes[k] = [self.store.write(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf]))
+                   for what, buf in names]
+      stats["bytes_written"] += sum(slot[buf].nbytes for _, buf in names)
+      stats["read_wait_s"] += t1 - t0
+      stats["write_wait_s"] += t2 - t1
+      stats["compute_s"] += t3 - t2
+    t4 = time.perf_counter()
+    for tickets in writes.values():
+      for t in tickets:
+        t.wait()
+    stats["write_wait_s"] += time.perf_counter() - t4
+    stats["step_s"] = time.perf_counter() - start
+    self.last_step = stats
+    return outs
