@@ -84,6 +84,7 @@ def open_store(config, layouts: Any, dp: int, ranks: int) -> AioStore:
   need = nvme_bytes(config, layouts, dp, ranks)
   store = AioStore(config.nvme_paths, jax.process_index(),
                    pinned_budget=max(1 << 20, config.pinned_budget // 4))
+  store.defer_errors()  # raised after each step: see `checked`
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.stats()["bytes_used"]
   total = sum(need.values())
   if total > free:
@@ -335,7 +336,7 @@ def make_step(state, loss_fn):
                      in_shardings=(shardings, NamedSharding(mesh, P(axis))))
 
     def run(state, batch):
-      return jitted(state, shard_batch(engine, batch))
+      return checked(engine, jitted(state, shard_batch(engine, batch)))
 
     run.jitted = jitted
     return run
@@ -354,8 +355,7 @@ def make_step(state, loss_fn):
 
   def run(state, batch):
     t0 = time.perf_counter()
-    loss, grads, norm = jitted(state.params, shard_batch(engine, batch))
-    jax.block_until_ready((loss, grads))
+    loss, grads, norm = checked(engine, jitted(state.params, shard_batch(engine, batch)))
     t1 = time.perf_counter()
     host_grads = None if nvme_params else [host_shards(g, mesh) for g in jax.tree.leaves(grads)]
     del grads
@@ -374,6 +374,14 @@ def make_step(state, loss_fn):
 
   run.jitted = jitted
   return run
+
+
+def checked(engine, outputs):
+  """`outputs` once the step is done, raising any error its NVMe transfers recorded."""
+  if engine.store is not None:
+    jax.block_until_ready(outputs)
+    engine.store.raise_deferred()
+  return outputs
 
 
 def _host_adam_step(engine, state, grads):

@@ -444,6 +444,20 @@ void SwapStore::SetFaultFreeBytes(int64_t bytes) {
   fault_free_bytes_ = bytes;
 }
 
+void SwapStore::DeferError(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!deferred_) deferred_ = error;
+}
+
+void SwapStore::RaiseDeferred() {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::swap(error, deferred_);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 int64_t RegisterStore(std::shared_ptr<SwapStore> store) {
   std::lock_guard<std::mutex> lock(registry_mu);
   int64_t handle = next_handle++;

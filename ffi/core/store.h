@@ -13,7 +13,9 @@
 #ifndef ZINFJAX_CORE_STORE_H_
 #define ZINFJAX_CORE_STORE_H_
 
+#include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -91,6 +93,15 @@ class SwapStore {
   // (negative: off, the default). Lets tests hit ENOSPC without a full disk.
   void SetFaultFreeBytes(int64_t bytes);
 
+  // Deferred errors, for XLA custom calls inside collective programs: a rank
+  // that fails there would leave the other ranks waiting in the next
+  // collective, so the handler records the error (the first one wins), lets
+  // the program finish, and the caller raises it after the step.
+  void set_defer_errors(bool on) { defer_errors_ = on; }
+  bool defer_errors() const { return defer_errors_; }
+  void DeferError(std::exception_ptr error);
+  void RaiseDeferred();  // rethrows the recorded error once (and clears it)
+
  private:
   struct Job;
   uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry);
@@ -114,7 +125,9 @@ class SwapStore {
   std::string backend_name_;
   std::unique_ptr<PinnedPool> pool_;
 
-  mutable std::mutex mu_;  // manifest, allocation, jobs
+  mutable std::mutex mu_;  // manifest, allocation, jobs, deferred error
+  std::atomic<bool> defer_errors_{false};
+  std::exception_ptr deferred_;
   std::map<std::string, ShardEntry> manifest_;
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;

@@ -67,7 +67,9 @@ ffi::Error Guard(int64_t handle, F&& body) {
   try {
     return body(*store);
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(e.what());
+    if (!store->defer_errors()) return ffi::Error::Internal(e.what());
+    store->DeferError(std::current_exception());  // raised by the caller after the program
+    return ffi::Error::Success();
   }
 }
 

@@ -162,6 +162,10 @@ PYBIND11_MODULE(_engine, m) {
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
       .def("set_fault_free_bytes", &SwapStore::SetFaultFreeBytes, py::arg("bytes"),
            "Test-only: pretend only `bytes` more can be allocated (negative: off).")
+      .def("set_defer_errors", &SwapStore::set_defer_errors, py::arg("on"),
+           "Record errors of XLA custom calls instead of failing the program (see raise_deferred).")
+      .def("raise_deferred", &SwapStore::RaiseDeferred,
+           "Raise the first error recorded in deferred-error mode, if any (and clear it).")
       .def("register", [](std::shared_ptr<SwapStore> s) { return RegisterStore(std::move(s)); },
            "Enter the store in the engine's handle table; returns the handle FFI calls use.");
   m.def("unregister_store", &UnregisterStore, py::arg("handle"));

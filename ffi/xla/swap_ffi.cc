@@ -4,7 +4,8 @@
 // rank and layer are int32 operands, so one compiled call serves every device
 // of a shard_map and every iteration of a scan. Reads take the token of the
 // write they depend on as an operand: XLA orders FFI calls only by data.
-// Handlers return ffi::Error and never throw.
+// Handlers return ffi::Error and never throw; a store in deferred-error mode
+// records the error instead, for the caller to raise once the program is done.
 #include "xla/swap_ffi.h"
 
 #include <atomic>
@@ -38,7 +39,8 @@ ffi::Error WithStore(int64_t handle, F&& body) {
   try {
     body(*store);
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(e.what());
+    if (!store->defer_errors()) return ffi::Error::Internal(e.what());
+    store->DeferError(std::current_exception());  // raised by the caller after the program
   }
   return ffi::Error::Success();
 }

@@ -165,6 +165,18 @@ class AioStore:
   def keys(self) -> list[str]:
     return self._store.keys()
 
+  def defer_errors(self, on: bool = True) -> None:
+    """Record failures of the XLA custom calls instead of failing their program.
+
+    Inside a collective program a failing rank would leave the others waiting
+    in the next collective; with this on, the program finishes and
+    `raise_deferred()` raises the first error (with its engine error type).
+    """
+    self._store.set_defer_errors(on)
+
+  def raise_deferred(self) -> None:
+    self._store.raise_deferred()
+
   def stats(self) -> dict:
     return {"backend": self.backend, "direct": self._store.direct,
             "bytes_used": self._store.bytes_used, "pool": self._store.pool_stats()}

@@ -130,6 +130,7 @@ class NvmePipeline:
           f"the {budget / 2**20:.1f} MiB of ZeroConfig.pinned_budget left for it. Raise pinned_budget "
           "or split the model over more devices.")
     self._slots: list[dict[str, np.ndarray]] = []
+    self._scalars = jax.jit(hyper.scalars)
     self.last_step: dict[str, float] = {}
 
   def key(self, what: str, unit: Unit) -> str:
@@ -172,7 +173,8 @@ class NvmePipeline:
     Returns the new compute params (per leaf, rank -> local shard) unless
     they are written to NVMe (then empty dicts).
     """
-    lr, bc1, bc2 = (float(x) for x in self.hyper.scalars(jnp.int32(count)))
+    # jitted, like in the step: XLA's compiled pow/schedule can differ from eager by an ulp
+    lr, bc1, bc2 = (float(x) for x in self._scalars(jnp.int32(count)))
     c = self.hyper.constants
     outs: list[dict[int, np.ndarray]] = [{} for _ in self.names]
     if not self.params_on_nvme:

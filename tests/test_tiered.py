@@ -1,0 +1,149 @@
+"""Params/grads and optimizer states on device, pinned host or NVMe give the all-device losses."""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zinfjax
+from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.offload import EngineError, NoSpaceError
+from zinfjax.train import shard_batch
+
+from helpers import text_batches
+
+TINY = get_config("tiny")
+STEPS = 20
+TIERS = ("device", "pinned_host", "nvme")
+# every params x optimizer placement; activation offload on for every other one (and all-device)
+PLACEMENTS = [(p, o, i % 2 == 0) for i, (p, o) in enumerate((p, o) for p in TIERS for o in TIERS)]
+
+
+def make_tx():
+  return zinfjax.optim.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, STEPS),
+                             weight_decay=0.1)
+
+
+def train(zero, mesh, batches, tx=None):
+  state = zinfjax.init(lambda r: GPT(TINY, rngs=r), tx or make_tx(), zero, mesh, 0)
+  losses = []
+  for batch in batches:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+  return np.asarray(losses), state
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return text_batches(STEPS, batch=16, seq=32, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(mesh, batches):
+  """The all-device ZeRO-3 run (optax.adamw: the same math as the device tier's AdamW)."""
+  tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, STEPS), weight_decay=0.1)
+  losses, state = train(zinfjax.ZeroConfig(precision="fp32"), mesh, batches, tx)
+  return losses, state.full_params()
+
+
+def kinds(tree):
+  return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+@pytest.mark.parametrize("param,optimizer,activations", PLACEMENTS)
+def test_placement_matches_all_device(param, optimizer, activations, mesh, batches, reference,
+                                      tmp_path):
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
+                            offload_activations=activations, nvme_path=str(tmp_path / "nvme"))
+  losses, state = train(zero, mesh, batches)
+  ref_losses, ref_params = reference
+  assert losses[-1] < losses[0] - 0.3
+  rel = np.abs(losses - ref_losses) / ref_losses
+  assert np.all(rel < 1e-6), rel
+  for got, want in zip(jax.tree.leaves(state.full_params()), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)  # ~0.3% of one lr step
+
+  # the states really live where the config says
+  if param == "nvme":
+    assert state.params is None
+    assert any(k.startswith("p/blocks/") for k in state.engine.store.keys())
+    assert any(k.startswith("g/blocks/") for k in state.engine.store.keys())
+  else:
+    assert kinds(state.compute_params) == {param}
+  if optimizer == "nvme":
+    assert state.master is None
+    assert state.engine.pipeline.last_step["bytes_read"] > 0
+  else:
+    assert kinds(state.master) == {optimizer}
+  jitted = zinfjax.make_train_step(state, lm_loss).jitted
+  args = (state if optimizer != "nvme" else state.params, shard_batch(state.engine, batches[0]))
+  hlo = jitted.lower(*args).as_text()
+  assert ("zinfjax_adamw" in hlo) == (optimizer == "pinned_host")
+  assert ("zinfjax_swap_read_start" in hlo) == (param == "nvme")
+  # host-memory values inside the step (XLA:CPU lowers the moves to no-ops: one memory there)
+  jaxpr = str(jax.make_jaxpr(lambda *a: jitted(*a))(*args))
+  assert ("<host>" in jaxpr) == (activations or "pinned_host" in (param, optimizer))
+
+
+@pytest.fixture(scope="module")
+def nvme_run(mesh, batches, tmp_path_factory):
+  path = tmp_path_factory.mktemp("nvme") / "not" / "yet" / "there"
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+                            nvme_path=str(path))
+  state = zinfjax.init(lambda r: GPT(TINY, rngs=r), make_tx(), zero, mesh, 0)
+  return path, state
+
+
+def test_missing_nvme_path_is_created(nvme_run):
+  path, state = nvme_run
+  assert (path / "rank0" / "swap.bin").exists()
+
+
+def test_corrupted_swap_file_between_steps_is_named(nvme_run, batches):
+  path, state = nvme_run
+  state, _ = zinfjax.train_step(state, batches[0], lm_loss)
+  key = "p/blocks/block/fc/kernel/r3/l1"
+  offset = state.engine.store.entry(key)["offset"]
+  with open(path / "rank0" / "swap.bin", "r+b") as f:
+    f.seek(offset + 100)
+    f.write(b"\xde\xad\xbe\xef")
+  with pytest.raises(Exception, match="checksum mismatch for shard 'p/blocks/block/fc/kernel/r3/l1'"):
+    state, metrics = zinfjax.train_step(state, batches[1], lm_loss)
+    float(metrics["loss"])
+
+
+def test_unwritable_nvme_path(tmp_path, mesh):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a folder")
+  zero = zinfjax.ZeroConfig(offload_param="nvme", nvme_path=str(blocker / "nvme"))
+  with pytest.raises(EngineError, match="nvme_path"):
+    zinfjax.init(lambda r: GPT(TINY, rngs=r), make_tx(), zero, mesh, 0)
+
+
+def test_not_enough_space_fails_before_writing(tmp_path, mesh):
+  huge = get_config("tiny", num_layers=96, hidden=12288, num_heads=96)  # ~175B params
+  zero = zinfjax.ZeroConfig(offload_param="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path))
+  with pytest.raises(NoSpaceError, match=r"need .* GB \(params .* optimizer .*\): free space"):
+    zinfjax.init(lambda r: GPT(huge, rngs=r), make_tx(), zero, mesh, 0)
+  swap = tmp_path / "rank0" / "swap.bin"
+  assert not swap.exists() or os.path.getsize(swap) == 0
+
+
+def test_host_optimizer_needs_zinfjax_adamw(mesh):
+  zero = zinfjax.ZeroConfig(offload_optimizer="pinned_host")
+  with pytest.raises(ValueError, match=r"needs tx=zinfjax.optim.adamw"):
+    zinfjax.init(lambda r: GPT(TINY, rngs=r), optax.adamw(1e-3), zero, mesh, 0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(offload_param="nvme"), "nvme_path is not set"),
+    (dict(offload_param="disk"), "offload_param must be one of"),
+    (dict(stage=2, offload_optimizer="pinned_host"), "needs stage=3"),
+    (dict(offload_param="pinned_host", offload_grad="device"), "offload_grad"),
+    (dict(pinned_budget=1000), "pinned_budget"),
+])
+def test_bad_offload_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    zinfjax.ZeroConfig(**kwargs)
