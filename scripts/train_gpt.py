@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
+TIERS = ("device", "pinned_host", "nvme")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,6 +28,20 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prefetch-depth", type=int, default=1)
   p.add_argument("--tiles", type=int, default=1,
                  help="memory-centric tiling of each block's matrix products (ZeRO-3)")
+  p.add_argument("--offload-param", default="device", choices=TIERS,
+                 help="tier of the bf16 params (and their grads); needs --zero-stage 3")
+  p.add_argument("--offload-grad", default=None, choices=TIERS,
+                 help="tier of the grads (they follow --offload-param; only that tier is accepted)")
+  p.add_argument("--offload-optimizer", default="device", choices=TIERS,
+                 help="tier of the fp32 master params and Adam moments (host tiers run zinfjax's "
+                      "C++ AdamW; no gradient clipping there)")
+  p.add_argument("--nvme-path", action="append", default=None,
+                 help="folder of the NVMe swap store (repeat to stripe over several drives)")
+  p.add_argument("--pinned-budget", type=int, default=256, help="MiB of pinned host buffers for NVMe")
+  p.add_argument("--nvme-prefetch-depth", type=int, default=1,
+                 help="layers read from NVMe ahead of the device prefetch")
+  p.add_argument("--offload-activations", action="store_true",
+                 help="keep activation checkpoints in pinned host memory")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch-size", type=int, default=16, help="global batch (examples per step)")
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
@@ -39,6 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step here")
   p.add_argument("--log-every", type=int, default=10)
   return p.parse_args(argv)
+
+
+def peak_rss() -> int:
+  """Peak resident memory of this process in bytes (VmHWM)."""
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  return 0
 
 
 def main(argv=None) -> int:
@@ -57,8 +81,16 @@ def main(argv=None) -> int:
   tokens, vocab = load_tokens(args.data)
   config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
                       num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
-  zero = zinfjax.ZeroConfig(stage=args.zero_stage, precision=args.precision,
-                            prefetch_depth=args.prefetch_depth, tiles=args.tiles)
+  try:
+    zero = zinfjax.ZeroConfig(
+        stage=args.zero_stage, precision=args.precision, prefetch_depth=args.prefetch_depth,
+        tiles=args.tiles, offload_param=args.offload_param, offload_grad=args.offload_grad,
+        offload_optimizer=args.offload_optimizer,
+        nvme_path=args.nvme_path[0] if args.nvme_path and len(args.nvme_path) == 1 else args.nvme_path,
+        pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
+        offload_activations=args.offload_activations)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
   mesh = zinfjax.make_mesh(args.devices)
   dp = mesh.shape[zero.axis]
   if args.batch_size % dp:
@@ -67,12 +99,20 @@ def main(argv=None) -> int:
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, min(100, args.steps // 10)), decay_steps=max(args.steps, 2),
       end_value=args.lr / 10)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+  if zero.offload_optimizer == "device":
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+  else:  # runs where its states live: the C++ AdamW on the host or the NVMe pipeline
+    tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
   print(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
         f"{jax.devices()[0].platform} devices | data {args.data} ({len(tokens):,} tokens, vocab {vocab})")
+  print(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
+        f"activations {'pinned_host' if zero.offload_activations else 'device'}"
+        + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
+  t0 = time.perf_counter()
   state = zinfjax.init(lambda rngs: GPT(config, rngs=rngs), tx, zero, mesh, args.seed)
+  print(f"init {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   step_fn = zinfjax.make_train_step(state, lm_loss)
   data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl, log_every=args.log_every)
@@ -86,11 +126,15 @@ def main(argv=None) -> int:
     dt = time.perf_counter() - t0
     first_loss = loss if first_loss is None else first_loss
     last_loss = loss
+    tiers = tier_bytes(state)
+    if state.engine.store is not None:
+      tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
+    breakdown = {k: float(v) for k, v in metrics.items() if k.endswith("_s") or "bytes" in k}
     progress.update(step, {"loss": loss, "grad_norm": float(metrics["grad_norm"]),
                            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                           "tiers": tier_bytes(state)})
+                           "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
   progress.close()
-  print(f"loss {first_loss:.4f} -> {last_loss:.4f}")
+  print(f"loss {first_loss:.4f} -> {last_loss:.4f} | peak RSS {peak_rss() / 2**30:.2f} GiB")
   return 0
 
 

@@ -39,6 +39,14 @@ class Progress:
     line = (f"step {step:>5}/{self.total} [{bar}] loss {record['loss']:.4f} | "
             f"{record['tokens_per_s']:,.0f} tok/s | {1e3 * record['step_time_s']:.1f} ms/step | "
             f"per device: {tiers}")
+    if "optimizer_s" in record:  # offloaded optimizer: where the step's time went
+      line += (f" | fwd/bwd {record['fwd_bwd_s']:.2f} s, optimizer {record['optimizer_s']:.2f} s "
+               f"(Adam {record['adam_s']:.2f} s, NVMe read wait {record['nvme_read_wait_s']:.2f} s, "
+               f"write wait {record['nvme_write_wait_s']:.2f} s, "
+               f"{human_bytes(record['nvme_bytes_read'])} read, "
+               f"{human_bytes(record['nvme_bytes_written'])} written)")
+    if "peak_rss" in record:
+      line += f" | peak RSS {human_bytes(record['peak_rss'])}"
     self.stream.write(("\r" + line) if self.tty else (line + "\n"))
     self.stream.flush()
 

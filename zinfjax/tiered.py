@@ -368,8 +368,11 @@ def make_step(state, loss_fn):
       params = jax.tree.unflatten(jax.tree.structure(state.params), leaves)
     opt_state = HostAdamState(jax.device_put(jnp.int32(count + 1), rep), None, None)
     new = TrainState(state.step + 1, params, None, opt_state, engine)
-    metrics = {"loss": loss, "grad_norm": norm, "compute_s": t1 - t0,
-               **{k: v for k, v in pipeline.last_step.items()}}
+    stats = pipeline.last_step
+    metrics = {"loss": loss, "grad_norm": norm, "fwd_bwd_s": t1 - t0,
+               "optimizer_s": stats["step_s"], "adam_s": stats["compute_s"],
+               "nvme_read_wait_s": stats["read_wait_s"], "nvme_write_wait_s": stats["write_wait_s"],
+               "nvme_bytes_read": stats["bytes_read"], "nvme_bytes_written": stats["bytes_written"]}
     return new, metrics
 
   run.jitted = jitted
