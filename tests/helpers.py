@@ -42,3 +42,14 @@ def reference_losses(make_model, tx, loss_fn, batches, seed: int = 0):
 
     losses = [float(step(model, optimizer, b)) for b in batches]
   return np.asarray(losses), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def zero_training(make_model, tx, zero, mesh, batches, loss_fn, seed: int = 0):
+  """Losses and final state of `zinfjax` training with `zero` over `batches`."""
+  import zinfjax
+  state = zinfjax.init(make_model, tx, zero, mesh, seed)
+  losses = []
+  for batch in batches:
+    state, metrics = zinfjax.train_step(state, batch, loss_fn)
+    losses.append(float(metrics["loss"]))
+  return np.asarray(losses), state

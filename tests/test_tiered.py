@@ -12,7 +12,7 @@ from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.offload import EngineError, NoSpaceError
 from zinfjax.train import shard_batch
 
-from helpers import text_batches
+from helpers import text_batches, zero_training
 
 TINY = get_config("tiny")
 STEPS = 20
@@ -27,12 +27,7 @@ def make_tx():
 
 
 def train(zero, mesh, batches, tx=None):
-  state = zinfjax.init(lambda r: GPT(TINY, rngs=r), tx or make_tx(), zero, mesh, 0)
-  losses = []
-  for batch in batches:
-    state, metrics = zinfjax.train_step(state, batch, lm_loss)
-    losses.append(float(metrics["loss"]))
-  return np.asarray(losses), state
+  return zero_training(lambda r: GPT(TINY, rngs=r), tx or make_tx(), zero, mesh, batches, lm_loss)
 
 
 @pytest.fixture(scope="module")

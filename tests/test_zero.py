@@ -8,7 +8,7 @@ import pytest
 import zinfjax
 from zinfjax.models import GPT, GPTConfig, get_config, lm_loss
 
-from helpers import random_batches, reference_losses, text_batches
+from helpers import random_batches, reference_losses, text_batches, zero_training
 
 TINY = get_config("tiny")
 STEPS = 20
@@ -20,12 +20,8 @@ def make_tx():
 
 
 def train(config, zero, mesh, batches, tx=None, seed=0):
-  state = zinfjax.init(lambda r: GPT(config, rngs=r), tx or make_tx(), zero, mesh, seed)
-  losses = []
-  for batch in batches:
-    state, metrics = zinfjax.train_step(state, batch, lm_loss)
-    losses.append(float(metrics["loss"]))
-  return np.asarray(losses), state
+  return zero_training(lambda r: GPT(config, rngs=r), tx or make_tx(), zero, mesh, batches, lm_loss,
+                       seed)
 
 
 @pytest.fixture(scope="module")

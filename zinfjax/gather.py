@@ -206,12 +206,11 @@ class _Fetcher:
     arrive, read = jnp.asarray(self.sched.arrive)[i], jnp.asarray(self.sched.read)[i]
     if self.nvme and self.plan.nvme_depth:
       pending = pending + (self._start(read),)
-    if not queue:  # no device prefetch: fetch the layer we compute now
-      local, pending = self._local(arrive, pending)
-      return self.plan.gather_layer(local), (queue, pending)
     local, pending = self._local(arrive, pending)
-    queue = queue[1:] + (self.plan.gather_layer(local),)
-    return state[0][0], (queue, pending)
+    full = self.plan.gather_layer(local)
+    if not queue:  # no device prefetch: `arrive` is the layer we compute now
+      return full, (queue, pending)
+    return queue[0], (queue[1:] + (full,), pending)
 
   def drain(self, state: tuple) -> None:
     """Wait for the clamped reads still in flight past the last layer (frees their buffers)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -32,6 +32,44 @@ class SubGroup:
   @property
   def size(self) -> int:
     return self.stop - self.start
+
+
+def run_pipeline(count: int, start_read: Callable[[int], list], compute: Callable[[int], None],
+                 start_write: Callable[[int], list]) -> dict[str, float]:
+  """Run `count` sub-groups through `SLOTS` rotating buffer sets: read k+1 / compute k / write k-1.
+
+  `start_read(k)` and `start_write(k)` return the tickets of sub-group k's
+  transfers (into and out of slot k % SLOTS); a slot is read into again only
+  after its previous writes are done. Returns the seconds spent waiting on
+  reads, on writes, computing, and in all.
+  """
+  stats = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0}
+  start = time.perf_counter()
+  reads: dict[int, list] = {0: start_read(0)} if count else {}
+  writes: dict[int, list] = {}
+  for k in range(count):
+    t0 = time.perf_counter()
+    for t in reads.pop(k):
+      t.wait()
+    t1 = time.perf_counter()
+    if k + 1 < count:  # the slot k+1 uses was k-2's: its writes must be done
+      for t in writes.pop(k + 1 - SLOTS, []):
+        t.wait()
+      reads[k + 1] = start_read(k + 1)
+    t2 = time.perf_counter()
+    compute(k)
+    t3 = time.perf_counter()
+    writes[k] = start_write(k)
+    stats["read_wait_s"] += t1 - t0
+    stats["write_wait_s"] += t2 - t1
+    stats["compute_s"] += t3 - t2
+  t4 = time.perf_counter()
+  for tickets in writes.values():
+    for t in tickets:
+      t.wait()
+  stats["write_wait_s"] += time.perf_counter() - t4
+  stats["step_s"] = time.perf_counter() - start
+  return stats
 
 
 class NvmeAdam:
@@ -98,46 +136,23 @@ class NvmeAdam:
                 lr, bc1, bc2, *grads: np.ndarray) -> tuple[np.ndarray, ...]:
     """One AdamW step over every sub-group; returns the new params (in `params_dtypes`)."""
     outs = [np.empty(shape, dtype) for shape, dtype in zip(self.shapes, params_dtypes)]
-    c, stats = self.constants, {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0}
-    start = time.perf_counter()
-    reads: dict[int, list] = {}
-    writes: dict[int, list] = {}
-
+    c = self.constants
     def views(k):
       g = self.groups[k]
       return {name: buf[:g.size] for name, buf in self._slot(k).items()}
 
-    def start_read(k):
-      reads[k] = [self.store.read(self._key(k, n), buf) for n, buf in views(k).items()]
-
-    if self.groups:
-      start_read(0)
-    for k, g in enumerate(self.groups):
-      t0 = time.perf_counter()
-      for t in reads.pop(k):
-        t.wait()
-      t1 = time.perf_counter()
-      if k + 1 < len(self.groups):  # the slot k+1 uses was k-2's: its write must be done
-        for t in writes.pop(k + 1 - SLOTS, []):
-          t.wait()
-        start_read(k + 1)
-      t2 = time.perf_counter()
-      slot = views(k)
+    def compute(k):
+      g, slot = self.groups[k], views(k)
       grad = np.asarray(grads[g.leaf]).reshape(-1)[g.start:g.stop]
       out = outs[g.leaf].reshape(-1)[g.start:g.stop]
       adamw_numpy(slot["master"], slot["m"], slot["v"], grad, out, lr, bc1, bc2, c,
                   weight_decays[g.leaf], self.threads)
-      t3 = time.perf_counter()
-      writes[k] = [self.store.write(self._key(k, n), buf) for n, buf in slot.items()]
-      stats["read_wait_s"] += t1 - t0
-      stats["write_wait_s"] += t2 - t1
-      stats["compute_s"] += t3 - t2
-    t4 = time.perf_counter()
-    for tickets in writes.values():
-      for t in tickets:
-        t.wait()
-    stats["write_wait_s"] += time.perf_counter() - t4
-    stats["step_s"] = time.perf_counter() - start
+
+    stats = run_pipeline(
+        len(self.groups),
+        lambda k: [self.store.read(self._key(k, n), buf) for n, buf in views(k).items()],
+        compute,
+        lambda k: [self.store.write(self._key(k, n), buf) for n, buf in views(k).items()])
     stats["bytes_read"] = stats["bytes_written"] = sum(12 * g.size for g in self.groups)
     self.last_step = stats
     return tuple(outs)

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -26,8 +25,7 @@ from jax.experimental.compute_on import compute_on
 from ..offload import tiers
 from ..offload.store import AioStore, aligned_empty
 from .kernel import AdamConstants, adamw_ffi, adamw_numpy, bias_corrections
-
-SLOTS = 3  # reading k+1, computing k, writing k-1
+from .nvme import SLOTS, run_pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,34 +180,17 @@ class NvmePipeline:
         if u.rank not in outs[u.leaf]:
           shape = ((self.layers[u.leaf],) if self.layers[u.leaf] else ()) + self.shapes[u.leaf]
           outs[u.leaf][u.rank] = np.empty(shape, self.params_dtype)
-    stats = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0, "bytes_read": 0,
-             "bytes_written": 0}
-    reads: dict[int, list] = {}
-    writes: dict[int, list] = {}
-    start = time.perf_counter()
+    reading = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
+    reading += [("g", "grad")] if self.grads_on_nvme else []
+    writing = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
+    writing += [("p", "param")] if self.params_on_nvme else []
 
-    def start_read(k):
+    def transfer(k, names, move):
       u, slot = self.units[k], self._slot(k, self.units[k])
-      names = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
-      if self.grads_on_nvme:
-        names.append(("g", "grad"))
-      reads[k] = [self.store.read(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf]))
-                  for what, buf in names]
-      stats["bytes_read"] += sum(slot[buf].nbytes for _, buf in names)
+      return [move(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf])) for what, buf in names]
 
-    if self.units:
-      start_read(0)
-    for k, u in enumerate(self.units):
-      t0 = time.perf_counter()
-      for t in reads.pop(k):
-        t.wait()
-      t1 = time.perf_counter()
-      if k + 1 < len(self.units):  # the slot k+1 uses was k-2's: its writes must be done
-        for t in writes.pop(k + 1 - SLOTS, []):
-          t.wait()
-        start_read(k + 1)
-      t2 = time.perf_counter()
-      slot = self._slot(k, u)
+    def compute(k):
+      u, slot = self.units[k], self._slot(k, self.units[k])
       if self.grads_on_nvme:
         grad = slot["grad"]
       else:
@@ -219,21 +200,12 @@ class NvmePipeline:
           outs[u.leaf][u.rank][u.layer] if self.layers[u.leaf] else outs[u.leaf][u.rank]).reshape(-1)
       adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
                   self.decays[u.leaf], self.threads)
-      t3 = time.perf_counter()
-      names = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
-      if self.params_on_nvme:
-        names.append(("p", "param"))
-      writes[k] = [self.store.write(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf]))
-                   for what, buf in names]
-      stats["bytes_written"] += sum(slot[buf].nbytes for _, buf in names)
-      stats["read_wait_s"] += t1 - t0
-      stats["write_wait_s"] += t2 - t1
-      stats["compute_s"] += t3 - t2
-    t4 = time.perf_counter()
-    for tickets in writes.values():
-      for t in tickets:
-        t.wait()
-    stats["write_wait_s"] += time.perf_counter() - t4
-    stats["step_s"] = time.perf_counter() - start
+
+    stats = run_pipeline(len(self.units), lambda k: transfer(k, reading, self.store.read), compute,
+                         lambda k: transfer(k, writing, self.store.write))
+    sizes = {"master": 4, "m": 4, "v": 4, "grad": self.grads_dtype.itemsize,
+             "param": self.params_dtype.itemsize}
+    stats["bytes_read"] = sum(u.size * sizes[b] for u in self.units for _, b in reading)
+    stats["bytes_written"] = sum(u.size * sizes[b] for u in self.units for _, b in writing)
     self.last_step = stats
     return outs
