@@ -59,24 +59,35 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
 
 @dataclasses.dataclass
 class TokenDataset:
-  """Random windows of `seq_len + 1` tokens, as `{"inputs", "targets"}` int32 batches."""
+  """Random windows of `seq_len + 1` tokens, as `{"inputs", "targets"}` int32 batches.
+
+  Batch `i` depends only on (`seed`, `i`), so a resumed run continues the
+  same stream: set `step` to the number of batches already used.
+  """
 
   tokens: np.ndarray
   seq_len: int
   batch_size: int
   seed: int = 0
+  step: int = 0
 
   def __post_init__(self):
     if len(self.tokens) <= self.seq_len + 1:
       raise ValueError(
           f"data has {len(self.tokens)} tokens, too few for seq_len={self.seq_len}.")
-    self._rng = np.random.default_rng(self.seed)
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    starts = self._rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+    batch = self.at(self.step)
+    self.step += 1
+    return batch
+
+  def at(self, step: int) -> dict[str, np.ndarray]:
+    """The batch of step `step` (0-based)."""
+    rng = np.random.default_rng([self.seed, step])
+    starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
     windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
     windows = windows.astype(np.int32)
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}

@@ -2,7 +2,10 @@
 
   python scripts/train_gpt.py --preset tiny --zero-stage 3 --steps 200 --devices 8
 
-With no accelerator, `--devices N` runs on N host (CPU) devices.
+With no accelerator, `--devices N` runs on N host (CPU) devices (per process).
+Checkpoints: `--checkpoint-dir D --save-every N`, and `--resume` to continue
+from the latest one in D. Several processes: `scripts/launch.py --nproc N
+scripts/train_gpt.py ...` (or `--distributed` under a cluster launcher).
 """
 
 from __future__ import annotations
@@ -51,7 +54,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="linear warmup from 0 (default: a tenth of --steps, at most 100; 0: none)")
   p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or uint16 .bin tokens")
   p.add_argument("--devices", type=int, default=None,
-                 help="devices on the data axis (host devices when there is no accelerator)")
+                 help="devices per process on the data axis (host devices when there is no "
+                      "accelerator); the mesh spans every process's devices")
+  p.add_argument("--checkpoint-dir", default=None, help="folder of the run's checkpoints")
+  p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps")
+  p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the latest checkpoint in --checkpoint-dir (if there is one)")
+  p.add_argument("--distributed", action="store_true",
+                 help="join a multi-process run found by JAX's cluster detection (SLURM, Open MPI, "
+                      "...); scripts/launch.py sets this up by itself")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step here")
   p.add_argument("--log-every", type=int, default=10)
@@ -76,10 +88,17 @@ def main(argv=None) -> int:
   import jax
   import optax
   import zinfjax
+  from zinfjax import distributed
+  from zinfjax.checkpoint import CheckpointError, Checkpointer
   from zinfjax.memory import tier_bytes
   from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
   from zinfjax.progress import Progress
 
+  distributed.initialize(auto=args.distributed)
+  main_process = jax.process_index() == 0
+  say = print if main_process else (lambda *a, **k: None)
+  if (args.save_every or args.resume) and not args.checkpoint_dir:
+    raise SystemExit("error: --save-every and --resume need --checkpoint-dir.")
   tokens, vocab = load_tokens(args.data)
   config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
                       num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
@@ -93,7 +112,7 @@ def main(argv=None) -> int:
         offload_activations=args.offload_activations)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
-  mesh = zinfjax.make_mesh(args.devices)
+  mesh = zinfjax.make_mesh()
   dp = mesh.shape[zero.axis]
   if args.batch_size % dp:
     raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices; "
@@ -110,21 +129,39 @@ def main(argv=None) -> int:
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
   else:  # runs where its states live: the C++ AdamW on the host or the NVMe pipeline
     tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
-  print(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
+  say(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
-        f"{jax.devices()[0].platform} devices | data {args.data} ({len(tokens):,} tokens, vocab {vocab})")
-  print(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
+        f"{jax.devices()[0].platform} devices ({jax.process_count()} processes) | data {args.data} ({len(tokens):,} tokens, vocab {vocab})")
+  say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
+  model_factory = lambda rngs: GPT(config, rngs=rngs)
+  ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
   t0 = time.perf_counter()
-  state = zinfjax.init(lambda rngs: GPT(config, rngs=rngs), tx, zero, mesh, args.seed)
-  print(f"init {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
+  state = None
+  if ckpt is not None and ckpt.all_steps():
+    if not args.resume:
+      raise SystemExit(f"error: {ckpt.directory} already holds checkpoints (steps {ckpt.all_steps()}); "
+                       "pass --resume to continue from the latest, or choose another --checkpoint-dir.")
+    try:
+      state, extra = ckpt.restore(model_factory, tx, zero, mesh)
+    except CheckpointError as e:
+      raise SystemExit(f"error: {e}") from None
+    say(f"resumed from step {int(state.step)} of {ckpt.directory} in {time.perf_counter() - t0:.1f} s")
+  elif args.resume:
+    say(f"no checkpoint in {ckpt.directory} yet: starting from scratch")
+  if state is None:
+    state = zinfjax.init(model_factory, tx, zero, mesh, args.seed)
+    say(f"init {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
+  start = int(state.step)
   step_fn = zinfjax.make_train_step(state, lm_loss)
-  data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed)
-  progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl, log_every=args.log_every)
+  data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed, step=start)
+  progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,
+                      log_every=args.log_every,
+                      stream=sys.stdout if main_process else open(os.devnull, "w"))
   tokens_per_step = args.batch_size * config.seq_len
   first_loss = last_loss = None
-  for step in range(1, args.steps + 1):
+  for step in range(start + 1, args.steps + 1):
     batch = next(data)
     t0 = time.perf_counter()
     state, metrics = step_fn(state, batch)
@@ -139,8 +176,15 @@ def main(argv=None) -> int:
     progress.update(step, {"loss": loss, "grad_norm": float(metrics["grad_norm"]),
                            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                            "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
+    if ckpt is not None and args.save_every and (step % args.save_every == 0 or step == args.steps):
+      ckpt.save(state, extra={"args": vars(args)})
   progress.close()
-  print(f"loss {first_loss:.4f} -> {last_loss:.4f} | peak RSS {peak_rss() / 2**30:.2f} GiB")
+  if ckpt is not None:
+    ckpt.close()  # waits for the last save to commit
+  if first_loss is None:
+    say(f"nothing to do: the run is at step {start} of {args.steps}")
+  else:
+    say(f"loss {first_loss:.4f} -> {last_loss:.4f} | peak RSS {peak_rss() / 2**30:.2f} GiB")
   return 0
 
 

@@ -1,4 +1,9 @@
-"""Registers the engine's XLA FFI handlers once per process, at import (CUDA ones with a GPU)."""
+"""Registers the engine's XLA FFI handlers once per process, at import.
+
+The CUDA handlers are registered wherever they were built (XLA keeps them for
+its CUDA platform); nothing here touches a backend, so a multi-process run can
+still call `jax.distributed.initialize` after `import zinfjax`.
+"""
 
 import jax
 
@@ -8,17 +13,12 @@ from . import _engine
 def register() -> None:
   for name, capsule in _engine.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  if _has_gpu():
-    from . import _engine_cuda  # built only where the CUDA toolkit was found
-    for name, capsule in _engine_cuda.registrations().items():
-      jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-
-
-def _has_gpu() -> bool:
   try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
+    from . import _engine_cuda  # built only where the CUDA toolkit was found
+  except ImportError:  # not built, or its CUDA runtime is missing on this machine
+    return
+  for name, capsule in _engine_cuda.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
 register()

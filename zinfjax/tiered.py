@@ -183,7 +183,10 @@ def init_states(engine, model_factory, key, *, abstract: bool):
     master = with_sh(leaves_abstract, engine.named(storage, tiers.KINDS[config.offload_optimizer]))
     if config.offload_optimizer == "pinned_host":
       return params, master, HostAdamState(jnp.int32(0), master, master)
-    return params, master, jax.eval_shape(engine.tx.init, master)
+    from .train import _opt_state_shardings
+    opt_init = jax.jit(engine.tx.init, out_shardings=_opt_state_shardings(
+        engine, master, engine.named(storage)))
+    return params, master, jax.eval_shape(opt_init, master)
 
   cast = lambda x: x.astype(dtype)
   if not config.uses_nvme:

@@ -134,7 +134,10 @@ def abstract_init(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gra
   return _create(model_factory, tx, config, mesh, 0, abstract=True)
 
 
-def _create(model_factory, tx, config, mesh, rng, *, abstract: bool) -> TrainState:
+def build_engine(model_factory: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
+                 config: ZeroConfig, mesh: Mesh, *, open_store: bool = True) -> Engine:
+  """The static `Engine` of a run: layouts of the model's leaves on `mesh`, and (with
+  `open_store`) the swap store and NVMe pipeline its placement needs. Allocates no state."""
   if config.axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.shape)} have no {config.axis!r} axis; "
                      "build the mesh with zinfjax.make_mesh().")
@@ -146,13 +149,26 @@ def _create(model_factory, tx, config, mesh, rng, *, abstract: bool) -> TrainSta
                          {p + ("block",) for p in stack_paths},
                          mesh.shape[config.axis], config.persistence_threshold)
   engine = Engine(graphdef, layouts, stack_paths, config, mesh, tx)
-  run = jax.eval_shape if abstract else (lambda f, *args: f(*args))
-  key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
   if engine.tiered:
     from . import tiered
-    engine = tiered.make_engine(engine, abstract=abstract)
+    engine = tiered.make_engine(engine, abstract=not open_store)
+  return engine
+
+
+def _create(model_factory, tx, config, mesh, rng, *, abstract: bool) -> TrainState:
+  engine = build_engine(model_factory, tx, config, mesh, open_store=not abstract)
+  return make_states(engine, model_factory, rng, abstract=abstract)
+
+
+def make_states(engine: Engine, model_factory, rng=0, *, abstract: bool) -> TrainState:
+  """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`)."""
+  config, mesh, tx = engine.config, engine.mesh, engine.tx
+  run = jax.eval_shape if abstract else (lambda f, *args: f(*args))
+  key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
+  step = run(jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P())))
+  if engine.tiered:
+    from . import tiered
     params, master, opt_state = tiered.init_states(engine, model_factory, key, abstract=abstract)
-    step = run(jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P())))
     return TrainState(step, params, master, opt_state, engine)
   master = run(master_initializer(engine, model_factory), key)
   storage = engine.named(engine.storage_specs())
@@ -161,7 +177,6 @@ def _create(model_factory, tx, config, mesh, rng, *, abstract: bool) -> TrainSta
   compute = engine.named(engine.compute_specs())
   params = None if (config.stage == 3 and config.precision == "fp32") else run(
       jax.jit(lambda m: _refresh_params(engine, m), out_shardings=compute), master)
-  step = run(jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(mesh, P())))
   return TrainState(step, params, master, opt_state, engine)
 
 
@@ -317,6 +332,8 @@ def shard_batch(engine: Engine, batch: Any) -> Any:
       raise ValueError(
           f"batch leaf of shape {tuple(x.shape)} does not split over {engine.dp} devices on "
           f"axis {engine.config.axis!r}; use a batch size that is a multiple of {engine.dp}.")
+    if jax.process_count() > 1:  # every process holds the global batch; each places its rows
+      return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
     return jax.device_put(x, sharding)
 
   return jax.tree.map(put, batch)
