@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--schedule-steps", type=int, default=None,
+                 help="length of the learning-rate schedule (default: --steps); keep it fixed when "
+                      "a run is continued with a larger --steps")
   p.add_argument("--warmup-steps", type=int, default=None,
                  help="linear warmup from 0 (default: a tenth of --steps, at most 100; 0: none)")
   p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or uint16 .bin tokens")
@@ -117,13 +120,14 @@ def main(argv=None) -> int:
   if args.batch_size % dp:
     raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices; "
                      f"use a multiple of {dp}.")
-  warmup = max(1, min(100, args.steps // 10)) if args.warmup_steps is None else args.warmup_steps
+  total = args.schedule_steps or args.steps
+  warmup = max(1, min(100, total // 10)) if args.warmup_steps is None else args.warmup_steps
   if warmup:
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=warmup, decay_steps=max(args.steps, warmup + 1),
+        0.0, args.lr, warmup_steps=warmup, decay_steps=max(total, warmup + 1),
         end_value=args.lr / 10)
   else:
-    schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(args.steps, 1), alpha=0.1)
+    schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
   if zero.offload_optimizer == "device":
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))

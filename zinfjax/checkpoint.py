@@ -472,6 +472,21 @@ class Checkpointer:
     self.close()
 
 
+def master_params(directory: str | os.PathLike, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+  """`(leaf name, fp32 array)` of a checkpoint's master params, one leaf at a time in full
+  logical shape, without building a model or a mesh (for export, like `zero_to_fp32`)."""
+  ckpt = Checkpointer(directory)
+  step = ckpt._step(step)
+  meta = ckpt.metadata(step)
+  folder = os.path.join(ckpt.directory, str(step), "state")
+  for name, info in meta["leaves"].items():
+    if not name.startswith("master/"):
+      continue
+    leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]))
+    arr = _open_checked(os.path.join(folder, name), leaf)
+    yield name[len("master/"):], _read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
+
+
 def _replicated_scalar(mesh) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
 

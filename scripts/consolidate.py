@@ -1,0 +1,65 @@
+"""Turn a zinfjax checkpoint into one safetensors file of full params (like `zero_to_fp32`).
+
+  python scripts/consolidate.py CKPT_DIR params.safetensors [--step N] [--dtype bf16]
+
+Reads the fp32 master params, one tensor at a time, from a checkpoint saved on
+any number of devices, processes and tiers, and writes them in their logical
+shapes under dotted names ("blocks.block.attn.qkv.kernel"; stacked layers keep
+their leading layer axis). Host memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+
+DTYPES = {"fp32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("checkpoint", help="the checkpoint folder (train_gpt.py --checkpoint-dir)")
+  p.add_argument("output", help="the .safetensors file to write")
+  p.add_argument("--step", type=int, default=None, help="step to export (default: the latest)")
+  p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+  args = p.parse_args(argv)
+
+  import ml_dtypes
+  import numpy as np
+  from zinfjax.checkpoint import Checkpointer, CheckpointError, master_params
+
+  np_dtype, st_dtype = DTYPES[args.dtype]
+  np_dtype = np.dtype(getattr(ml_dtypes, np_dtype, np_dtype))
+  try:
+    ckpt = Checkpointer(args.checkpoint)
+    step = ckpt._step(args.step)
+    leaves = {k[len("master/"):]: v["shape"] for k, v in ckpt.metadata(step)["leaves"].items()
+              if k.startswith("master/")}
+  except CheckpointError as e:
+    raise SystemExit(f"error: {e}") from None
+  # the header lists every tensor's offsets, so it is written first from the metadata alone
+  header, offset = {"__metadata__": {"format": "pt", "step": str(step)}}, 0
+  for name, shape in leaves.items():
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    header[name.replace("/", ".")] = {"dtype": st_dtype, "shape": shape,
+                                     "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  tmp = f"{args.output}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)) + blob)
+    for name, array in master_params(args.checkpoint, step):
+      f.write(np.ascontiguousarray(array.astype(np_dtype)).tobytes())
+      print(f"{name.replace('/', '.')}: {list(array.shape)}", flush=True)
+  os.replace(tmp, args.output)  # never a half-written file under the output name
+  print(f"wrote {len(leaves)} tensors ({offset / 2**20:.1f} MiB, {args.dtype}) of step {step} "
+        f"to {args.output}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,214 @@
+"""Checkpoints: exact resume in a new process on every tier, restore onto other devices and
+placements, atomic saves, export, and clear errors for bad checkpoints (nothing overwritten)."""
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import zinfjax
+from zinfjax.checkpoint import CheckpointError, Checkpointer
+from zinfjax.models import lm_loss
+
+import resume_worker as W
+from helpers import REPO
+
+WORKER = os.path.join(REPO, "tests", "resume_worker.py")
+# (params tier, optimizer tier, precision): bf16 where the compute params are a cast of the master
+PLACEMENTS = {"device": ("device", "device", "bf16"),
+              "pinned_host": ("pinned_host", "pinned_host", "bf16"),
+              "nvme": ("nvme", "nvme", "fp32")}
+SAVE_AT = 5
+
+
+def worker(*args, timeout=300):
+  out = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  return out
+
+
+def flat_params(state):
+  return {jax.tree_util.keystr(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_flatten_with_path(state.full_params())[0]}
+
+
+def snapshot(folder):
+  """Every file under `folder` with its size and modification time."""
+  out = {}
+  for root, _, files in os.walk(folder):
+    for f in files:
+      st = os.stat(os.path.join(root, f))
+      out[os.path.relpath(os.path.join(root, f), folder)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, mesh):
+  """Per placement (lazily): 10 steps straight in this process, saving at step 5."""
+  runs = {}
+
+  def get(name):
+    if name not in runs:
+      param, optimizer, precision = PLACEMENTS[name]
+      root = tmp_path_factory.mktemp(f"ckpt_{name}")
+      zero = W.zero_config(param, optimizer, precision, str(root / "nvme"))
+      state = zinfjax.init(W.model_factory, W.make_tx(optimizer), zero, mesh, 0)
+      ckpt = Checkpointer(root / "ckpt")
+      losses = []
+      for i, batch in enumerate(W.batches()):
+        state, metrics = zinfjax.train_step(state, batch, lm_loss)
+        losses.append(float(metrics["loss"]))
+        if i + 1 == SAVE_AT:
+          ckpt.save(state)
+      ckpt.close()
+      runs[name] = dict(root=root, ckpt=root / "ckpt", losses=np.asarray(losses),
+                        params=flat_params(state))
+  return lambda name: (get(name), runs[name])[1]
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_resume_in_a_new_process_is_exact(name, straight, tmp_path):
+  run = straight(name)
+  param, optimizer, precision = PLACEMENTS[name]
+  assert Checkpointer(run["ckpt"]).all_steps() == [SAVE_AT]
+  out = worker("--param", param, "--optimizer", optimizer, "--precision", precision,
+               "--ckpt", run["ckpt"], "--nvme", tmp_path / "nvme", "--restore",
+               "--steps", W.STEPS, "--out", tmp_path / "r.npz")
+  assert out.returncode == 0, out.stderr[-3000:]
+  resumed = np.load(tmp_path / "r.npz")
+  np.testing.assert_array_equal(resumed["losses"], run["losses"][SAVE_AT:])
+  for k, v in run["params"].items():
+    np.testing.assert_array_equal(resumed[k], v, err_msg=k)
+  assert run["losses"][-1] < run["losses"][0] - 0.3
+
+
+def test_restore_nvme_checkpoint_onto_4_devices_in_pinned_host(straight, tmp_path):
+  run = straight("nvme")
+  out = worker("--devices", 4, "--param", "pinned_host", "--optimizer", "pinned_host",
+               "--precision", "fp32", "--ckpt", run["ckpt"], "--restore", "--steps", W.STEPS,
+               "--out", tmp_path / "r.npz")
+  assert out.returncode == 0, out.stderr[-3000:]
+  resumed = np.load(tmp_path / "r.npz")
+  # another device count sums in another order: equal up to fp32 rounding
+  np.testing.assert_allclose(resumed["losses"], run["losses"][SAVE_AT:], rtol=1e-5)
+  for k, v in run["params"].items():
+    np.testing.assert_allclose(resumed[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mesh):
+  ckpt_dir = tmp_path / "ckpt"
+  out = worker("--ckpt", ckpt_dir, "--steps", 6, "--save-at", 2, "--save-at", 4,
+               "--kill-after-save")
+  assert out.returncode == -9, out.stderr[-3000:]
+  ckpt = Checkpointer(ckpt_dir)
+  assert ckpt.all_steps() == [2]
+  assert any(f.startswith("4") for f in os.listdir(ckpt_dir)), os.listdir(ckpt_dir)  # the torn save
+  state, _ = ckpt.restore(W.model_factory, W.make_tx("device"), W.zero_config(
+      "device", "device", "bf16", None), mesh)
+  assert int(state.step) == 2
+  for batch in W.batches()[2:4]:
+    state, _ = zinfjax.train_step(state, batch, lm_loss)
+  assert ckpt.save(state)
+  ckpt.wait()
+  assert ckpt.all_steps() == [2, 4]
+  ckpt.close()
+
+
+def test_keeps_the_last_n(straight, tmp_path, mesh):
+  run = straight("device")
+  ckpt = Checkpointer(run["ckpt"])
+  state, _ = ckpt.restore(W.model_factory, W.make_tx("device"),
+                          W.zero_config("device", "device", "bf16", None), mesh)
+  keep2 = Checkpointer(tmp_path / "c", keep=2)
+  for step in (1, 2, 3):
+    step_array = jax.device_put(np.int32(step), state.step.sharding)
+    assert keep2.save(dataclasses.replace(state, step=step_array))
+  assert not keep2.save(dataclasses.replace(state, step=step_array))  # already saved
+  keep2.wait()
+  assert keep2.all_steps() == [2, 3]
+  keep2.close()
+
+
+def test_consolidate_writes_full_params(straight, tmp_path):
+  run = straight("nvme")
+  for dtype, np_dtype in (("fp32", np.float32), ("bf16", None)):
+    path = tmp_path / f"params_{dtype}.safetensors"
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "consolidate.py"),
+                          str(run["ckpt"]), str(path), "--dtype", dtype],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    assert header.pop("__metadata__")["step"] == str(SAVE_AT)
+    import ml_dtypes
+    np_dtype = np_dtype or ml_dtypes.bfloat16
+    # the checkpoint holds step 5: compare with a fresh restore of it
+    state, _ = Checkpointer(run["ckpt"]).restore(
+        W.model_factory, W.make_tx("nvme"), W.zero_config("pinned_host", "pinned_host", "fp32", None),
+        zinfjax.make_mesh())
+    want = {".".join(str(getattr(k, "key", k)) for k in path_): np.asarray(v)
+            for path_, v in jax.tree_util.tree_flatten_with_path(state.full_params())[0]}
+    assert set(header) == set(want)
+    for name, info in header.items():
+      a, b = info["data_offsets"]
+      got = np.frombuffer(raw[8 + n + a:8 + n + b], np_dtype).reshape(info["shape"])
+      np.testing.assert_array_equal(got, want[name].astype(np_dtype), err_msg=name)
+
+
+# ------------------------------------------------------------------ bad checkpoints
+@pytest.fixture()
+def device_ckpt(straight, tmp_path):
+  """A private copy of the device run's checkpoint (tests may damage it)."""
+  dst = tmp_path / "ckpt"
+  shutil.copytree(straight("device")["ckpt"], dst)
+  return dst
+
+
+def restore(ckpt_dir, mesh, layers=None, optimizer="device", step=None):
+  from zinfjax.models import GPT, get_config
+  factory = (W.model_factory if layers is None else
+             lambda r: GPT(get_config("tiny", num_layers=layers), rngs=r))
+  return Checkpointer(ckpt_dir).restore(factory, W.make_tx(optimizer), W.zero_config(
+      optimizer, optimizer, "bf16", None), mesh, step=step)
+
+
+def test_checkpoint_of_another_model_is_refused(device_ckpt, mesh):
+  before = snapshot(device_ckpt)
+  with pytest.raises(CheckpointError, match=r"another model.*'master/blocks/.*has shape \[2, "):
+    restore(device_ckpt, mesh, layers=3)
+  with pytest.raises(CheckpointError, match="another optimizer"):
+    restore(device_ckpt, mesh, optimizer="pinned_host")
+  assert snapshot(device_ckpt) == before
+
+
+def test_missing_step_and_empty_folder(device_ckpt, mesh, tmp_path):
+  before = snapshot(device_ckpt)
+  with pytest.raises(CheckpointError, match=r"no checkpoint for step 7 .*saved steps: \[5\]"):
+    restore(device_ckpt, mesh, step=7)
+  with pytest.raises(CheckpointError, match="no checkpoint in"):
+    restore(tmp_path / "nothing_here", mesh)
+  assert not os.path.exists(tmp_path / "nothing_here")
+  assert snapshot(device_ckpt) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_checkpoint_names_the_array(damage, device_ckpt, mesh):
+  leaf = device_ckpt / str(SAVE_AT) / "state" / "master" / "blocks" / "block" / "fc" / "kernel"
+  chunk = next(os.path.join(r, f) for r, _, fs in os.walk(leaf / "c") for f in fs)
+  if damage == "truncate":
+    with open(chunk, "r+b") as f:
+      f.truncate(os.path.getsize(chunk) // 2)
+  else:
+    os.remove(chunk)
+  before = snapshot(device_ckpt)
+  with pytest.raises(CheckpointError, match="'master/blocks/block/fc/kernel'.*(damaged|truncated)"):
+    restore(device_ckpt, mesh)
+  assert snapshot(device_ckpt) == before
