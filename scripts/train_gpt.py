@@ -133,9 +133,11 @@ def main(argv=None) -> int:
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
   else:  # runs where its states live: the C++ AdamW on the host or the NVMe pipeline
     tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+  processes = f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""
   say(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
-        f"{jax.devices()[0].platform} devices ({jax.process_count()} processes) | data {args.data} ({len(tokens):,} tokens, vocab {vocab})")
+        f"{jax.devices()[0].platform} devices{processes} | data {args.data} ({len(tokens):,} "
+        f"tokens, vocab {vocab})")
   say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
