@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "a run is continued with a larger --steps")
   p.add_argument("--warmup-steps", type=int, default=None,
                  help="linear warmup from 0 (default: a tenth of --steps, at most 100; 0: none)")
+  p.add_argument("--same-batch", action="store_true",
+                 help="train every step on the first batch (a check that the loss falls, free of "
+                      "batch-to-batch noise)")
   p.add_argument("--data", default=str(DEFAULT_DATA), help="text file or uint16 .bin tokens")
   p.add_argument("--devices", type=int, default=None,
                  help="devices per process on the data axis (host devices when there is no "
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
   tokens_per_step = args.batch_size * config.seq_len
   first_loss = last_loss = None
   for step in range(start + 1, args.steps + 1):
-    batch = next(data)
+    batch = data.at(0) if args.same_batch else next(data)
     t0 = time.perf_counter()
     state, metrics = step_fn(state, batch)
     loss = float(metrics["loss"])  # blocks until the step is done

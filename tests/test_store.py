@@ -246,3 +246,32 @@ def test_checksum_is_deterministic_and_sensitive():
   flipped = data.copy()
   flipped[77_777] ^= 1
   assert _engine.checksum(flipped) != _engine.checksum(data)
+
+
+def test_generation_counts_completed_writes_and_wakes_waiters(tmp_path):
+  """The NVMe optimizer waits on these for grads a running backward pass writes."""
+  import threading
+  s = AioStore(tmp_path)
+  x = np.random.default_rng(7).standard_normal(4096).astype(np.float32)
+  assert s.generation("g/w/r0/l0") == 0
+  assert not s.wait_generation("g/w/r0/l0", 1, 0.05)  # times out
+  writer = threading.Timer(0.2, lambda: s.write("g/w/r0/l0", x).wait())
+  writer.start()
+  assert s.wait_generation("g/w/r0/l0", 1, 10.0)
+  writer.join()
+  s.write("g/w/r0/l0", x + 1).wait()
+  assert s.generation("g/w/r0/l0") == 2
+  np.testing.assert_array_equal(s.read("g/w/r0/l0").wait(), x + 1)
+  s.close()
+
+
+def test_grad_gate_fails_instead_of_waiting_forever(tmp_path):
+  from zinfjax.optim.sharded import GradGate
+  s = AioStore(tmp_path)
+  gate = GradGate(s, ["g/w/r0/l0"], program_done=lambda: True)
+  assert not gate.ready("g/w/r0/l0")
+  with pytest.raises(RuntimeError, match="finished without writing grad shard 'g/w/r0/l0'"):
+    gate.wait("g/w/r0/l0", poll_s=0.05)
+  s.write("g/w/r0/l0", np.ones(8, np.float32)).wait()
+  assert gate.ready("g/w/r0/l0")
+  s.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -31,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .offload import tiers
 from .offload.store import AioStore, NoSpaceError
-from .optim.sharded import HostAdamState, NvmePipeline, host_update
+from .optim.sharded import GradGate, HostAdamState, NvmePipeline, host_update
 from .partition import LeafLayout, is_layout
 
 ANCHOR = (1, 2)  # per rank: [token, sum of squares] of a leaf's grads written to NVMe
@@ -355,15 +356,31 @@ def make_step(state, loss_fn):
   jitted = jax.jit(grad_step, in_shardings=(params_sh, NamedSharding(mesh, P(axis))),
                    out_shardings=(rep, grads_sh, rep))
   pipeline = engine.pipeline
+  grad_keys = pipeline.grad_keys()
 
   def run(state, batch):
     t0 = time.perf_counter()
-    loss, grads, norm = checked(engine, jitted(state.params, shard_batch(engine, batch)))
-    t1 = time.perf_counter()
-    host_grads = None if nvme_params else [host_shards(g, mesh) for g in jax.tree.leaves(grads)]
-    del grads
     count = int(state.opt_state.count)
-    outs = pipeline.step(count, host_grads)
+    batch = shard_batch(engine, batch)
+    if not nvme_params:  # grads come back as arrays: the optimizer runs after the program
+      loss, grads, norm = checked(engine, jitted(state.params, batch))
+      t1 = time.perf_counter()
+      host_grads = [host_shards(g, mesh) for g in jax.tree.leaves(grads)]
+      del grads
+      outs = pipeline.step(count, host_grads)
+    else:  # grads land on NVMe layer by layer: update each layer while backward goes on below it
+      running: list = []
+      ended: list[float] = []
+      gate = GradGate(engine.store, grad_keys,
+                      lambda: bool(ended) or (bool(running) and all(x.is_ready() for x in jax.tree.leaves(running))))
+      running.extend(jitted(state.params, batch))  # dispatched; runs while the pipeline waits
+      watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
+                                               ended.append(time.perf_counter())), daemon=True)
+      watch.start()
+      outs = pipeline.step(count, None, gate)
+      loss, grads, norm = checked(engine, tuple(running))
+      watch.join()
+      t1 = ended[0]
     params = None
     if not nvme_params:
       leaves = [from_host_shards(o, x.sharding, x.shape)

@@ -19,7 +19,9 @@ struct SwapStore::Job {
   std::function<void(Job&, AioBackend&)> work;
   bool done = false;
   std::exception_ptr error;
-  std::unique_ptr<AlignedBuffer> result;
+  std::unique_ptr<AlignedBuffer> result;  // a read's own buffer, or a detached write's copy
+  bool detached = false;                  // nobody waits: the store finishes it itself
+  uint64_t ticket = 0;
   std::string key;
   ShardEntry entry;  // what a read expects
 };
@@ -139,6 +141,13 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
         {
           std::lock_guard<std::mutex> lock(mu_);
           job->done = true;
+          if (job->detached) {
+            if (job->error && !deferred_) deferred_ = job->error;
+            if (--detached_[job->key] == 0) detached_.erase(job->key);
+            detached_bytes_ -= job->result ? job->result->size() : 0;
+            job->result.reset();
+            jobs_.erase(job->ticket);
+          }
         }
         jobs_cv_.notify_all();
       }
@@ -165,18 +174,26 @@ SwapStore::~SwapStore() {
 }
 
 uint64_t SwapStore::Enqueue(std::function<void(Job&)> work, const std::string& key,
-                            const ShardEntry& entry) {
+                            const ShardEntry& entry, std::unique_ptr<AlignedBuffer> owned,
+                            bool urgent) {
   auto job = std::make_shared<Job>();
   job->key = key;
   job->entry = entry;
+  job->detached = owned != nullptr;
+  job->result = std::move(owned);
   job->work = [w = std::move(work), this](Job& j, AioBackend& b) {
     current_backend_ = &b;
     w(j);
   };
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t ticket = next_ticket_++;
+  job->ticket = ticket;
   jobs_[ticket] = job;
-  queue_.push_back(job);
+  if (urgent) {
+    queue_.push_front(job);  // a read the running program waits on: ahead of bulk transfers
+  } else {
+    queue_.push_back(job);
+  }
   jobs_cv_.notify_all();
   return ticket;
 }
@@ -267,7 +284,61 @@ uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t n
                              static_cast<const uint8_t*>(src), nbytes, options);
     std::lock_guard<std::mutex> lock(mu_);
     manifest_[key] = e;
+    ++generations_[key];  // waiters are woken when the job is marked done
   }, key, e);
+}
+
+void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nbytes,
+                              const std::string& dtype, const std::vector<int64_t>& shape) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    jobs_cv_.wait(lock, [&] {
+      return !detached_.count(key) &&
+             (detached_bytes_ == 0 || detached_bytes_ + nbytes <= config_.pinned_budget);
+    });
+    ++detached_[key];
+    detached_bytes_ += nbytes;
+  }
+  auto copy = std::make_unique<AlignedBuffer>(nbytes);
+  ShardEntry e;
+  try {
+    std::memcpy(copy->data(), src, nbytes);
+    e = Allocate(key, nbytes, dtype, shape);
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--detached_[key] == 0) detached_.erase(key);
+      detached_bytes_ -= nbytes;
+    }
+    jobs_cv_.notify_all();
+    throw;
+  }
+  const uint8_t* data = copy->data();
+  Enqueue([this, key, e, data, nbytes](Job&) mutable {
+    TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
+    e.checksum = WriteExtent(*current_backend_, *pool_, BlocksFor(e), data, nbytes, options);
+    std::lock_guard<std::mutex> lock(mu_);
+    manifest_[key] = e;
+    ++generations_[key];
+  }, key, e, std::move(copy));
+}
+
+void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {
+  jobs_cv_.wait(lock, [&] { return !detached_.count(key); });
+}
+
+uint64_t SwapStore::Generation(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = generations_.find(key);
+  return it == generations_.end() ? 0 : it->second;
+}
+
+bool SwapStore::WaitGeneration(const std::string& key, uint64_t generation, int timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return jobs_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] {
+    auto it = generations_.find(key);
+    return it != generations_.end() && it->second >= generation;
+  });
 }
 
 void SwapStore::CheckReadable(const std::string& key, const ShardEntry& e,
@@ -292,10 +363,12 @@ void SwapStore::CheckReadable(const std::string& key, const ShardEntry& e,
 }
 
 uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
-                              const std::string& dtype, const std::vector<int64_t>& shape) {
+                              const std::string& dtype, const std::vector<int64_t>& shape,
+                              bool urgent) {
   ShardEntry e;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    WaitWritten(lock, key);
     auto it = manifest_.find(key);
     if (it == manifest_.end())
       throw MissingShard("no shard '" + key + "' in the swap manifest of " + folders_[0] +
@@ -317,7 +390,7 @@ uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
                          " bytes at offset " + std::to_string(e.offset) + ") in " +
                          (fds_.size() > 1 ? "the swap files under " : "") + folders_[0] +
                          "/swap.bin: the swap file is corrupted; restore it from a checkpoint");
-  }, key, e);
+  }, key, e, nullptr, urgent);
 }
 
 std::shared_ptr<SwapStore::Job> SwapStore::FindJob(uint64_t ticket) {
@@ -402,6 +475,10 @@ void SwapStore::WriteManifestLocked() {
 }
 
 void SwapStore::Sync() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    jobs_cv_.wait(lock, [&] { return detached_.empty(); });
+  }
   for (int fd : fds_) fdatasync(fd);
   std::lock_guard<std::mutex> lock(mu_);
   WriteManifestLocked();
@@ -413,7 +490,8 @@ bool SwapStore::Has(const std::string& key) const {
 }
 
 ShardEntry SwapStore::Entry(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  WaitWritten(lock, key);
   auto it = manifest_.find(key);
   if (it == manifest_.end())
     throw MissingShard("no shard '" + key + "' in the swap manifest of " + folders_[0] +

@@ -65,9 +65,11 @@ class SwapStore {
   uint64_t WriteAsync(const std::string& key, const void* src, size_t nbytes,
                       const std::string& dtype, const std::vector<int64_t>& shape);
   // Reads into `dst` (valid until Wait), or, with dst == nullptr, into a
-  // buffer the ticket owns (TakeResult copies it out).
+  // buffer the ticket owns (TakeResult copies it out). `urgent` reads (those
+  // a running XLA program waits on) go ahead of queued bulk transfers.
   uint64_t ReadAsync(const std::string& key, void* dst, size_t nbytes, const std::string& dtype,
-                     const std::vector<int64_t>& shape);
+                     const std::vector<int64_t>& shape,
+                     bool urgent = false);
   void Wait(uint64_t ticket);
   // Waits for a ReadAsync(dst=nullptr) and copies its bytes into `dst`,
   // after checking they were written as `dtype[shape]`.
@@ -79,6 +81,18 @@ class SwapStore {
   // Preallocates the files for `bytes` more of shards (ENOSPC now, not mid-training).
   void Reserve(uint64_t bytes);
 
+  // Copies `src` into a buffer the store owns and writes it in the background;
+  // returns once copied, so an XLA custom call does not wait on the disk.
+  // Reads (and Entry) of the key wait for it, a second write of the key waits
+  // for the first, Sync waits for all; its error becomes the deferred error.
+  // At most pinned_budget bytes are in flight this way (the copy waits for room).
+  void WriteDetached(const std::string& key, const void* src, size_t nbytes,
+                     const std::string& dtype, const std::vector<int64_t>& shape);
+  // Completed writes of `key` so far: a reader on another thread (the host
+  // optimizer) waits for the write a running XLA program makes (the grads).
+  uint64_t Generation(const std::string& key) const;
+  // Waits until Generation(key) >= generation; false on timeout.
+  bool WaitGeneration(const std::string& key, uint64_t generation, int timeout_ms);
   bool Has(const std::string& key) const;
   ShardEntry Entry(const std::string& key) const;
   std::vector<std::string> Keys() const;
@@ -104,7 +118,9 @@ class SwapStore {
 
  private:
   struct Job;
-  uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry);
+  uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry,
+                   std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
+  void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
   static thread_local AioBackend* current_backend_;  // the driver thread's backend
   std::vector<Block> BlocksFor(const ShardEntry& e) const;
   ShardEntry Allocate(const std::string& key, size_t nbytes, const std::string& dtype,
@@ -129,10 +145,13 @@ class SwapStore {
   std::atomic<bool> defer_errors_{false};
   std::exception_ptr deferred_;
   std::map<std::string, ShardEntry> manifest_;
+  std::map<std::string, uint64_t> generations_;  // completed writes per key
+  std::map<std::string, int> detached_;           // detached writes in flight per key
+  uint64_t detached_bytes_ = 0;
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
 
-  std::condition_variable jobs_cv_;
+  mutable std::condition_variable jobs_cv_;
   std::deque<std::shared_ptr<Job>> queue_;
   std::map<uint64_t, std::shared_ptr<Job>> jobs_;
   uint64_t next_ticket_ = 1;

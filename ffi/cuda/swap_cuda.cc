@@ -96,7 +96,8 @@ ffi::Error ReadImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffe
     std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     std::lock_guard<std::mutex> lock(staging().mu);
     uint8_t* host = staging().Get(y->size_bytes());
-    s.Wait(s.ReadAsync(k, host, y->size_bytes(), DtypeName(y->element_type()), Dims(*y)));
+    s.Wait(s.ReadAsync(k, host, y->size_bytes(), DtypeName(y->element_type()), Dims(*y),
+                       /*urgent=*/true));
     if (auto e = Check(cudaMemcpyAsync(y->untyped_data(), host, y->size_bytes(), cudaMemcpyHostToDevice, stream), "copy to device"); e.failure()) return e;
     return Check(cudaStreamSynchronize(stream), "sync");
   });

@@ -141,6 +141,12 @@ PYBIND11_MODULE(_engine, m) {
       .def("wait", &SwapStore::Wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
       .def("sync", &SwapStore::Sync, py::call_guard<py::gil_scoped_release>())
       .def("reserve", &SwapStore::Reserve, py::arg("bytes"))
+      .def("generation", &SwapStore::Generation, py::arg("key"))
+      .def("wait_generation", [](SwapStore& s, const std::string& key, uint64_t generation,
+                                 double timeout_s) {
+        return s.WaitGeneration(key, generation, static_cast<int>(timeout_s * 1000));
+      }, py::arg("key"), py::arg("generation"), py::arg("timeout_s"),
+         py::call_guard<py::gil_scoped_release>())
       .def("has", &SwapStore::Has)
       .def("keys", &SwapStore::Keys)
       .def("entry", [](const SwapStore& s, const std::string& key) {

@@ -48,8 +48,9 @@ ffi::Error WithStore(int64_t handle, F&& body) {
 ffi::Error SwapWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
                          ffi::ResultBuffer<ffi::S32> token, int64_t store, std::string_view key) {
   return WithStore(store, [&](SwapStore& s) {
-    s.Wait(s.WriteAsync(Key(key, rank, layer), x.untyped_data(), x.size_bytes(),
-                        DtypeName(x.element_type()), Dims(x)));
+    // returns once copied: the disk write overlaps the rest of the program
+    s.WriteDetached(Key(key, rank, layer), x.untyped_data(), x.size_bytes(),
+                    DtypeName(x.element_type()), Dims(x));
     token->typed_data()[0] = write_tokens.fetch_add(1);
   });
 }
@@ -60,7 +61,7 @@ ffi::Error SwapReadImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
   (void)token;  // only orders this read after its write
   return WithStore(store, [&](SwapStore& s) {
     s.Wait(s.ReadAsync(Key(key, rank, layer), y->untyped_data(), y->size_bytes(),
-                       DtypeName(y->element_type()), Dims(*y)));
+                       DtypeName(y->element_type()), Dims(*y), /*urgent=*/true));
   });
 }
 
@@ -71,7 +72,8 @@ ffi::Error SwapReadStartImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> 
   return WithStore(store, [&](SwapStore& s) {
     std::string k = Key(key, rank, layer);
     ShardEntry e = s.Entry(k);
-    ticket->typed_data()[0] = static_cast<int32_t>(s.ReadAsync(k, nullptr, e.nbytes, e.dtype, e.shape));
+    ticket->typed_data()[0] = static_cast<int32_t>(s.ReadAsync(k, nullptr, e.nbytes, e.dtype, e.shape,
+                                                             /*urgent=*/true));
   });
 }
 

@@ -156,6 +156,14 @@ class AioStore:
   def entry(self, key: str) -> dict:
     return self._store.entry(key)
 
+  def generation(self, key: str) -> int:
+    """Completed writes of `key` so far (by any thread, XLA custom calls included)."""
+    return self._store.generation(key)
+
+  def wait_generation(self, key: str, generation: int, timeout_s: float) -> bool:
+    """Wait until `generation(key) >= generation`; False after `timeout_s`."""
+    return self._store.wait_generation(key, generation, timeout_s)
+
   def sync(self) -> None:
     self._store.sync()
 

@@ -116,9 +116,13 @@ class NvmePipeline:
     self.layers = list(layers)
     self.params_dtype, self.grads_dtype = np.dtype(params_dtype), np.dtype(grads_dtype)
     self.params_on_nvme, self.grads_on_nvme, self.threads = params_on_nvme, grads_on_nvme, threads
-    self.units = [Unit(i, r, layer, int(np.prod(shape, dtype=np.int64)))
-                  for r in ranks for i, shape in enumerate(self.shapes)
-                  for layer in range(layers[i] or 1)]
+    # in the order backward writes the grads: stacked layers from the last one down, then the
+    # leaves outside the stacks (their grads come at the end), so the update of a layer can run
+    # while backward is still on the layers below it
+    units = [Unit(i, r, layer, int(np.prod(shape, dtype=np.int64)))
+             for r in ranks for i, shape in enumerate(self.shapes)
+             for layer in range(layers[i] or 1)]
+    self.units = sorted(units, key=lambda u: (self.layers[u.leaf] is None, -u.layer, u.rank, u.leaf))
     largest = max((u.size for u in self.units), default=0)
     self.pinned_bytes = SLOTS * largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
     if self.pinned_bytes > budget:
@@ -164,10 +168,17 @@ class NvmePipeline:
       tickets = []
 
   # ---------------------------------------------------------------- step
-  def step(self, count: int, grads: list[dict[int, np.ndarray]] | None) -> list[dict[int, np.ndarray]]:
+  def grad_keys(self) -> list[str]:
+    """The swap-store keys of the grads this pipeline reads (when they are on NVMe)."""
+    return [self.key("g", u) for u in self.units] if self.grads_on_nvme else []
+
+  def step(self, count: int, grads: list[dict[int, np.ndarray]] | None,
+           gate: "GradGate | None" = None) -> list[dict[int, np.ndarray]]:
     """One AdamW step over every sub-group.
 
-    `grads` (per leaf, rank -> local shard) when they are not on NVMe.
+    `grads` (per leaf, rank -> local shard) when they are not on NVMe. With
+    `gate`, the grads on NVMe are still being written by a running backward
+    pass: each sub-group's grad is read once the gate says it is there.
     Returns the new compute params (per leaf, rank -> local shard) unless
     they are written to NVMe (then empty dicts).
     """
@@ -189,6 +200,11 @@ class NvmePipeline:
       u, slot = self.units[k], self._slot(k, self.units[k])
       return [move(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf])) for what, buf in names]
 
+    def read(key, out):
+      if gate is None or not key.startswith("g/") or gate.ready(key):
+        return self.store.read(key, out)
+      return _Deferred(lambda: (gate.wait(key), self.store.read(key, out))[1])
+
     def compute(k):
       u, slot = self.units[k], self._slot(k, self.units[k])
       if self.grads_on_nvme:
@@ -201,7 +217,7 @@ class NvmePipeline:
       adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
                   self.decays[u.leaf], self.threads)
 
-    stats = run_pipeline(len(self.units), lambda k: transfer(k, reading, self.store.read), compute,
+    stats = run_pipeline(len(self.units), lambda k: transfer(k, reading, read), compute,
                          lambda k: transfer(k, writing, self.store.write))
     sizes = {"master": 4, "m": 4, "v": 4, "grad": self.grads_dtype.itemsize,
              "param": self.params_dtype.itemsize}
@@ -209,3 +225,39 @@ class NvmePipeline:
     stats["bytes_written"] = sum(u.size * sizes[b] for u in self.units for _, b in writing)
     self.last_step = stats
     return outs
+
+
+class _Deferred:
+  """A read that starts when it is first waited on (its data was not written yet)."""
+
+  def __init__(self, start: Callable[[], Any]):
+    self._start, self._ticket = start, None
+
+  def wait(self):
+    if self._ticket is None:
+      self._ticket = self._start()
+    return self._ticket.wait()
+
+
+class GradGate:
+  """Tells the NVMe optimizer which grads a running backward pass has written.
+
+  Built just before the step's program is dispatched: each grad key must
+  reach one more completed write than it had then. `program_done()` says
+  whether the program has finished; a grad still missing after that means
+  the program failed to write it, and `wait` raises the engine's recorded
+  error instead of waiting forever.
+  """
+
+  def __init__(self, store: AioStore, keys: Sequence[str], program_done: Callable[[], bool]):
+    self.store, self.program_done = store, program_done
+    self.want = {k: store.generation(k) + 1 for k in keys}
+
+  def ready(self, key: str) -> bool:
+    return self.store.generation(key) >= self.want[key]
+
+  def wait(self, key: str, poll_s: float = 0.5) -> None:
+    while not self.store.wait_generation(key, self.want[key], poll_s):
+      if self.program_done() and not self.ready(key):
+        self.store.raise_deferred()
+        raise RuntimeError(f"the step's program finished without writing grad shard {key!r}.")
