@@ -43,6 +43,7 @@ from .partition import LeafLayout, _key_name, is_layout
 from .tiered import leaf_names, local_ranks, local_shape
 
 FORMAT = "zinfjax-checkpoint/1"
+IN_FLIGHT = 8  # NVMe shards on their way to the checkpoint at once (each one in host memory)
 
 
 class CheckpointError(ValueError):
@@ -119,7 +120,8 @@ def _chunks(leaf: Leaf, dp: int) -> list[int]:
 def _spec(path: str, leaf: Leaf | None = None, dp: int = 1) -> dict:
   # an open option, not stored: without it, all-zero chunks (fresh moments) would not be written
   spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
-          "store_data_equal_to_fill_value": True}
+          "store_data_equal_to_fill_value": True,
+          "context": {"file_io_concurrency": {"limit": 16}}}  # many small chunks: keep the disk busy
   if leaf is None:
     return {**spec, "open": True}
   metadata = {"shape": list(leaf.shape), "data_type": np.dtype(leaf.dtype).name,
@@ -303,17 +305,17 @@ def _stream_nvme_to(path: str, leaf: Leaf, run: _Run) -> None:
   replicated = leaf.layout.axis is None
   units = [u for u in _nvme_units(leaf, run.ranks, run.dp) if not replicated or u[0] == 0]
   reading = run.store.read(_nvme_key(base, *units[0][:2])) if units else None
-  writing = None
+  writing: list = []  # at most IN_FLIGHT shards in host memory
   for i, (rank, layer, region) in enumerate(units):
     data = reading.wait()
     reading = run.store.read(_nvme_key(base, *units[i + 1][:2])) if i + 1 < len(units) else None
-    if writing is not None:
-      writing.result()
+    if len(writing) >= IN_FLIGHT:
+      writing.pop(0).result()
     clipped = _clip(region, leaf.shape)
     data = data.reshape([s.stop - s.start for s in region])
-    writing = arr[clipped].write(np.ascontiguousarray(data[_local(clipped, region)]))
-  if writing is not None:
-    writing.result()
+    writing.append(arr[clipped].write(np.ascontiguousarray(data[_local(clipped, region)])))
+  for w in writing:
+    w.result()
 
 
 def _open_checked(path: str, leaf: Leaf):
