@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="tier of the grads (they follow --offload-param; only that tier is accepted)")
   p.add_argument("--offload-optimizer", default="device", choices=TIERS,
                  help="tier of the fp32 master params and Adam moments (host tiers run zinfjax's "
-                      "C++ AdamW; no gradient clipping there)")
+                      "C++ AdamW)")
   p.add_argument("--nvme-path", action="append", default=None,
                  help="folder of the NVMe swap store (repeat to stripe over several drives)")
   p.add_argument("--pinned-budget", type=int, default=256, help="MiB of pinned host buffers for NVMe")
@@ -50,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--clip", type=float, default=1.0,
+                 help="clip grads to this global norm (0: off). With the optimizer on NVMe, "
+                      "clipping runs it after backward (it needs the norm); 0 lets it run under "
+                      "backward")
   p.add_argument("--schedule-steps", type=int, default=None,
                  help="length of the learning-rate schedule (default: --steps); keep it fixed when "
                       "a run is continued with a larger --steps")
@@ -131,11 +135,13 @@ def main(argv=None) -> int:
         end_value=args.lr / 10)
   else:
     schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
+  clip = args.clip or None
   if zero.offload_optimizer == "device":
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
+    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+    tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
   else:  # runs where its states live: the C++ AdamW on the host or the NVMe pipeline
-    tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+    tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
+                             max_grad_norm=clip)
   processes = f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""
   say(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "

@@ -191,3 +191,22 @@ def test_nvme_store_missing_or_corrupted(tmp_path):
   os.truncate(os.path.join(store.folder, "swap.bin"), 0)
   with pytest.raises(Exception, match="truncated"):
     jax.block_until_ready(tx.update(grads, state, params))
+
+
+@pytest.mark.parametrize("offload", TIERS)
+def test_max_grad_norm_matches_optax_clip_chain(offload, tmp_path):
+  """The grads here have a global norm near 50: a limit of 5 clips every step."""
+  params = make_params(seed=4)
+  noise = grad_noise(params, 20, seed=5)
+  want, _ = train(optax.chain(optax.clip_by_global_norm(5.0), optax.adamw(SCHEDULE, weight_decay=0.1)),
+                  params, noise)
+  unclipped, _ = train(optax.adamw(SCHEDULE, weight_decay=0.1), params, noise)
+  got, _ = train(offloaded(tmp_path, offload, SCHEDULE, weight_decay=0.1, max_grad_norm=5.0),
+                 params, noise)
+  assert rel_err(got, want) < 1e-6
+  assert rel_err(unclipped, want) > 1e-4  # the limit really clipped
+
+
+def test_max_grad_norm_must_be_positive():
+  with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+    zinfjax.optim.adamw(1e-3, max_grad_norm=0.0)

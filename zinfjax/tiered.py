@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .offload import tiers
 from .offload.store import AioStore, NoSpaceError
-from .optim.sharded import GradGate, HostAdamState, NvmePipeline, host_update
+from .optim.sharded import GradGate, HostAdamState, NvmePipeline, clip_scale, host_update
 from .partition import LeafLayout, is_layout
 
 ANCHOR = (1, 2)  # per rank: [token, sum of squares] of a leaf's grads written to NVMe
@@ -328,7 +328,7 @@ def make_step(state, loss_fn):
         master = optax.apply_updates(state.master, updates)
         new_params = jax.tree.map(lambda m: m.astype(config.compute_dtype), master)
       else:
-        master, opt_state, new_params = _host_adam_step(engine, state, grads)
+        master, opt_state, new_params = _host_adam_step(engine, state, grads, jnp.sqrt(sq))
       params, token = place_params(new_params)
       metrics = {"loss": loss, "grad_norm": jnp.sqrt(sq)}
       if token is not None:
@@ -357,17 +357,18 @@ def make_step(state, loss_fn):
                    out_shardings=(rep, grads_sh, rep))
   pipeline = engine.pipeline
   grad_keys = pipeline.grad_keys()
+  clips = engine.tx.hyper.max_grad_norm is not None
 
   def run(state, batch):
     t0 = time.perf_counter()
     count = int(state.opt_state.count)
     batch = shard_batch(engine, batch)
-    if not nvme_params:  # grads come back as arrays: the optimizer runs after the program
+    if not nvme_params or clips:  # the optimizer runs after the program (clipping needs the norm)
       loss, grads, norm = checked(engine, jitted(state.params, batch))
       t1 = time.perf_counter()
-      host_grads = [host_shards(g, mesh) for g in jax.tree.leaves(grads)]
+      host_grads = None if nvme_params else [host_shards(g, mesh) for g in jax.tree.leaves(grads)]
       del grads
-      outs = pipeline.step(count, host_grads)
+      outs = pipeline.step(count, host_grads, grad_norm=float(norm))
     else:  # grads land on NVMe layer by layer: update each layer while backward goes on below it
       running: list = []
       ended: list[float] = []
@@ -407,11 +408,14 @@ def checked(engine, outputs):
   return outputs
 
 
-def _host_adam_step(engine, state, grads):
+def _host_adam_step(engine, state, grads, grad_norm):
   """The C++ AdamW on each rank's pinned-host shards, inside the jitted step."""
   config, axis = engine.config, engine.config.axis
   storage = engine.storage_specs()
   hyper = engine.tx.hyper
+  clip = clip_scale(grad_norm, hyper.max_grad_norm)
+  if clip is not None:
+    grads = jax.tree.map(clip, grads)
   decays = hyper.decays(state.master)
   treedef = jax.tree.structure(state.master)
 

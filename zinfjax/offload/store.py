@@ -104,7 +104,9 @@ class AioStore:
     backend: "auto" (io_uring, else threads), "io_uring" or "threads".
     direct: O_DIRECT (buffered where the filesystem refuses it).
     io_threads: transfers that run concurrently.
-    pinned_budget: bytes of staging buffers the store may hold (never more).
+    pinned_budget: bytes of staging buffers the store may hold (never more); the
+      copies of detached writes (the XLA grad writes) in flight stay within the
+      same amount again.
   """
 
   def __init__(self, paths: PathLike | Sequence[PathLike], rank: int = 0, *,

@@ -29,7 +29,7 @@ from jax.experimental.compute_on import compute_on
 
 from .kernel import AdamConstants, adamw_ffi, adamw_jnp, bias_corrections
 from .nvme import NvmeAdam
-from .sharded import AdamHyper
+from .sharded import AdamHyper, clip_scale
 
 TIERS = ("device", "pinned_host", "nvme")
 
@@ -88,13 +88,17 @@ def _as_updates(new_params: list, params: list) -> list:
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-          mask: Any = None, *, offload: str = "device", nvme_path: str | None = None,
+          mask: Any = None, *, max_grad_norm: float | None = None, offload: str = "device",
+          nvme_path: str | None = None,
           sub_group_size: int = 1 << 22, rank: int = 0, threads: int = 0,
           **store_options) -> optax.GradientTransformation:
   """AdamW with decoupled weight decay, states offloaded to `offload`.
 
   Args:
     learning_rate, b1, b2, eps, weight_decay, mask: as in `optax.adamw`.
+    max_grad_norm: clip the grads to this global norm first, like chaining
+      `optax.clip_by_global_norm` in front (which a host-tier engine optimizer
+      cannot take: it runs this AdamW itself). None: no clipping.
     offload: "device", "pinned_host" or "nvme".
     nvme_path: folder (or folders) for the NVMe tier's swap store.
     sub_group_size: elements per NVMe sub-group (host memory: 36 bytes x 3 x this).
@@ -111,6 +115,8 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     raise ValueError(f"offload must be one of {TIERS}, got {offload!r}.")
   if offload == "nvme" and not nvme_path:
     raise ValueError("offload='nvme' needs nvme_path: a folder on a fast local drive.")
+  if max_grad_norm is not None and not max_grad_norm > 0:
+    raise ValueError(f"max_grad_norm must be positive (or None), got {max_grad_norm!r}.")
   if not isinstance(learning_rate, (int, float)) and not callable(learning_rate):
     raise ValueError(f"learning_rate must be a float or a schedule, got {learning_rate!r}.")
   constants = AdamConstants(b1, b2, eps)
@@ -145,6 +151,8 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     _check_structure(grads, shapes, "grads")
     _check_structure(params, shapes, "params")
     treedef = jax.tree.structure(params)
+    if max_grad_norm is not None:
+      grads = jax.tree.map(clip_scale(optax.tree.norm(grads), max_grad_norm), grads)
     count = optax.safe_int32_increment(state.count)
     bc1, bc2 = bias_corrections(b1, b2, count)
     lr = jnp.asarray(schedule(state.count), jnp.float32)
@@ -184,7 +192,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
   tx.nvme = nvme  # the NVMe pipeline (stats, store), None on other tiers
   tx.offload = offload
   # what `train_step` needs to run this AdamW itself on the tier ZeroConfig.offload_optimizer names
-  tx.hyper = AdamHyper(schedule, constants, float(weight_decay), mask)
+  tx.hyper = AdamHyper(schedule, constants, float(weight_decay), mask, max_grad_norm)
   return tx
 
 

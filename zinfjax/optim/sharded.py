@@ -36,6 +36,7 @@ class AdamHyper:
   constants: AdamConstants
   weight_decay: float
   mask: Any = None
+  max_grad_norm: float | None = None  # clip grads to this global norm first (None: no clipping)
 
   def decays(self, params: Any) -> list[float]:
     from .adam import _weight_decays
@@ -54,6 +55,14 @@ class HostAdamState(NamedTuple):
   count: jax.Array
   mu: Any
   nu: Any
+
+
+def clip_scale(norm, max_norm: float | None):
+  """What `optax.clip_by_global_norm(max_norm)` does to grads of global norm `norm`:
+  `(g, norm, max_norm)` -> `g` below the limit, else `g / norm * max_norm`."""
+  if max_norm is None:
+    return None
+  return lambda g: jax.lax.select(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
 
 
 def host_update(hyper: AdamHyper, decays: Sequence[float], count: jax.Array, masters: list,
@@ -173,18 +182,23 @@ class NvmePipeline:
     return [self.key("g", u) for u in self.units] if self.grads_on_nvme else []
 
   def step(self, count: int, grads: list[dict[int, np.ndarray]] | None,
-           gate: "GradGate | None" = None) -> list[dict[int, np.ndarray]]:
+           gate: "GradGate | None" = None, grad_norm: float | None = None) -> list[dict[int, np.ndarray]]:
     """One AdamW step over every sub-group.
 
     `grads` (per leaf, rank -> local shard) when they are not on NVMe. With
     `gate`, the grads on NVMe are still being written by a running backward
     pass: each sub-group's grad is read once the gate says it is there.
+    `grad_norm` (the global norm of all grads) is needed when the AdamW
+    clips (`hyper.max_grad_norm`).
     Returns the new compute params (per leaf, rank -> local shard) unless
     they are written to NVMe (then empty dicts).
     """
     # jitted, like in the step: XLA's compiled pow/schedule can differ from eager by an ulp
     lr, bc1, bc2 = (float(x) for x in self._scalars(jnp.int32(count)))
     c = self.hyper.constants
+    clip = self.hyper.max_grad_norm
+    if clip is not None and grad_norm is None:
+      raise ValueError("this AdamW clips grads (max_grad_norm): pass the step's grad_norm.")
     outs: list[dict[int, np.ndarray]] = [{} for _ in self.names]
     if not self.params_on_nvme:
       for u in self.units:
@@ -212,6 +226,8 @@ class NvmePipeline:
       else:
         g = grads[u.leaf][u.rank]
         grad = np.ascontiguousarray(g[u.layer] if self.layers[u.leaf] else g).reshape(-1)
+      if clip and grad_norm >= clip:  # as optax.clip_by_global_norm, in the grads' dtype
+        grad = ((grad / grad.dtype.type(grad_norm)) * grad.dtype.type(clip)).astype(grad.dtype)
       param = slot["param"] if self.params_on_nvme else (
           outs[u.leaf][u.rank][u.layer] if self.layers[u.leaf] else outs[u.leaf][u.rank]).reshape(-1)
       adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
