@@ -126,6 +126,15 @@ def test_missing_nvme_path_is_created(nvme_run):
   assert (path / "rank0" / "swap.bin").exists()
 
 
+def test_nvme_optimizer_runs_under_backward(nvme_run, batches):
+  """Without clipping, the optimizer starts while backward still writes grads: it reaches
+  sub-groups whose grads are not on NVMe yet and waits for them."""
+  _, state = nvme_run
+  state, metrics = zinfjax.train_step(state, batches[0], lm_loss)
+  assert np.isfinite(float(metrics["loss"]))
+  assert metrics["nvme_grad_waits"] > 0
+
+
 def test_corrupted_swap_file_between_steps_is_named(nvme_run, batches):
   path, state = nvme_run
   state, _ = zinfjax.train_step(state, batches[0], lm_loss)

@@ -363,6 +363,7 @@ def make_step(state, loss_fn):
     t0 = time.perf_counter()
     count = int(state.opt_state.count)
     batch = shard_batch(engine, batch)
+    extra = {}
     if not nvme_params or clips:  # the optimizer runs after the program (clipping needs the norm)
       loss, grads, norm = checked(engine, jitted(state.params, batch))
       t1 = time.perf_counter()
@@ -382,6 +383,7 @@ def make_step(state, loss_fn):
       loss, grads, norm = checked(engine, tuple(running))
       watch.join()
       t1 = ended[0]
+      extra["nvme_grad_waits"] = gate.waited
     params = None
     if not nvme_params:
       leaves = [from_host_shards(o, x.sharding, x.shape)
@@ -393,7 +395,8 @@ def make_step(state, loss_fn):
     metrics = {"loss": loss, "grad_norm": norm, "fwd_bwd_s": t1 - t0,
                "optimizer_s": stats["step_s"], "adam_s": stats["compute_s"],
                "nvme_read_wait_s": stats["read_wait_s"], "nvme_write_wait_s": stats["write_wait_s"],
-               "nvme_bytes_read": stats["bytes_read"], "nvme_bytes_written": stats["bytes_written"]}
+               "nvme_bytes_read": stats["bytes_read"], "nvme_bytes_written": stats["bytes_written"],
+               **extra}
     return new, metrics
 
   run.jitted = jitted

@@ -268,11 +268,13 @@ class GradGate:
   def __init__(self, store: AioStore, keys: Sequence[str], program_done: Callable[[], bool]):
     self.store, self.program_done = store, program_done
     self.want = {k: store.generation(k) + 1 for k in keys}
+    self.waited = 0  # grads the optimizer reached before backward had written them
 
   def ready(self, key: str) -> bool:
     return self.store.generation(key) >= self.want[key]
 
   def wait(self, key: str, poll_s: float = 0.5) -> None:
+    self.waited += 1
     while not self.store.wait_generation(key, self.want[key], poll_s):
       if self.program_done() and not self.ready(key):
         self.store.raise_deferred()
