@@ -34,9 +34,9 @@ def main(argv=None) -> int:
   np_dtype, st_dtype = DTYPES[args.dtype]
   np_dtype = np.dtype(getattr(ml_dtypes, np_dtype, np_dtype))
   try:
-    ckpt = Checkpointer(args.checkpoint)
-    step = ckpt._step(args.step)
-    leaves = {k[len("master/"):]: v["shape"] for k, v in ckpt.metadata(step)["leaves"].items()
+    meta = Checkpointer(args.checkpoint).metadata(args.step)
+    step = meta["step"]
+    leaves = {k[len("master/"):]: v["shape"] for k, v in meta["leaves"].items()
               if k.startswith("master/")}
   except CheckpointError as e:
     raise SystemExit(f"error: {e}") from None

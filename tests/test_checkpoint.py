@@ -70,7 +70,9 @@ def straight(tmp_path_factory, mesh):
       ckpt.close()
       runs[name] = dict(root=root, ckpt=root / "ckpt", losses=np.asarray(losses),
                         params=flat_params(state))
-  return lambda name: (get(name), runs[name])[1]
+    return runs[name]
+
+  return get
 
 
 @pytest.mark.parametrize("name", list(PLACEMENTS))

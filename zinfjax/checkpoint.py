@@ -26,6 +26,7 @@ a time before `save` returns (the next step overwrites them in place).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any, Callable, Iterator
 
@@ -39,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
+from .optim.sharded import shard_key
 from .partition import LeafLayout, _key_name, is_layout
 from .tiered import leaf_names, local_ranks, local_shape
 
@@ -161,10 +163,6 @@ def _nvme_units(leaf: Leaf, ranks: list[int], dp: int) -> Iterator[tuple[int, in
         size = lay.padded // dp
         region[lay.axis] = slice(rank * size, (rank + 1) * size)
       yield rank, layer, tuple(region)
-
-
-def _nvme_key(base: str, rank: int, layer: int) -> str:
-  return f"{base}/r{rank}/l{layer}"
 
 
 # ------------------------------------------------------------------ orbax handler
@@ -292,7 +290,7 @@ def _stream_to_nvme(arr, leaf: Leaf, run: _Run) -> None:
     data = data.reshape(local_shape(leaf.layout, run.dp))
     for t in tickets:
       t.wait()
-    tickets = [run.store.write(_nvme_key(base, rank, layer), data.astype(dtype))
+    tickets = [run.store.write(shard_key(base, rank, layer), data.astype(dtype))
                for base, dtype in leaf.nvme]
   for t in tickets:
     t.wait()
@@ -304,11 +302,11 @@ def _stream_nvme_to(path: str, leaf: Leaf, run: _Run) -> None:
   base = leaf.nvme[0][0]
   replicated = leaf.layout.axis is None
   units = [u for u in _nvme_units(leaf, run.ranks, run.dp) if not replicated or u[0] == 0]
-  reading = run.store.read(_nvme_key(base, *units[0][:2])) if units else None
+  reading = run.store.read(shard_key(base, *units[0][:2])) if units else None
   writing: list = []  # at most IN_FLIGHT shards in host memory
   for i, (rank, layer, region) in enumerate(units):
     data = reading.wait()
-    reading = run.store.read(_nvme_key(base, *units[i + 1][:2])) if i + 1 < len(units) else None
+    reading = run.store.read(shard_key(base, *units[i + 1][:2])) if i + 1 < len(units) else None
     if len(writing) >= IN_FLIGHT:
       writing.pop(0).result()
     clipped = _clip(region, leaf.shape)
@@ -326,11 +324,12 @@ def _open_checked(path: str, leaf: Leaf):
     arr = ts.open(_spec(path)).result()
   except Exception as e:
     raise CheckpointError(f"checkpoint array {leaf.name!r} at {path} cannot be opened ({e}).") from e
-  chunks = arr.chunk_layout.write_chunk.shape or arr.shape
-  expected = int(np.prod([-(-n // c) for n, c in zip(arr.shape, chunks)], dtype=np.int64))
-  found = sum(len(files) for _, _, files in os.walk(os.path.join(path, "c")))
-  if not arr.shape:
-    found = int(os.path.exists(os.path.join(path, "c")))
+  if arr.shape:
+    chunks = arr.chunk_layout.write_chunk.shape
+    expected = int(np.prod([-(-n // c) for n, c in zip(arr.shape, chunks)], dtype=np.int64))
+    found = sum(len(files) for _, _, files in os.walk(os.path.join(path, "c")))
+  else:  # a scalar is one chunk file named "c"
+    expected, found = 1, int(os.path.exists(os.path.join(path, "c")))
   if found < expected:
     raise CheckpointError(
         f"checkpoint array {leaf.name!r} at {path} is truncated: {found} of its {expected} "
@@ -407,11 +406,10 @@ class Checkpointer:
 
   # ---------------------------------------------------------------- restore
   def metadata(self, step: int | None = None) -> dict:
-    """The JSON metadata of `step` (default: the latest)."""
+    """The JSON metadata of `step` (default: the latest); `["step"]` is the step it holds."""
     step = self._step(step)
     path = os.path.join(self.directory, str(step), "meta", "metadata")
     try:
-      import json
       with open(path) as f:
         meta = json.load(f)
     except (OSError, ValueError) as e:
@@ -436,8 +434,8 @@ class Checkpointer:
     """`(state, extra)`: the training state of `step` (default: the latest) placed as `config`
     says on `mesh`, whatever placement and device count it was saved from."""
     from .train import TrainState, build_engine, make_states
-    step = self._step(step)
     meta = self.metadata(step)
+    step = meta["step"]
     engine = build_engine(model_factory, tx, config, mesh, open_store=True)
     target = make_states(engine, model_factory, abstract=True)
     leaves = _restore_targets(target)
@@ -478,9 +476,8 @@ def master_params(directory: str | os.PathLike, step: int | None = None) -> Iter
   """`(leaf name, fp32 array)` of a checkpoint's master params, one leaf at a time in full
   logical shape, without building a model or a mesh (for export, like `zero_to_fp32`)."""
   ckpt = Checkpointer(directory)
-  step = ckpt._step(step)
   meta = ckpt.metadata(step)
-  folder = os.path.join(ckpt.directory, str(step), "state")
+  folder = os.path.join(ckpt.directory, str(meta["step"]), "state")
   for name, info in meta["leaves"].items():
     if not name.startswith("master/"):
       continue

@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .offload import tiers
 from .offload.store import AioStore, NoSpaceError
-from .optim.sharded import GradGate, HostAdamState, NvmePipeline, clip_scale, host_update
+from .optim.sharded import (GradGate, HostAdamState, NvmePipeline, clip_scale, host_update,
+                            shard_key)
 from .partition import LeafLayout, is_layout
 
 ANCHOR = (1, 2)  # per rank: [token, sum of squares] of a leaf's grads written to NVMe
@@ -158,7 +159,7 @@ def read_master(engine) -> Any:
   for i, lay in enumerate(jax.tree.leaves(engine.layouts, is_leaf=is_layout)):
     ranks = []
     for r in range(dp):
-      layers = [engine.store.read(f"o/master/{pipeline.names[i]}/r{r}/l{j}").wait()
+      layers = [engine.store.read(shard_key(f"o/master/{pipeline.names[i]}", r, j)).wait()
                 for j in range(pipeline.layers[i] or 1)]
       ranks.append(np.stack(layers) if lay.stacked else layers[0])
     out.append(ranks[0] if lay.axis is None else np.concatenate(ranks, axis=lay.axis))
@@ -259,7 +260,7 @@ def _write_param_shards(store: AioStore, leaf: tiers.NvmeLeaf, shards: dict[int,
   for rank, shard in shards.items():
     for layer in range(leaf.layers or 1):
       data = shard[layer] if leaf.layers else shard
-      tickets.append(store.write(f"{leaf.key}/r{rank}/l{layer}", np.asarray(data).astype(dtype)))
+      tickets.append(store.write(shard_key(leaf.key, rank, layer), np.asarray(data).astype(dtype)))
   for t in tickets:
     t.wait()
 

@@ -278,14 +278,18 @@ ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std:
 uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
                                const std::string& dtype, const std::vector<int64_t>& shape) {
   ShardEntry e = Allocate(key, nbytes, dtype, shape);
-  return Enqueue([this, key, e, src, nbytes](Job&) mutable {
+  return Enqueue(WriteWork(key, e, static_cast<const uint8_t*>(src), nbytes), key, e);
+}
+
+std::function<void(SwapStore::Job&)> SwapStore::WriteWork(const std::string& key, ShardEntry e,
+                                                          const uint8_t* src, size_t nbytes) {
+  return [this, key, e, src, nbytes](Job&) mutable {
     TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
-    e.checksum = WriteExtent(*current_backend_, *pool_, BlocksFor(e),
-                             static_cast<const uint8_t*>(src), nbytes, options);
+    e.checksum = WriteExtent(*current_backend_, *pool_, BlocksFor(e), src, nbytes, options);
     std::lock_guard<std::mutex> lock(mu_);
     manifest_[key] = e;
     ++generations_[key];  // waiters are woken when the job is marked done
-  }, key, e);
+  };
 }
 
 void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nbytes,
@@ -314,13 +318,7 @@ void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nb
     throw;
   }
   const uint8_t* data = copy->data();
-  Enqueue([this, key, e, data, nbytes](Job&) mutable {
-    TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
-    e.checksum = WriteExtent(*current_backend_, *pool_, BlocksFor(e), data, nbytes, options);
-    std::lock_guard<std::mutex> lock(mu_);
-    manifest_[key] = e;
-    ++generations_[key];
-  }, key, e, std::move(copy));
+  Enqueue(WriteWork(key, e, data, nbytes), key, e, std::move(copy));
 }
 
 void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {

@@ -121,6 +121,9 @@ class SwapStore {
   uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry,
                    std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
+  // The job that writes `nbytes` at `src` as shard `e` of `key` (both write paths).
+  std::function<void(Job&)> WriteWork(const std::string& key, ShardEntry e, const uint8_t* src,
+                                      size_t nbytes);
   static thread_local AioBackend* current_backend_;  // the driver thread's backend
   std::vector<Block> BlocksFor(const ShardEntry& e) const;
   ShardEntry Allocate(const std::string& key, size_t nbytes, const std::string& dtype,

@@ -217,7 +217,11 @@ class NvmePipeline:
     def read(key, out):
       if gate is None or not key.startswith("g/") or gate.ready(key):
         return self.store.read(key, out)
-      return _Deferred(lambda: (gate.wait(key), self.store.read(key, out))[1])
+
+      def when_written():
+        gate.wait(key)
+        return self.store.read(key, out)
+      return _Deferred(when_written)
 
     def compute(k):
       u, slot = self.units[k], self._slot(k, self.units[k])
