@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--pinned-budget", type=int, default=256, help="MiB of pinned host buffers for NVMe")
   p.add_argument("--nvme-prefetch-depth", type=int, default=1,
                  help="layers read from NVMe ahead of the device prefetch")
+  p.add_argument("--nvme-io-threads", type=int, default=4,
+                 help="shards the swap store moves at once (the drive's queue depth)")
   p.add_argument("--offload-activations", action="store_true",
                  help="keep activation checkpoints in pinned host memory")
   p.add_argument("--steps", type=int, default=200)
@@ -119,6 +121,7 @@ def main(argv=None) -> int:
         offload_optimizer=args.offload_optimizer,
         nvme_path=args.nvme_path[0] if args.nvme_path and len(args.nvme_path) == 1 else args.nvme_path,
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
+        nvme_io_threads=args.nvme_io_threads,
         offload_activations=args.offload_activations)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None

@@ -210,3 +210,37 @@ def test_max_grad_norm_matches_optax_clip_chain(offload, tmp_path):
 def test_max_grad_norm_must_be_positive():
   with pytest.raises(ValueError, match="max_grad_norm must be positive"):
     zinfjax.optim.adamw(1e-3, max_grad_norm=0.0)
+
+
+@pytest.mark.parametrize("slots", [3, 5, 8])
+def test_pipeline_reads_ahead_without_reusing_a_busy_slot(slots):
+  """run_pipeline keeps slots-2 sub-groups reading ahead, and reads into a slot only once
+  the writes of the sub-group that used it before are done."""
+  from zinfjax.optim.nvme import run_pipeline
+  count, events, done = 11, [], set()
+
+  class T:
+    def __init__(self, tag):
+      self.tag = tag
+
+    def wait(self):
+      done.add(self.tag)
+
+  def read(k):
+    # the slot k uses was k-slots's: its writes must be complete
+    assert k < slots or ("w", k - slots) in done, (k, sorted(done))
+    events.append(("read", k))
+    return [T(("r", k))]
+
+  def compute(k):
+    assert ("r", k) in done
+    in_flight = [j for kind, j in events if kind == "read" and ("r", j) not in done]
+    assert in_flight == list(range(k + 1, min(k + slots - 2, count - 1) + 1))
+    events.append(("compute", k))
+
+  stats = run_pipeline(count, read, compute, lambda k: [T(("w", k))], slots)
+  assert [k for kind, k in events if kind == "compute"] == list(range(count))
+  assert {("w", k) for k in range(count)} <= done
+  assert set(stats) == {"read_wait_s", "compute_s", "write_wait_s", "step_s"}
+  with pytest.raises(ValueError, match="at least 3"):
+    run_pipeline(count, read, compute, lambda k: [], 2)

@@ -14,6 +14,7 @@ from zinfjax.models import GPT, get_config, lm_loss
     (dict(precision="fp16"), "precision must be 'bf16' or 'fp32'"),
     (dict(prefetch_depth=-1), "prefetch_depth must be an int >= 0"),
     (dict(persistence_threshold=-5), "persistence_threshold"),
+    (dict(nvme_io_threads=0), "nvme_io_threads must be an int from 1 to 64"),
 ])
 def test_bad_zero_config(kwargs, match):
   with pytest.raises(ValueError, match=match):

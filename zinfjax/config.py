@@ -47,6 +47,9 @@ class ZeroConfig:
       layers up to i+prefetch_depth+nvme_prefetch_depth are being read.
     offload_activations: keep each block's activation checkpoint in pinned
       host memory between the forward and backward pass.
+    nvme_io_threads: shards the swap store moves at once. Each shard (one
+      rank's piece of one layer) is often a single I/O block, so this is the
+      drive's queue depth for the step's many small transfers.
   """
 
   stage: int = 3
@@ -62,6 +65,7 @@ class ZeroConfig:
   pinned_budget: int = 256 << 20
   nvme_prefetch_depth: int = 1
   offload_activations: bool = False
+  nvme_io_threads: int = 4
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -116,6 +120,9 @@ class ZeroConfig:
     if not isinstance(self.nvme_prefetch_depth, int) or self.nvme_prefetch_depth < 0:
       raise ValueError("ZeroConfig.nvme_prefetch_depth must be an int >= 0, got "
                        f"{self.nvme_prefetch_depth!r}.")
+    if not isinstance(self.nvme_io_threads, int) or not 1 <= self.nvme_io_threads <= 64:
+      raise ValueError("ZeroConfig.nvme_io_threads must be an int from 1 to 64, got "
+                       f"{self.nvme_io_threads!r}.")
 
   @property
   def grad_tier(self) -> str:

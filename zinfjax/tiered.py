@@ -84,7 +84,7 @@ def nvme_bytes(config, layouts: Any, dp: int, ranks: int) -> dict[str, int]:
 def open_store(config, layouts: Any, dp: int, ranks: int) -> AioStore:
   """The process's swap store, after checking the states fit on the drive (before any write)."""
   need = nvme_bytes(config, layouts, dp, ranks)
-  store = AioStore(config.nvme_paths, jax.process_index(),
+  store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
                    pinned_budget=max(1 << 20, config.pinned_budget // 4))
   store.defer_errors()  # raised after each step: see `checked`
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.stats()["bytes_used"]

@@ -35,27 +35,32 @@ class SubGroup:
 
 
 def run_pipeline(count: int, start_read: Callable[[int], list], compute: Callable[[int], None],
-                 start_write: Callable[[int], list]) -> dict[str, float]:
-  """Run `count` sub-groups through `SLOTS` rotating buffer sets: read k+1 / compute k / write k-1.
+                 start_write: Callable[[int], list], slots: int = SLOTS) -> dict[str, float]:
+  """Run `count` sub-groups through `slots` rotating buffer sets: while k is computed,
+  k+1 .. k+slots-2 are being read and k-1 written.
 
   `start_read(k)` and `start_write(k)` return the tickets of sub-group k's
-  transfers (into and out of slot k % SLOTS); a slot is read into again only
+  transfers (into and out of slot k % slots); a slot is read into again only
   after its previous writes are done. Returns the seconds spent waiting on
   reads, on writes, computing, and in all.
   """
+  if slots < SLOTS:
+    raise ValueError(f"the pipeline needs at least {SLOTS} buffer sets, got {slots}.")
+  ahead = slots - 2
   stats = {"read_wait_s": 0.0, "compute_s": 0.0, "write_wait_s": 0.0}
   start = time.perf_counter()
-  reads: dict[int, list] = {0: start_read(0)} if count else {}
+  reads: dict[int, list] = {k: start_read(k) for k in range(min(ahead, count))}
   writes: dict[int, list] = {}
   for k in range(count):
     t0 = time.perf_counter()
     for t in reads.pop(k):
       t.wait()
     t1 = time.perf_counter()
-    if k + 1 < count:  # the slot k+1 uses was k-2's: its writes must be done
-      for t in writes.pop(k + 1 - SLOTS, []):
+    nxt = k + ahead
+    if nxt < count:  # the slot nxt uses was nxt-slots's: its writes must be done
+      for t in writes.pop(nxt - slots, []):
         t.wait()
-      reads[k + 1] = start_read(k + 1)
+      reads[nxt] = start_read(nxt)
     t2 = time.perf_counter()
     compute(k)
     t3 = time.perf_counter()

@@ -7,9 +7,10 @@
   the CPU (an XLA custom call under `compute_on("device_host")`), returning
   the new compute params.
 * `NvmePipeline` runs on the host between steps: every rank's shard of every
-  layer of every leaf is one sub-group, streamed through three rotating
-  pinned buffer sets (read k+1 / update k / write k-1) so NVMe reads, the
-  CPU kernel and NVMe writes overlap.
+  layer of every leaf is one sub-group, streamed through 3 to 8 rotating
+  pinned buffer sets (as many as `pinned_budget` holds): while sub-group k
+  is updated, the next ones are being read and k-1 written, so NVMe reads,
+  the CPU kernel and NVMe writes overlap.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ..offload import tiers
 from ..offload.store import AioStore, aligned_empty
 from .kernel import AdamConstants, adamw_ffi, adamw_numpy, bias_corrections
 from .nvme import SLOTS, run_pipeline
+
+MAX_SLOTS = 8  # NVMe pipeline: up to 6 sub-groups read ahead of the one being updated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +136,16 @@ class NvmePipeline:
              for layer in range(layers[i] or 1)]
     self.units = sorted(units, key=lambda u: (self.layers[u.leaf] is None, -u.layer, u.rank, u.leaf))
     largest = max((u.size for u in self.units), default=0)
-    self.pinned_bytes = SLOTS * largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
-    if self.pinned_bytes > budget:
+    per_set = largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
+    if SLOTS * per_set > budget:
       raise ValueError(
           f"the NVMe optimizer needs {SLOTS} buffer sets for its largest sub-group (one rank's "
-          f"shard of one layer, {largest:,} elements): {self.pinned_bytes / 2**20:.1f} MiB, more than "
+          f"shard of one layer, {largest:,} elements): {SLOTS * per_set / 2**20:.1f} MiB, more than "
           f"the {budget / 2**20:.1f} MiB of ZeroConfig.pinned_budget left for it. Raise pinned_budget "
           "or split the model over more devices.")
+    # more sets where the budget allows: reads run further ahead of the kernel
+    self.slots = int(min(MAX_SLOTS, budget // max(per_set, 1)))
+    self.pinned_bytes = self.slots * per_set
     self._slots: list[dict[str, np.ndarray]] = []
     self._scalars = jax.jit(hyper.scalars)
     self.last_step: dict[str, float] = {}
@@ -152,8 +158,8 @@ class NvmePipeline:
       n = max(u.size for u in self.units)
       self._slots = [{"master": aligned_empty(n, np.float32), "m": aligned_empty(n, np.float32),
                       "v": aligned_empty(n, np.float32), "grad": aligned_empty(n, self.grads_dtype),
-                      "param": aligned_empty(n, self.params_dtype)} for _ in range(SLOTS)]
-    return {name: buf[:unit.size] for name, buf in self._slots[k % SLOTS].items()}
+                      "param": aligned_empty(n, self.params_dtype)} for _ in range(self.slots)]
+    return {name: buf[:unit.size] for name, buf in self._slots[k % self.slots].items()}
 
   # ---------------------------------------------------------------- init
   def write_leaf(self, leaf: int, master_shards: dict[int, np.ndarray]) -> None:
@@ -238,7 +244,7 @@ class NvmePipeline:
                   self.decays[u.leaf], self.threads)
 
     stats = run_pipeline(len(self.units), lambda k: transfer(k, reading, read), compute,
-                         lambda k: transfer(k, writing, self.store.write))
+                         lambda k: transfer(k, writing, self.store.write), self.slots)
     sizes = {"master": 4, "m": 4, "v": 4, "grad": self.grads_dtype.itemsize,
              "param": self.params_dtype.itemsize}
     stats["bytes_read"] = sum(u.size * sizes[b] for u in self.units for _, b in reading)
