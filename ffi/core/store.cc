@@ -1,6 +1,7 @@
 #include "core/store.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -21,6 +22,8 @@ struct SwapStore::Job {
   std::exception_ptr error;
   std::unique_ptr<AlignedBuffer> result;  // a read's own buffer, or a detached write's copy
   bool detached = false;                  // nobody waits: the store finishes it itself
+  bool write = false;                     // completing it bumps a generation
+  std::condition_variable cv;             // its own waiter: a read wakes only its caller
   uint64_t ticket = 0;
   std::string key;
   ShardEntry entry;  // what a read expects
@@ -124,11 +127,12 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
   backend_name_ = backends[0]->name();
   for (unsigned i = 0; i < config_.io_threads; ++i) {
     drivers_.emplace_back([this, b = std::shared_ptr<AioBackend>(std::move(backends[i]))] {
+      pthread_setname_np(pthread_self(), "zinfjax-io");  // visible in top -H and /proc
       for (;;) {
         std::shared_ptr<Job> job;
         {
           std::unique_lock<std::mutex> lock(mu_);
-          jobs_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+          work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
           if (queue_.empty()) return;
           job = queue_.front();
           queue_.pop_front();
@@ -149,7 +153,9 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
             jobs_.erase(job->ticket);
           }
         }
-        jobs_cv_.notify_all();
+        job->cv.notify_all();
+        // writes change what the generation, detached-write and Sync waiters wait for
+        if (job->write) done_cv_.notify_all();
       }
     });
   }
@@ -160,7 +166,7 @@ SwapStore::~SwapStore() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  jobs_cv_.notify_all();
+  work_cv_.notify_all();
   for (auto& t : drivers_) t.join();
   try {
     Sync();
@@ -174,10 +180,11 @@ SwapStore::~SwapStore() {
 }
 
 uint64_t SwapStore::Enqueue(std::function<void(Job&)> work, const std::string& key,
-                            const ShardEntry& entry, std::unique_ptr<AlignedBuffer> owned,
-                            bool urgent) {
+                            const ShardEntry& entry, bool write,
+                            std::unique_ptr<AlignedBuffer> owned, bool urgent) {
   auto job = std::make_shared<Job>();
   job->key = key;
+  job->write = write;
   job->entry = entry;
   job->detached = owned != nullptr;
   job->result = std::move(owned);
@@ -194,7 +201,7 @@ uint64_t SwapStore::Enqueue(std::function<void(Job&)> work, const std::string& k
   } else {
     queue_.push_back(job);
   }
-  jobs_cv_.notify_all();
+  work_cv_.notify_one();
   return ticket;
 }
 
@@ -278,7 +285,7 @@ ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std:
 uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
                                const std::string& dtype, const std::vector<int64_t>& shape) {
   ShardEntry e = Allocate(key, nbytes, dtype, shape);
-  return Enqueue(WriteWork(key, e, static_cast<const uint8_t*>(src), nbytes), key, e);
+  return Enqueue(WriteWork(key, e, static_cast<const uint8_t*>(src), nbytes), key, e, /*write=*/true);
 }
 
 std::function<void(SwapStore::Job&)> SwapStore::WriteWork(const std::string& key, ShardEntry e,
@@ -296,7 +303,7 @@ void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nb
                               const std::string& dtype, const std::vector<int64_t>& shape) {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    jobs_cv_.wait(lock, [&] {
+    done_cv_.wait(lock, [&] {
       return !detached_.count(key) &&
              (detached_bytes_ == 0 || detached_bytes_ + nbytes <= config_.pinned_budget);
     });
@@ -314,15 +321,15 @@ void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nb
       if (--detached_[key] == 0) detached_.erase(key);
       detached_bytes_ -= nbytes;
     }
-    jobs_cv_.notify_all();
+    done_cv_.notify_all();
     throw;
   }
   const uint8_t* data = copy->data();
-  Enqueue(WriteWork(key, e, data, nbytes), key, e, std::move(copy));
+  Enqueue(WriteWork(key, e, data, nbytes), key, e, /*write=*/true, std::move(copy));
 }
 
 void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {
-  jobs_cv_.wait(lock, [&] { return !detached_.count(key); });
+  done_cv_.wait(lock, [&] { return !detached_.count(key); });
 }
 
 uint64_t SwapStore::Generation(const std::string& key) const {
@@ -333,7 +340,7 @@ uint64_t SwapStore::Generation(const std::string& key) const {
 
 bool SwapStore::WaitGeneration(const std::string& key, uint64_t generation, int timeout_ms) {
   std::unique_lock<std::mutex> lock(mu_);
-  return jobs_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] {
+  return done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] {
     auto it = generations_.find(key);
     return it != generations_.end() && it->second >= generation;
   });
@@ -388,7 +395,7 @@ uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
                          " bytes at offset " + std::to_string(e.offset) + ") in " +
                          (fds_.size() > 1 ? "the swap files under " : "") + folders_[0] +
                          "/swap.bin: the swap file is corrupted; restore it from a checkpoint");
-  }, key, e, nullptr, urgent);
+  }, key, e, /*write=*/false, nullptr, urgent);
 }
 
 std::shared_ptr<SwapStore::Job> SwapStore::FindJob(uint64_t ticket) {
@@ -402,7 +409,7 @@ void SwapStore::Wait(uint64_t ticket) {
   std::shared_ptr<Job> job = FindJob(ticket);
   {
     std::unique_lock<std::mutex> lock(mu_);
-    jobs_cv_.wait(lock, [&] { return job->done; });
+    job->cv.wait(lock, [&] { return job->done; });
     jobs_.erase(ticket);
   }
   if (job->error) std::rethrow_exception(job->error);
@@ -475,7 +482,7 @@ void SwapStore::WriteManifestLocked() {
 void SwapStore::Sync() {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    jobs_cv_.wait(lock, [&] { return detached_.empty(); });
+    done_cv_.wait(lock, [&] { return detached_.empty(); });
   }
   for (int fd : fds_) fdatasync(fd);
   std::lock_guard<std::mutex> lock(mu_);

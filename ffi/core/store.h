@@ -119,7 +119,7 @@ class SwapStore {
  private:
   struct Job;
   uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry,
-                   std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
+                   bool write, std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
   // The job that writes `nbytes` at `src` as shard `e` of `key` (both write paths).
   std::function<void(Job&)> WriteWork(const std::string& key, ShardEntry e, const uint8_t* src,
@@ -154,7 +154,8 @@ class SwapStore {
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
 
-  mutable std::condition_variable jobs_cv_;
+  std::condition_variable work_cv_;          // drivers: a job was queued (or stop)
+  mutable std::condition_variable done_cv_;  // a write finished: generations, detached writes
   std::deque<std::shared_ptr<Job>> queue_;
   std::map<uint64_t, std::shared_ptr<Job>> jobs_;
   uint64_t next_ticket_ = 1;
