@@ -269,9 +269,10 @@ std::optional<Lease> Stage(PinnedPool& pool, const Block& b, bool zero_copy, siz
 
 }  // namespace
 
-uint64_t WriteExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Block>& blocks,
-                     const uint8_t* src, size_t nbytes, const TransferOptions& options) {
-  Hasher hasher;
+std::vector<uint64_t> WriteExtents(AioBackend& backend, PinnedPool& pool,
+                                   const std::vector<Extent>& extents, const TransferOptions& options) {
+  std::vector<uint64_t> sums;
+  std::vector<std::pair<size_t, size_t>> where;  // tag -> (extent, block)
   std::map<uint64_t, std::optional<Lease>> in_flight;
   std::vector<IoCompletion> done;
   std::exception_ptr failure;
@@ -280,8 +281,9 @@ uint64_t WriteExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Bl
     done.clear();
     backend.Reap(&done, 1);
     for (const auto& c : done) {
+      auto [x, i] = where[c.tag];
       try {
-        CheckCompletion(c, blocks[c.tag].length, true, "swap file");
+        CheckCompletion(c, extents[x].blocks[i].length, true, "swap file");
       } catch (...) {
         if (!failure) failure = std::current_exception();
       }
@@ -289,43 +291,52 @@ uint64_t WriteExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Bl
     }
     count = in_flight.size();
   };
-  for (size_t i = 0; i < blocks.size() && !failure; ++i) {
-    const Block& b = blocks[i];
-    bool zero_copy = ZeroCopy(src, b, nbytes);
-    std::optional<Lease> lease = Stage(pool, b, zero_copy, in_flight.size(), options, reap, &count);
-    uint8_t* buf = const_cast<uint8_t*>(src) + b.extent_offset;
-    size_t data = b.extent_offset < nbytes ? std::min(b.length, nbytes - b.extent_offset) : 0;
-    if (lease) {
-      std::memcpy(lease->data(), src + b.extent_offset, data);
-      if (data < b.length) std::memset(lease->data() + data, 0, b.length - data);
-      buf = lease->data();
+  for (size_t x = 0; x < extents.size() && !failure; ++x) {
+    const Extent& ext = extents[x];
+    const uint8_t* src = ext.data;
+    Hasher hasher;
+    for (size_t i = 0; i < ext.blocks.size() && !failure; ++i) {
+      const Block& b = ext.blocks[i];
+      bool zero_copy = ZeroCopy(src, b, ext.nbytes);
+      std::optional<Lease> lease = Stage(pool, b, zero_copy, in_flight.size(), options, reap, &count);
+      uint8_t* buf = const_cast<uint8_t*>(src) + b.extent_offset;
+      size_t data = b.extent_offset < ext.nbytes ? std::min(b.length, ext.nbytes - b.extent_offset) : 0;
+      if (lease) {
+        std::memcpy(lease->data(), src + b.extent_offset, data);
+        if (data < b.length) std::memset(lease->data() + data, 0, b.length - data);
+        buf = lease->data();
+      }
+      hasher.Update(src + b.extent_offset, data);
+      uint64_t tag = where.size();
+      where.emplace_back(x, i);
+      backend.Submit({b.fd, true, buf, b.length, b.file_offset, tag});
+      in_flight.emplace(tag, std::move(lease));
+      count = in_flight.size();
     }
-    hasher.Update(src + b.extent_offset, data);
-    backend.Submit({b.fd, true, buf, b.length, b.file_offset, i});
-    in_flight.emplace(i, std::move(lease));
-    count = in_flight.size();
+    sums.push_back(hasher.Digest());
   }
   while (!in_flight.empty()) reap();
   if (failure) std::rethrow_exception(failure);
-  return hasher.Digest();
+  return sums;
 }
 
-uint64_t ReadExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Block>& blocks,
-                    uint8_t* dst, size_t nbytes, const TransferOptions& options,
-                    const std::string& what) {
-  Hasher hasher;
+std::vector<uint64_t> ReadExtents(AioBackend& backend, PinnedPool& pool,
+                                  const std::vector<Extent>& extents, const TransferOptions& options) {
+  std::vector<Hasher> hashers(extents.size());
+  std::vector<std::pair<size_t, size_t>> where;  // tag -> (extent, block), in submission order
   std::map<uint64_t, std::optional<Lease>> in_flight, arrived;
   std::vector<IoCompletion> done;
   std::exception_ptr failure;
-  size_t next = 0;  // next block to hand over (copy out, hash), in order
+  uint64_t next = 0;  // next block to hand over (copy out, hash): in tag order, so in order per extent
   size_t count = 0;
   auto reap = [&] {
     done.clear();
     backend.Reap(&done, 1);
     for (const auto& c : done) {
       auto it = in_flight.find(c.tag);
+      auto [x, i] = where[c.tag];
       try {
-        CheckCompletion(c, blocks[c.tag].length, false, what);
+        CheckCompletion(c, extents[x].blocks[i].length, false, extents[x].what);
         arrived.emplace(c.tag, std::move(it->second));
       } catch (...) {
         if (!failure) failure = std::current_exception();
@@ -333,28 +344,48 @@ uint64_t ReadExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Blo
       in_flight.erase(it);
     }
     for (auto it = arrived.find(next); it != arrived.end(); it = arrived.find(next)) {
-      const Block& b = blocks[next];
-      size_t data = b.extent_offset < nbytes ? std::min(b.length, nbytes - b.extent_offset) : 0;
-      if (it->second) std::memcpy(dst + b.extent_offset, it->second->data(), data);
-      hasher.Update(dst + b.extent_offset, data);
+      auto [x, i] = where[next];
+      const Extent& ext = extents[x];
+      const Block& b = ext.blocks[i];
+      size_t data = b.extent_offset < ext.nbytes ? std::min(b.length, ext.nbytes - b.extent_offset) : 0;
+      if (it->second) std::memcpy(ext.data + b.extent_offset, it->second->data(), data);
+      hashers[x].Update(ext.data + b.extent_offset, data);
       arrived.erase(it);
       ++next;
     }
     count = in_flight.size();
   };
-  for (size_t i = 0; i < blocks.size() && !failure; ++i) {
-    const Block& b = blocks[i];
-    bool zero_copy = ZeroCopy(dst, b, nbytes);
-    std::optional<Lease> lease =
-        Stage(pool, b, zero_copy, in_flight.size() + arrived.size(), options, reap, &count);
-    uint8_t* buf = lease ? lease->data() : dst + b.extent_offset;
-    backend.Submit({b.fd, false, buf, b.length, b.file_offset, i});
-    in_flight.emplace(i, std::move(lease));
-    count = in_flight.size();
+  for (size_t x = 0; x < extents.size() && !failure; ++x) {
+    const Extent& ext = extents[x];
+    for (size_t i = 0; i < ext.blocks.size() && !failure; ++i) {
+      const Block& b = ext.blocks[i];
+      bool zero_copy = ZeroCopy(ext.data, b, ext.nbytes);
+      std::optional<Lease> lease =
+          Stage(pool, b, zero_copy, in_flight.size() + arrived.size(), options, reap, &count);
+      uint8_t* buf = lease ? lease->data() : ext.data + b.extent_offset;
+      uint64_t tag = where.size();
+      where.emplace_back(x, i);
+      backend.Submit({b.fd, false, buf, b.length, b.file_offset, tag});
+      in_flight.emplace(tag, std::move(lease));
+      count = in_flight.size();
+    }
   }
   while (!in_flight.empty()) reap();
   if (failure) std::rethrow_exception(failure);
-  return hasher.Digest();
+  std::vector<uint64_t> sums;
+  for (const Hasher& h : hashers) sums.push_back(h.Digest());
+  return sums;
+}
+
+uint64_t WriteExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Block>& blocks,
+                     const uint8_t* src, size_t nbytes, const TransferOptions& options) {
+  return WriteExtents(backend, pool, {{blocks, const_cast<uint8_t*>(src), nbytes, ""}}, options)[0];
+}
+
+uint64_t ReadExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Block>& blocks,
+                    uint8_t* dst, size_t nbytes, const TransferOptions& options,
+                    const std::string& what) {
+  return ReadExtents(backend, pool, {{blocks, dst, nbytes, what}}, options)[0];
 }
 
 }  // namespace zinfjax

@@ -62,12 +62,28 @@ struct TransferOptions {
   std::chrono::milliseconds pool_timeout{60000};
 };
 
-// Writes `nbytes` from `src` over `blocks` (which cover AlignUp(nbytes));
-// returns the checksum of the bytes written. Zero-pads the tail.
+// One shard's part of a transfer: the blocks of its file extent (covering
+// AlignUp(nbytes)) and the caller's bytes.
+struct Extent {
+  std::vector<Block> blocks;
+  uint8_t* data;          // source of a write, destination of a read
+  size_t nbytes;
+  std::string what;       // names it in read errors
+};
+
+// Writes every extent, keeping up to `queue_depth` blocks in flight across
+// all of them (one submission stream for many small shards); returns each
+// extent's checksum. Zero-pads the tails.
+std::vector<uint64_t> WriteExtents(AioBackend& backend, PinnedPool& pool,
+                                   const std::vector<Extent>& extents, const TransferOptions& options);
+
+// Reads every extent (as WriteExtents); returns the checksums of the bytes read.
+std::vector<uint64_t> ReadExtents(AioBackend& backend, PinnedPool& pool,
+                                  const std::vector<Extent>& extents, const TransferOptions& options);
+
+// One extent of the above.
 uint64_t WriteExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Block>& blocks,
                      const uint8_t* src, size_t nbytes, const TransferOptions& options);
-
-// Reads `nbytes` into `dst`; returns the checksum of the bytes read.
 uint64_t ReadExtent(AioBackend& backend, PinnedPool& pool, const std::vector<Block>& blocks,
                     uint8_t* dst, size_t nbytes, const TransferOptions& options,
                     const std::string& what);

@@ -285,17 +285,40 @@ ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std:
 uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
                                const std::string& dtype, const std::vector<int64_t>& shape) {
   ShardEntry e = Allocate(key, nbytes, dtype, shape);
-  return Enqueue(WriteWork(key, e, static_cast<const uint8_t*>(src), nbytes), key, e, /*write=*/true);
+  return Enqueue(WriteWork({key}, {e}, {static_cast<const uint8_t*>(src)}), key, e, /*write=*/true);
 }
 
-std::function<void(SwapStore::Job&)> SwapStore::WriteWork(const std::string& key, ShardEntry e,
-                                                          const uint8_t* src, size_t nbytes) {
-  return [this, key, e, src, nbytes](Job&) mutable {
+uint64_t SwapStore::WriteManyAsync(const std::vector<ShardIo>& shards) {
+  if (shards.empty()) throw EngineError("WriteManyAsync needs at least one shard");
+  std::vector<std::string> keys;
+  std::vector<ShardEntry> entries;
+  std::vector<const uint8_t*> srcs;
+  for (const ShardIo& s : shards) {
+    keys.push_back(s.key);
+    entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
+    srcs.push_back(static_cast<const uint8_t*>(s.data));
+  }
+  ShardEntry first = entries[0];
+  return Enqueue(WriteWork(std::move(keys), std::move(entries), std::move(srcs)), shards[0].key,
+                 first, /*write=*/true);
+}
+
+std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::string> keys,
+                                                          std::vector<ShardEntry> entries,
+                                                          std::vector<const uint8_t*> srcs) {
+  return [this, keys = std::move(keys), entries = std::move(entries),
+          srcs = std::move(srcs)](Job&) mutable {
     TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
-    e.checksum = WriteExtent(*current_backend_, *pool_, BlocksFor(e), src, nbytes, options);
+    std::vector<Extent> extents;
+    for (size_t i = 0; i < keys.size(); ++i)
+      extents.push_back({BlocksFor(entries[i]), const_cast<uint8_t*>(srcs[i]), entries[i].nbytes, ""});
+    std::vector<uint64_t> sums = WriteExtents(*current_backend_, *pool_, extents, options);
     std::lock_guard<std::mutex> lock(mu_);
-    manifest_[key] = e;
-    ++generations_[key];  // waiters are woken when the job is marked done
+    for (size_t i = 0; i < keys.size(); ++i) {
+      entries[i].checksum = sums[i];
+      manifest_[keys[i]] = entries[i];
+      ++generations_[keys[i]];  // waiters are woken when the job is marked done
+    }
   };
 }
 
@@ -325,7 +348,7 @@ void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nb
     throw;
   }
   const uint8_t* data = copy->data();
-  Enqueue(WriteWork(key, e, data, nbytes), key, e, /*write=*/true, std::move(copy));
+  Enqueue(WriteWork({key}, {e}, {data}), key, e, /*write=*/true, std::move(copy));
 }
 
 void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {
@@ -367,9 +390,8 @@ void SwapStore::CheckReadable(const std::string& key, const ShardEntry& e,
   }
 }
 
-uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
-                              const std::string& dtype, const std::vector<int64_t>& shape,
-                              bool urgent) {
+ShardEntry SwapStore::ReadableEntry(const std::string& key, const std::string& dtype,
+                                   const std::vector<int64_t>& shape, size_t nbytes) {
   ShardEntry e;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -381,21 +403,60 @@ uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
     e = it->second;
   }
   CheckReadable(key, e, dtype, shape, nbytes);
-  return Enqueue([this, key, e, dst, nbytes](Job& job) {
-    uint8_t* out = static_cast<uint8_t*>(dst);
-    if (out == nullptr) {
-      job.result = std::make_unique<AlignedBuffer>(nbytes);
-      out = job.result->data();
-    }
+  return e;
+}
+
+std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string> keys,
+                                                         std::vector<ShardEntry> entries,
+                                                         std::vector<uint8_t*> dsts) {
+  return [this, keys = std::move(keys), entries = std::move(entries),
+          dsts = std::move(dsts)](Job& job) {
     TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
-    std::string what = "swap file " + folders_[0] + "/swap.bin (shard '" + key + "')";
-    uint64_t checksum = ReadExtent(*current_backend_, *pool_, BlocksFor(e), out, nbytes, options, what);
-    if (checksum != e.checksum)
-      throw CorruptShard("checksum mismatch for shard '" + key + "' (" + std::to_string(e.nbytes) +
-                         " bytes at offset " + std::to_string(e.offset) + ") in " +
-                         (fds_.size() > 1 ? "the swap files under " : "") + folders_[0] +
-                         "/swap.bin: the swap file is corrupted; restore it from a checkpoint");
-  }, key, e, /*write=*/false, nullptr, urgent);
+    std::vector<Extent> extents;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      uint8_t* out = dsts[i];
+      if (out == nullptr) {
+        job.result = std::make_unique<AlignedBuffer>(entries[i].nbytes);
+        out = job.result->data();
+      }
+      extents.push_back({BlocksFor(entries[i]), out, entries[i].nbytes,
+                         "swap file " + folders_[0] + "/swap.bin (shard '" + keys[i] + "')"});
+    }
+    std::vector<uint64_t> sums = ReadExtents(*current_backend_, *pool_, extents, options);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const ShardEntry& e = entries[i];
+      if (sums[i] != e.checksum)
+        throw CorruptShard("checksum mismatch for shard '" + keys[i] + "' (" +
+                           std::to_string(e.nbytes) + " bytes at offset " +
+                           std::to_string(e.offset) + ") in " +
+                           (fds_.size() > 1 ? "the swap files under " : "") + folders_[0] +
+                           "/swap.bin: the swap file is corrupted; restore it from a checkpoint");
+    }
+  };
+}
+
+uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
+                              const std::string& dtype, const std::vector<int64_t>& shape,
+                              bool urgent) {
+  ShardEntry e = ReadableEntry(key, dtype, shape, nbytes);
+  return Enqueue(ReadWork({key}, {e}, {static_cast<uint8_t*>(dst)}), key, e, /*write=*/false,
+                 nullptr, urgent);
+}
+
+uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent) {
+  if (shards.empty()) throw EngineError("ReadManyAsync needs at least one shard");
+  std::vector<std::string> keys;
+  std::vector<ShardEntry> entries;
+  std::vector<uint8_t*> dsts;
+  for (const ShardIo& s : shards) {
+    if (s.data == nullptr) throw EngineError("ReadManyAsync needs a destination for '" + s.key + "'");
+    keys.push_back(s.key);
+    entries.push_back(ReadableEntry(s.key, s.dtype, s.shape, s.nbytes));
+    dsts.push_back(static_cast<uint8_t*>(s.data));
+  }
+  ShardEntry first = entries[0];
+  return Enqueue(ReadWork(std::move(keys), std::move(entries), std::move(dsts)), shards[0].key,
+                 first, /*write=*/false, nullptr, urgent);
 }
 
 std::shared_ptr<SwapStore::Job> SwapStore::FindJob(uint64_t ticket) {

@@ -45,6 +45,15 @@ struct StoreConfig {
   int pool_timeout_ms = 60000;
 };
 
+// One shard of a WriteManyAsync / ReadManyAsync.
+struct ShardIo {
+  std::string key;
+  void* data;                  // source of a write, destination of a read; valid until Wait
+  size_t nbytes;
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
 struct ShardEntry {
   std::string dtype;
   std::vector<int64_t> shape;
@@ -70,6 +79,12 @@ class SwapStore {
   uint64_t ReadAsync(const std::string& key, void* dst, size_t nbytes, const std::string& dtype,
                      const std::vector<int64_t>& shape,
                      bool urgent = false);
+  // Several shards as one job: one driver wake-up and one submission stream
+  // for all of them, which is what small shards (one rank's piece of one
+  // layer) need. A read checks every shard as ReadAsync does; a write
+  // publishes all of them once all are on disk. Copies nothing.
+  uint64_t WriteManyAsync(const std::vector<ShardIo>& shards);
+  uint64_t ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent = false);
   void Wait(uint64_t ticket);
   // Waits for a ReadAsync(dst=nullptr) and copies its bytes into `dst`,
   // after checking they were written as `dtype[shape]`.
@@ -121,9 +136,16 @@ class SwapStore {
   uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry,
                    bool write, std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
-  // The job that writes `nbytes` at `src` as shard `e` of `key` (both write paths).
-  std::function<void(Job&)> WriteWork(const std::string& key, ShardEntry e, const uint8_t* src,
-                                      size_t nbytes);
+  // The job that writes `srcs[i]` as shard `entries[i]` of `keys[i]` (every write path).
+  std::function<void(Job&)> WriteWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
+                                      std::vector<const uint8_t*> srcs);
+  // The job that reads shards `entries[i]` of `keys[i]` into `dsts[i]` (nullptr: the job's
+  // own result buffer, for a single shard) and checks their checksums.
+  std::function<void(Job&)> ReadWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
+                                     std::vector<uint8_t*> dsts);
+  // The manifest entry of `key`, once its detached writes are done; checked against the read.
+  ShardEntry ReadableEntry(const std::string& key, const std::string& dtype,
+                           const std::vector<int64_t>& shape, size_t nbytes);
   static thread_local AioBackend* current_backend_;  // the driver thread's backend
   std::vector<Block> BlocksFor(const ShardEntry& e) const;
   ShardEntry Allocate(const std::string& key, size_t nbytes, const std::string& dtype,

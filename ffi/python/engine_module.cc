@@ -53,6 +53,21 @@ void RequireContiguous(const py::buffer_info& info) {
   }
 }
 
+// The shards of a write_many / read_many call (buffers must stay alive until its wait).
+std::vector<ShardIo> ShardIos(const std::vector<std::string>& keys, const std::vector<py::buffer>& bufs,
+                              const std::vector<std::string>& dtypes,
+                              const std::vector<std::vector<int64_t>>& shapes, bool writable) {
+  if (bufs.size() != keys.size() || dtypes.size() != keys.size() || shapes.size() != keys.size())
+    throw EngineError("keys, buffers, dtypes and shapes must have the same length");
+  std::vector<ShardIo> out;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    py::buffer_info info = bufs[i].request(writable);
+    RequireContiguous(info);
+    out.push_back({keys[i], info.ptr, Bytes(info), dtypes[i], shapes[i]});
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_engine, m) {
@@ -138,6 +153,16 @@ PYBIND11_MODULE(_engine, m) {
         RequireContiguous(info);
         return s.ReadAsync(key, info.ptr, Bytes(info), dtype, shape);
       }, py::arg("key"), py::arg("out"), py::arg("dtype"), py::arg("shape"))
+      .def("write_many", [](SwapStore& s, const std::vector<std::string>& keys,
+                            const std::vector<py::buffer>& data, const std::vector<std::string>& dtypes,
+                            const std::vector<std::vector<int64_t>>& shapes) {
+        return s.WriteManyAsync(ShardIos(keys, data, dtypes, shapes, false));
+      }, py::arg("keys"), py::arg("data"), py::arg("dtypes"), py::arg("shapes"))
+      .def("read_many", [](SwapStore& s, const std::vector<std::string>& keys,
+                           const std::vector<py::buffer>& outs, const std::vector<std::string>& dtypes,
+                           const std::vector<std::vector<int64_t>>& shapes) {
+        return s.ReadManyAsync(ShardIos(keys, outs, dtypes, shapes, true));
+      }, py::arg("keys"), py::arg("outs"), py::arg("dtypes"), py::arg("shapes"))
       .def("wait", &SwapStore::Wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
       .def("sync", &SwapStore::Sync, py::call_guard<py::gil_scoped_release>())
       .def("reserve", &SwapStore::Reserve, py::arg("bytes"))

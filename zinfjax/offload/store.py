@@ -155,6 +155,30 @@ class AioStore:
 
     return Ticket(finish, out)
 
+  def write_many(self, items: Sequence[tuple[str, np.ndarray]]) -> Ticket:
+    """Write several shards as one transfer (one wait for all; far less overhead per shard
+    than `write` for small shards)."""
+    arrays = [np.ascontiguousarray(a) for _, a in items]
+    ticket = self._store.write_many([k for k, _ in items], [_as_bytes(a) for a in arrays],
+                                    [a.dtype.name for a in arrays], [list(a.shape) for a in arrays])
+    return Ticket(lambda: self._store.wait(ticket), arrays)
+
+  def read_many(self, items: Sequence[tuple[str, np.ndarray]]) -> Ticket:
+    """Read several shards, each into its `out` array, as one transfer; `wait()` returns the
+    arrays. Each is checked as `read` checks it."""
+    outs = [out for _, out in items]
+    for out in outs:
+      if not (out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("read_many needs writable C-contiguous output arrays")
+    ticket = self._store.read_many([k for k, _ in items], [_as_bytes(o) for o in outs],
+                                   [o.dtype.name for o in outs], [list(o.shape) for o in outs])
+
+    def finish():
+      self._store.wait(ticket)
+      return outs
+
+    return Ticket(finish, outs)
+
   def entry(self, key: str) -> dict:
     return self._store.entry(key)
 

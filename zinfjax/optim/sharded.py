@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -216,18 +217,23 @@ class NvmePipeline:
     writing = [("o/master", "master"), ("o/m", "m"), ("o/v", "v")]
     writing += [("p", "param")] if self.params_on_nvme else []
 
-    def transfer(k, names, move):
+    def views(k, names):
       u, slot = self.units[k], self._slot(k, self.units[k])
-      return [move(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf])) for what, buf in names]
+      return [(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf])) for what, buf in names]
 
-    def read(key, out):
-      if gate is None or not key.startswith("g/") or gate.ready(key):
-        return self.store.read(key, out)
+    def read_when_written(key, out):
+      gate.wait(key)
+      return self.store.read(key, out)
 
-      def when_written():
-        gate.wait(key)
-        return self.store.read(key, out)
-      return _Deferred(when_written)
+    def start_read(k):
+      """One transfer for the sub-group's shards; a grad backward has not written yet is read
+      on its own once it is there."""
+      now, late = [], []
+      for key, out in views(k, reading):
+        waits = gate is not None and key.startswith("g/") and not gate.ready(key)
+        (late if waits else now).append((key, out))
+      return [self.store.read_many(now)] + [
+          _Deferred(functools.partial(read_when_written, key, out)) for key, out in late]
 
     def compute(k):
       u, slot = self.units[k], self._slot(k, self.units[k])
@@ -243,8 +249,8 @@ class NvmePipeline:
       adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
                   self.decays[u.leaf], self.threads)
 
-    stats = run_pipeline(len(self.units), lambda k: transfer(k, reading, read), compute,
-                         lambda k: transfer(k, writing, self.store.write), self.slots)
+    stats = run_pipeline(len(self.units), start_read, compute,
+                         lambda k: [self.store.write_many(views(k, writing))], self.slots)
     sizes = {"master": 4, "m": 4, "v": 4, "grad": self.grads_dtype.itemsize,
              "param": self.params_dtype.itemsize}
     stats["bytes_read"] = sum(u.size * sizes[b] for u in self.units for _, b in reading)
