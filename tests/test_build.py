@@ -34,5 +34,6 @@ def test_cuda_module_when_the_toolkit_was_found():
   import pytest
   if importlib.util.find_spec("zinfjax._engine_cuda") is None:
     pytest.skip("built without the CUDA toolkit: CPU handlers only")
-  from zinfjax import _engine_cuda
-  assert set(_engine_cuda.registrations()) == {"zinfjax_swap_write", "zinfjax_swap_read"}
+  from zinfjax import _engine, _engine_cuda
+  # every swap call the CPU handlers serve (the scan's prefetch uses read_start/read_wait)
+  assert set(_engine_cuda.registrations()) == set(_engine.registrations()) - {"zinfjax_adamw"}
