@@ -16,6 +16,12 @@ ratio is 1.0 when movement hides completely behind compute (or compute
 behind I/O). It also reports the CPU time of compute alone and of I/O alone:
 where the accelerator is the CPU itself, the two share its cores, and their
 sum over the core count is a floor no overlap can beat.
+
+How well movement hides depends on the compute per byte moved: the bytes
+per step are fixed by the model, the compute grows with the tokens each rank
+processes (batch x seq / devices), as in the ZeRO-Infinity paper's bandwidth
+analysis. Run it at a larger --batch-size / --seq-len to see the offload cost
+shrink.
 """
 
 from __future__ import annotations
