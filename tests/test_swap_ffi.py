@@ -94,3 +94,41 @@ def test_errors_surface_from_inside_jit(store):
   with pytest.raises(Exception, match="written as float32"):
     jax.jit(lambda t: swap.read(store.handle, "typed", jax.ShapeDtypeStruct((16,), jnp.bfloat16), t,
                                 layer=0))(0)
+
+
+def test_a_layer_of_several_leaves_in_one_call(store):
+  """write_many / read_start_many / read_wait_many: every leaf of a layer (mixed shapes and
+  dtypes) in one custom call each, streamed over a scan with prefetch, bit-exact."""
+  keys = ["many/a", "many/b", "many/c"]
+  shapes_dtypes = [((5, 33), jnp.float32), ((1000,), jnp.bfloat16), ((7,), jnp.int8)]
+  leaves = [(jax.random.normal(jax.random.key(10 + i), (4,) + shape) * 20).astype(dt)
+            for i, (shape, dt) in enumerate(shapes_dtypes)]
+  likes = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in shapes_dtypes]
+
+  @jax.jit
+  def offload_then_stream(leaves):
+    def put(token, i):
+      xs = [x[i] for x in leaves]
+      return token + swap.write_many(store.handle, keys, xs, layer=i), None
+
+    token, _ = jax.lax.scan(put, jnp.int32(0), jnp.arange(4))
+
+    def get(ticket, i):
+      xs = swap.read_wait_many(store.handle, ticket, likes)
+      following = swap.read_start_many(store.handle, keys, token, layer=jnp.minimum(i + 1, 3))
+      return following, xs
+
+    first = swap.read_start_many(store.handle, keys, token, layer=0)
+    last, ys = jax.lax.scan(get, first, jnp.arange(4))
+    swap.read_wait_many(store.handle, last, likes)
+    return ys
+
+  for got, want in zip(offload_then_stream(leaves), leaves):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert store.entry("many/b/r0/l3")["dtype"] == "bfloat16"
+
+  with pytest.raises(Exception, match="'many/a/r0/l0' was written as float32"):
+    jax.jit(lambda t: swap.read_wait_many(
+        store.handle, swap.read_start_many(store.handle, keys, t), [likes[1]] + likes[1:]))(0)
+  with pytest.raises(Exception, match="no shard 'many/nope/r0/l0'"):
+    jax.jit(lambda t: swap.read_start_many(store.handle, ["many/a", "many/nope"], t))(0)

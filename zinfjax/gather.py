@@ -174,9 +174,14 @@ class _Fetcher:
     self.plan, self.shards, self.sched = plan, shards, schedule
     self.nvme = plan.param_tier == "nvme"
     self.rank = tiers.rank(plan.axis_name) if self.nvme else None
+    if self.nvme:  # a layer's leaves move as one store job: one ticket per layer
+      self.leaves, self.treedef = jax.tree.flatten(plan.nvme)
 
-  def _start(self, layer) -> Any:
-    return jax.tree.map(lambda leaf: leaf.start(0, self.rank, layer), self.plan.nvme)
+  def _start(self, layer) -> jax.Array:
+    return tiers.start_layer(self.leaves, 0, self.rank, layer)
+
+  def _wait(self, ticket) -> Any:
+    return jax.tree.unflatten(self.treedef, tiers.wait_layer(self.leaves, ticket))
 
   def _local(self, layer, pending) -> tuple[Any, tuple]:
     """This rank's shard of `layer` on the device (consuming the oldest read in flight)."""
@@ -186,9 +191,9 @@ class _Fetcher:
                            self.shards)
       return jax.tree.map(lambda x: tiers.to_device(x, plan.param_tier), local), pending
     if not pending:
-      return jax.tree.map(lambda leaf: leaf.read(0, self.rank, layer), plan.nvme), pending
+      return self._wait(self._start(layer)), pending
     oldest, pending = pending[0], pending[1:]
-    return jax.tree.map(lambda leaf, t: leaf.wait(t), plan.nvme, oldest), pending
+    return self._wait(oldest), pending
 
   def prologue(self) -> tuple:
     pending = ()
@@ -214,8 +219,8 @@ class _Fetcher:
 
   def drain(self, state: tuple) -> None:
     """Wait for the clamped reads still in flight past the last layer (frees their buffers)."""
-    for tickets in state[1]:
-      jax.tree.map(lambda leaf, t: leaf.wait(t), self.plan.nvme, tickets)
+    for ticket in state[1]:
+      self._wait(ticket)
 
 
 def _forward(plan: ScanPlan, shards, x):
@@ -263,10 +268,12 @@ def _layer_scan_bwd(plan, residuals, g_y):
     g_shard = plan.reduce_grads(g_full)
     if not to_nvme:
       return (g_h, state, sums), jax.tree.map(lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
+    # the layer's grads of every leaf as one store job; each anchor gets its token
+    token = tiers.write_layer(jax.tree.leaves(plan.grad_nvme), jax.tree.leaves(g_shard), rank,
+                              i).astype(jnp.float32)
     sums = jax.tree.map(
-        lambda s, leaf, x, lay: s + jnp.stack([leaf.write(x, rank, i).astype(jnp.float32),
-                                               _sum_squares(x, lay, plan.axis_name)]),
-        sums, plan.grad_nvme, g_shard, plan.layouts, is_leaf=is_layout)
+        lambda s, x, lay: s + jnp.stack([token, _sum_squares(x, lay, plan.axis_name)]),
+        sums, g_shard, plan.layouts, is_leaf=is_layout)
     return (g_h, state, sums), None
 
   sums = jax.tree.map(lambda a: jnp.zeros((2,), jnp.float32), shards) if to_nvme else None

@@ -25,9 +25,26 @@ struct SwapStore::Job {
   bool write = false;                     // completing it bumps a generation
   std::condition_variable cv;             // its own waiter: a read wakes only its caller
   uint64_t ticket = 0;
-  std::string key;
-  ShardEntry entry;  // what a read expects
+  std::vector<std::string> keys;
+  std::vector<ShardEntry> entries;  // what a read expects
 };
+
+namespace {
+
+// Where each shard of a job lies in the job's own buffer: 4 KiB-aligned, so
+// reads into it skip the staging copy.
+std::vector<size_t> Offsets(const std::vector<ShardEntry>& entries, size_t* total) {
+  std::vector<size_t> at;
+  size_t pos = 0;
+  for (const ShardEntry& e : entries) {
+    at.push_back(pos);
+    pos += AlignUp(e.nbytes);
+  }
+  *total = pos;
+  return at;
+}
+
+}  // namespace
 
 namespace {
 
@@ -147,7 +164,8 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
           job->done = true;
           if (job->detached) {
             if (job->error && !deferred_) deferred_ = job->error;
-            if (--detached_[job->key] == 0) detached_.erase(job->key);
+            for (const std::string& key : job->keys)
+              if (--detached_[key] == 0) detached_.erase(key);
             detached_bytes_ -= job->result ? job->result->size() : 0;
             job->result.reset();
             jobs_.erase(job->ticket);
@@ -179,13 +197,13 @@ SwapStore::~SwapStore() {
   }
 }
 
-uint64_t SwapStore::Enqueue(std::function<void(Job&)> work, const std::string& key,
-                            const ShardEntry& entry, bool write,
+uint64_t SwapStore::Enqueue(std::function<void(Job&)> work, std::vector<std::string> keys,
+                            std::vector<ShardEntry> entries, bool write,
                             std::unique_ptr<AlignedBuffer> owned, bool urgent) {
   auto job = std::make_shared<Job>();
-  job->key = key;
+  job->keys = std::move(keys);
   job->write = write;
-  job->entry = entry;
+  job->entries = std::move(entries);
   job->detached = owned != nullptr;
   job->result = std::move(owned);
   job->work = [w = std::move(work), this](Job& j, AioBackend& b) {
@@ -285,7 +303,7 @@ ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std:
 uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
                                const std::string& dtype, const std::vector<int64_t>& shape) {
   ShardEntry e = Allocate(key, nbytes, dtype, shape);
-  return Enqueue(WriteWork({key}, {e}, {static_cast<const uint8_t*>(src)}), key, e, /*write=*/true);
+  return Enqueue(WriteWork({key}, {e}, {static_cast<const uint8_t*>(src)}), {key}, {e}, /*write=*/true);
 }
 
 uint64_t SwapStore::WriteManyAsync(const std::vector<ShardIo>& shards) {
@@ -298,9 +316,7 @@ uint64_t SwapStore::WriteManyAsync(const std::vector<ShardIo>& shards) {
     entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
     srcs.push_back(static_cast<const uint8_t*>(s.data));
   }
-  ShardEntry first = entries[0];
-  return Enqueue(WriteWork(std::move(keys), std::move(entries), std::move(srcs)), shards[0].key,
-                 first, /*write=*/true);
+  return Enqueue(WriteWork(keys, entries, std::move(srcs)), keys, entries, /*write=*/true);
 }
 
 std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::string> keys,
@@ -324,31 +340,50 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
 
 void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nbytes,
                               const std::string& dtype, const std::vector<int64_t>& shape) {
+  WriteDetachedMany({{key, const_cast<void*>(src), nbytes, dtype, shape}});
+}
+
+void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
+  if (shards.empty()) throw EngineError("WriteDetachedMany needs at least one shard");
+  size_t nbytes = 0;
+  for (const ShardIo& s : shards) nbytes += AlignUp(s.nbytes);
+  auto pending = [&] {
+    for (const ShardIo& s : shards)
+      if (detached_.count(s.key)) return true;
+    return false;
+  };
   {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] {
-      return !detached_.count(key) &&
-             (detached_bytes_ == 0 || detached_bytes_ + nbytes <= config_.pinned_budget);
+      return !pending() && (detached_bytes_ == 0 || detached_bytes_ + nbytes <= config_.pinned_budget);
     });
-    ++detached_[key];
+    for (const ShardIo& s : shards) ++detached_[s.key];
     detached_bytes_ += nbytes;
   }
   auto copy = std::make_unique<AlignedBuffer>(nbytes);
-  ShardEntry e;
+  std::vector<std::string> keys;
+  std::vector<ShardEntry> entries;
+  std::vector<const uint8_t*> srcs;
   try {
-    std::memcpy(copy->data(), src, nbytes);
-    e = Allocate(key, nbytes, dtype, shape);
+    size_t at = 0;
+    for (const ShardIo& s : shards) {
+      std::memcpy(copy->data() + at, s.data, s.nbytes);
+      keys.push_back(s.key);
+      entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
+      srcs.push_back(copy->data() + at);
+      at += AlignUp(s.nbytes);
+    }
   } catch (...) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--detached_[key] == 0) detached_.erase(key);
+      for (const ShardIo& s : shards)
+        if (--detached_[s.key] == 0) detached_.erase(s.key);
       detached_bytes_ -= nbytes;
     }
     done_cv_.notify_all();
     throw;
   }
-  const uint8_t* data = copy->data();
-  Enqueue(WriteWork({key}, {e}, {data}), key, e, /*write=*/true, std::move(copy));
+  Enqueue(WriteWork(keys, entries, std::move(srcs)), keys, entries, /*write=*/true, std::move(copy));
 }
 
 void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {
@@ -410,15 +445,17 @@ std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string
                                                          std::vector<ShardEntry> entries,
                                                          std::vector<uint8_t*> dsts) {
   return [this, keys = std::move(keys), entries = std::move(entries),
-          dsts = std::move(dsts)](Job& job) {
+          dsts = std::move(dsts)](Job& job) mutable {
     TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
     std::vector<Extent> extents;
+    if (dsts.empty()) {  // into the job's own buffer (TakeResults copies the shards out)
+      size_t total = 0;
+      std::vector<size_t> at = Offsets(entries, &total);
+      job.result = std::make_unique<AlignedBuffer>(total);
+      for (size_t offset : at) dsts.push_back(job.result->data() + offset);
+    }
     for (size_t i = 0; i < keys.size(); ++i) {
       uint8_t* out = dsts[i];
-      if (out == nullptr) {
-        job.result = std::make_unique<AlignedBuffer>(entries[i].nbytes);
-        out = job.result->data();
-      }
       extents.push_back({BlocksFor(entries[i]), out, entries[i].nbytes,
                          "swap file " + folders_[0] + "/swap.bin (shard '" + keys[i] + "')"});
     }
@@ -439,8 +476,19 @@ uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
                               const std::string& dtype, const std::vector<int64_t>& shape,
                               bool urgent) {
   ShardEntry e = ReadableEntry(key, dtype, shape, nbytes);
-  return Enqueue(ReadWork({key}, {e}, {static_cast<uint8_t*>(dst)}), key, e, /*write=*/false,
-                 nullptr, urgent);
+  std::vector<uint8_t*> dsts;
+  if (dst != nullptr) dsts.push_back(static_cast<uint8_t*>(dst));
+  return Enqueue(ReadWork({key}, {e}, std::move(dsts)), {key}, {e}, /*write=*/false, nullptr, urgent);
+}
+
+uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent) {
+  if (keys.empty()) throw EngineError("ReadOwnedAsync needs at least one shard");
+  std::vector<ShardEntry> entries;
+  for (const std::string& key : keys) {
+    ShardEntry e = Entry(key);  // waits for its detached writes
+    entries.push_back(ReadableEntry(key, e.dtype, e.shape, e.nbytes));
+  }
+  return Enqueue(ReadWork(keys, entries, {}), keys, entries, /*write=*/false, nullptr, urgent);
 }
 
 uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent) {
@@ -454,9 +502,8 @@ uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgen
     entries.push_back(ReadableEntry(s.key, s.dtype, s.shape, s.nbytes));
     dsts.push_back(static_cast<uint8_t*>(s.data));
   }
-  ShardEntry first = entries[0];
-  return Enqueue(ReadWork(std::move(keys), std::move(entries), std::move(dsts)), shards[0].key,
-                 first, /*write=*/false, nullptr, urgent);
+  return Enqueue(ReadWork(keys, entries, std::move(dsts)), keys, entries, /*write=*/false, nullptr,
+                 urgent);
 }
 
 std::shared_ptr<SwapStore::Job> SwapStore::FindJob(uint64_t ticket) {
@@ -478,16 +525,25 @@ void SwapStore::Wait(uint64_t ticket) {
 
 void SwapStore::TakeResult(uint64_t ticket, void* dst, size_t nbytes, const std::string& dtype,
                            const std::vector<int64_t>& shape) {
+  TakeResults(ticket, {{"", dst, nbytes, dtype, shape}});
+}
+
+void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
   std::shared_ptr<Job> job = FindJob(ticket);
   Wait(ticket);
-  const ShardEntry& e = job->entry;
-  if (e.dtype != dtype || e.shape != shape)
-    throw ShardMismatch("shard '" + job->key + "' was written as " + Describe(e.dtype, e.shape) +
-                        " but is read as " + Describe(dtype, shape));
-  if (!job->result || job->result->size() != nbytes)
-    throw EngineError("ticket " + std::to_string(ticket) + " holds no result of " +
-                      std::to_string(nbytes) + " bytes");
-  std::memcpy(dst, job->result->data(), nbytes);
+  if (!job->result || outs.size() != job->entries.size())
+    throw EngineError("ticket " + std::to_string(ticket) + " holds " +
+                      std::to_string(job->result ? job->entries.size() : 0) + " read shards, not " +
+                      std::to_string(outs.size()));
+  size_t total = 0;
+  std::vector<size_t> at = Offsets(job->entries, &total);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const ShardEntry& e = job->entries[i];
+    if (e.dtype != outs[i].dtype || e.shape != outs[i].shape || e.nbytes != outs[i].nbytes)
+      throw ShardMismatch("shard '" + job->keys[i] + "' was written as " + Describe(e.dtype, e.shape) +
+                          " but is read as " + Describe(outs[i].dtype, outs[i].shape));
+    std::memcpy(outs[i].data, job->result->data() + at[i], e.nbytes);
+  }
 }
 
 void SwapStore::LoadManifest() {

@@ -85,6 +85,11 @@ class SwapStore {
   // publishes all of them once all are on disk. Copies nothing.
   uint64_t WriteManyAsync(const std::vector<ShardIo>& shards);
   uint64_t ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent = false);
+  // Reads whole shards (as written) into one buffer the ticket owns; TakeResults
+  // checks each against what the caller expects and copies it out. One XLA
+  // custom call starts a layer's reads with this and another takes them.
+  uint64_t ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent = false);
+  void TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs);
   void Wait(uint64_t ticket);
   // Waits for a ReadAsync(dst=nullptr) and copies its bytes into `dst`,
   // after checking they were written as `dtype[shape]`.
@@ -103,6 +108,8 @@ class SwapStore {
   // At most pinned_budget bytes are in flight this way (the copy waits for room).
   void WriteDetached(const std::string& key, const void* src, size_t nbytes,
                      const std::string& dtype, const std::vector<int64_t>& shape);
+  // WriteDetached for several shards as one job (a layer's grads).
+  void WriteDetachedMany(const std::vector<ShardIo>& shards);
   // Completed writes of `key` so far: a reader on another thread (the host
   // optimizer) waits for the write a running XLA program makes (the grads).
   uint64_t Generation(const std::string& key) const;
@@ -133,14 +140,15 @@ class SwapStore {
 
  private:
   struct Job;
-  uint64_t Enqueue(std::function<void(Job&)> work, const std::string& key, const ShardEntry& entry,
-                   bool write, std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
+  uint64_t Enqueue(std::function<void(Job&)> work, std::vector<std::string> keys,
+                   std::vector<ShardEntry> entries, bool write,
+                   std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
   // The job that writes `srcs[i]` as shard `entries[i]` of `keys[i]` (every write path).
   std::function<void(Job&)> WriteWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
                                       std::vector<const uint8_t*> srcs);
-  // The job that reads shards `entries[i]` of `keys[i]` into `dsts[i]` (nullptr: the job's
-  // own result buffer, for a single shard) and checks their checksums.
+  // The job that reads shards `entries[i]` of `keys[i]` into `dsts[i]` (no dsts: into the
+  // job's own buffer) and checks their checksums.
   std::function<void(Job&)> ReadWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
                                      std::vector<uint8_t*> dsts);
   // The manifest entry of `key`, once its detached writes are done; checked against the read.

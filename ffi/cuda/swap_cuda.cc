@@ -131,8 +131,100 @@ ffi::Error ReadWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::
   });
 }
 
+// A layer's shards of several leaves in one call each (see the CPU handlers),
+// staged at 4 KiB-aligned offsets of the staging buffer.
+ffi::Error WriteManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
+                         ffi::RemainingArgs xs, ffi::ResultBuffer<ffi::S32> token, int64_t store,
+                         std::string_view keys) {
+  return Guard(store, [&](SwapStore& s) {
+    std::vector<std::string> names = ShardKeys(keys, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
+    if (names.size() != xs.size())
+      return ffi::Error::InvalidArgument("zinfjax_swap_write_many: arrays and keys differ in number");
+    size_t total = 0;
+    for (size_t i = 0; i < xs.size(); ++i) total += AlignUp(xs.get<ffi::AnyBuffer>(i).value().size_bytes());
+    std::lock_guard<std::mutex> lock(staging().mu);
+    uint8_t* host = staging().Get(total);
+    std::vector<ShardIo> shards;
+    size_t at = 0;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
+      if (auto e = Check(cudaMemcpyAsync(host + at, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream), "copy to host"); e.failure()) return e;
+      shards.push_back({names[i], host + at, x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
+      at += AlignUp(x.size_bytes());
+    }
+    if (auto e = Check(cudaStreamSynchronize(stream), "sync"); e.failure()) return e;
+    s.Wait(s.WriteManyAsync(shards));
+    int32_t one = 1;
+    return Check(cudaMemcpyAsync(token->typed_data(), &one, sizeof(one), cudaMemcpyHostToDevice, stream), "token");
+  });
+}
+
+ffi::Error ReadStartManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
+                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
+                             int64_t store, std::string_view keys) {
+  (void)token;
+  return Guard(store, [&](SwapStore& s) {
+    std::vector<std::string> names = ShardKeys(keys, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
+    int32_t value = static_cast<int32_t>(s.ReadOwnedAsync(names, /*urgent=*/true));
+    return Check(cudaMemcpyAsync(ticket->typed_data(), &value, sizeof(value), cudaMemcpyHostToDevice, stream), "ticket");
+  });
+}
+
+ffi::Error ReadWaitManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::RemainingRets ys,
+                            int64_t store) {
+  return Guard(store, [&](SwapStore& s) {
+    uint64_t t = static_cast<uint64_t>(DeviceScalar(stream, ticket));
+    size_t total = 0;
+    for (size_t i = 0; i < ys.size(); ++i) total += AlignUp(ys.get<ffi::AnyBuffer>(i).value()->size_bytes());
+    std::lock_guard<std::mutex> lock(staging().mu);
+    uint8_t* host = staging().Get(total);
+    std::vector<ShardIo> outs;
+    size_t at = 0;
+    for (size_t i = 0; i < ys.size(); ++i) {
+      ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
+      outs.push_back({"", host + at, y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
+      at += AlignUp(y->size_bytes());
+    }
+    s.TakeResults(t, outs);
+    at = 0;
+    for (size_t i = 0; i < ys.size(); ++i) {
+      ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
+      if (auto e = Check(cudaMemcpyAsync(y->untyped_data(), host + at, y->size_bytes(), cudaMemcpyHostToDevice, stream), "copy to device"); e.failure()) return e;
+      at += AlignUp(y->size_bytes());
+    }
+    return Check(cudaStreamSynchronize(stream), "sync");
+  });
+}
+
 }  // namespace
 }  // namespace zinfjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteManyCuda, zinfjax::WriteManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("keys"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartManyCuda, zinfjax::ReadStartManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("keys"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitManyCuda, zinfjax::ReadWaitManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("store"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartCuda, zinfjax::ReadStartImpl,
                               ffi::Ffi::Bind()
@@ -179,6 +271,9 @@ PYBIND11_MODULE(_engine_cuda, m) {
     d["zinfjax_swap_read"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadCuda));
     d["zinfjax_swap_read_start"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadStartCuda));
     d["zinfjax_swap_read_wait"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadWaitCuda));
+    d["zinfjax_swap_write_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapWriteManyCuda));
+    d["zinfjax_swap_read_start_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadStartManyCuda));
+    d["zinfjax_swap_read_wait_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadWaitManyCuda));
     return d;
   });
 }

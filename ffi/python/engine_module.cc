@@ -243,6 +243,9 @@ PYBIND11_MODULE(_engine, m) {
     d["zinfjax_swap_read"] = EncapsulateFfiHandler(ZinfjaxSwapRead);
     d["zinfjax_swap_read_start"] = EncapsulateFfiHandler(ZinfjaxSwapReadStart);
     d["zinfjax_swap_read_wait"] = EncapsulateFfiHandler(ZinfjaxSwapReadWait);
+    d["zinfjax_swap_write_many"] = EncapsulateFfiHandler(ZinfjaxSwapWriteMany);
+    d["zinfjax_swap_read_start_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadStartMany);
+    d["zinfjax_swap_read_wait_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadWaitMany);
     d["zinfjax_adamw"] = EncapsulateFfiHandler(ZinfjaxAdamW);
     return d;
   }, "XLA FFI handler capsules (CPU platform), by target name.");

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/errors.h"
 #include "core/store.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla/ffi_util.h"
@@ -85,6 +86,47 @@ ffi::Error SwapReadWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::Result<ffi::AnyBu
   });
 }
 
+// A layer's shards of several leaves in one call each: one store job (one
+// driver wake-up, one submission stream) instead of one per leaf.
+ffi::Error SwapWriteManyImpl(ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
+                             ffi::RemainingArgs xs, ffi::ResultBuffer<ffi::S32> token,
+                             int64_t store, std::string_view keys) {
+  return WithStore(store, [&](SwapStore& s) {
+    std::vector<std::string> names = ShardKeys(keys, rank.typed_data()[0], layer.typed_data()[0]);
+    if (names.size() != xs.size())
+      throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
+                        std::to_string(names.size()) + " keys");
+    std::vector<ShardIo> shards;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
+      shards.push_back({names[i], x.untyped_data(), x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
+    }
+    s.WriteDetachedMany(shards);  // returns once copied
+    token->typed_data()[0] = write_tokens.fetch_add(1);
+  });
+}
+
+ffi::Error SwapReadStartManyImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
+                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
+                                 int64_t store, std::string_view keys) {
+  (void)token;
+  return WithStore(store, [&](SwapStore& s) {
+    ticket->typed_data()[0] = static_cast<int32_t>(
+        s.ReadOwnedAsync(ShardKeys(keys, rank.typed_data()[0], layer.typed_data()[0]), /*urgent=*/true));
+  });
+}
+
+ffi::Error SwapReadWaitManyImpl(ffi::Buffer<ffi::S32> ticket, ffi::RemainingRets ys, int64_t store) {
+  return WithStore(store, [&](SwapStore& s) {
+    std::vector<ShardIo> outs;
+    for (size_t i = 0; i < ys.size(); ++i) {
+      ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
+      outs.push_back({"", y->untyped_data(), y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
+    }
+    s.TakeResults(static_cast<uint64_t>(ticket.typed_data()[0]), outs);
+  });
+}
+
 }  // namespace
 }  // namespace zinfjax
 
@@ -119,4 +161,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWait, zinfjax::SwapReadWaitImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("store"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteMany, zinfjax::SwapWriteManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("keys"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartMany, zinfjax::SwapReadStartManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("store")
+                                  .Attr<std::string_view>("keys"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitMany, zinfjax::SwapReadWaitManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingRets()
                                   .Attr<int64_t>("store"));

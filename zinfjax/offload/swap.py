@@ -47,3 +47,29 @@ def read_wait(store: int, ticket: jax.Array, like: jax.ShapeDtypeStruct) -> jax.
                           has_side_effect=True)
   return call(_i32(ticket), store=np.int64(store))
 
+
+
+def _keys(keys) -> str:
+  return "\n".join(keys)
+
+
+def write_many(store: int, keys, xs, *, rank=0, layer=0) -> jax.Array:
+  """`write` of several leaves' shards (`keys[i]` <- `xs[i]`) as one store job; one token."""
+  call = jax.ffi.ffi_call("zinfjax_swap_write_many", jax.ShapeDtypeStruct((), jnp.int32),
+                          has_side_effect=True)
+  return call(_i32(rank), _i32(layer), *xs, store=np.int64(store), keys=_keys(keys))
+
+
+def read_start_many(store: int, keys, token, *, rank=0, layer=0) -> jax.Array:
+  """`read_start` of several leaves' shards as one store job; one ticket for `read_wait_many`."""
+  call = jax.ffi.ffi_call("zinfjax_swap_read_start_many", jax.ShapeDtypeStruct((), jnp.int32),
+                          has_side_effect=True)
+  return call(_i32(token), _i32(rank), _i32(layer), store=np.int64(store), keys=_keys(keys))
+
+
+def read_wait_many(store: int, ticket: jax.Array, likes) -> list[jax.Array]:
+  """Finish a `read_start_many`: the shards, in its key order (each checked against `likes[i]`)."""
+  call = jax.ffi.ffi_call("zinfjax_swap_read_wait_many",
+                          [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in likes],
+                          has_side_effect=True)
+  return list(call(_i32(ticket), store=np.int64(store)))

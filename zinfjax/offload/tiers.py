@@ -11,7 +11,7 @@ its own shard and all ranks' links work at once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,29 @@ class NvmeLeaf:
       return token + self.write(layer, rank, i), None
 
     return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers), x))[0]
+
+
+def _one_store(leaves: Sequence[NvmeLeaf]) -> int:
+  stores = {leaf.store for leaf in leaves}
+  if len(stores) != 1:
+    raise ValueError(f"leaves of one swap call must share a store, got handles {sorted(stores)}")
+  return stores.pop()
+
+
+def start_layer(leaves: Sequence[NvmeLeaf], token, rank, layer) -> jax.Array:
+  """Start reading layer `layer` of every leaf (one store job); `wait_layer` the ticket."""
+  return swap.read_start_many(_one_store(leaves), [l.key for l in leaves], token, rank=rank,
+                              layer=layer)
+
+
+def wait_layer(leaves: Sequence[NvmeLeaf], ticket: jax.Array) -> list[jax.Array]:
+  return swap.read_wait_many(_one_store(leaves), ticket, [l.like for l in leaves])
+
+
+def write_layer(leaves: Sequence[NvmeLeaf], xs: Sequence[jax.Array], rank, layer) -> jax.Array:
+  """Write layer `layer` of every leaf (one store job); one token for all of them."""
+  return swap.write_many(_one_store(leaves), [l.key for l in leaves],
+                         [x.astype(l.dtype) for x, l in zip(xs, leaves)], rank=rank, layer=layer)
 
 
 def rank(axis_name: str) -> jax.Array:
