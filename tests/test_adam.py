@@ -1,5 +1,6 @@
 """zinfjax.optim.adamw on every tier against optax.adamw, and the fused C++ kernel."""
 
+import dataclasses
 import os
 
 import jax
@@ -244,3 +245,26 @@ def test_pipeline_reads_ahead_without_reusing_a_busy_slot(slots):
   assert set(stats) == {"read_wait_s", "compute_s", "write_wait_s", "step_s"}
   with pytest.raises(ValueError, match="at least 3"):
     run_pipeline(count, read, compute, lambda k: [], 2)
+
+
+def test_sub_groups_pack_small_leaves_without_growing_the_buffers():
+  """pack_units: each rank's layer is split into sub-groups of consecutive leaves, never
+  larger than the largest shard, with aligned, non-overlapping parts, every part once."""
+  from zinfjax.optim.sharded import ALIGN, Part, pack_units
+  sizes = [64, 64, 98304, 384, 32768, 64, 64, 64, 131072, 256, 131072, 64, 4097, 3]
+  layers = [3] * 12 + [None, None]
+  parts = [Part(leaf, rank, layer, sizes[leaf])
+           for layer in reversed(range(3)) for rank in range(2) for leaf in range(12)]
+  parts += [Part(leaf, rank, 0, sizes[leaf]) for rank in range(2) for leaf in (12, 13)]
+  units = pack_units(parts, layers)
+  packed = [p for u in units for p in u.parts]
+  assert [dataclasses.replace(p, offset=0) for p in packed] == parts
+  assert len(units) < len(parts)
+  for u in units:
+    assert u.size <= max(sizes)
+    assert len({(p.rank, p.layer, layers[p.leaf] is None) for p in u.parts}) == 1
+    ends = 0
+    for p in u.parts:
+      assert p.offset % ALIGN == 0 and p.offset >= ends
+      ends = p.offset + p.size
+    assert ends == u.size

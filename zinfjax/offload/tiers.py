@@ -5,7 +5,8 @@ across memory spaces, which XLA runs asynchronously next to compute. `nvme`
 leaves live in the swap store: `NvmeLeaf` names one leaf's shards there
 (`{key}/r{rank}/l{layer}`, one file extent per rank and layer) and reads or
 writes them through the engine's XLA custom calls, so every rank moves only
-its own shard and all ranks' links work at once.
+its own shard and all ranks' links work at once. `start_layer`, `wait_layer`
+and `write_layer` move one layer of many leaves in one call (one store job).
 """
 
 from __future__ import annotations
@@ -49,13 +50,6 @@ class NvmeLeaf:
 
   def read(self, token, rank, layer=0) -> jax.Array:
     return swap.read(self.store, self.key, self.like, token, rank=rank, layer=layer)
-
-  def start(self, token, rank, layer=0) -> jax.Array:
-    """Start reading layer `layer`; `wait` the returned ticket for the data."""
-    return swap.read_start(self.store, self.key, token, rank=rank, layer=layer)
-
-  def wait(self, ticket: jax.Array) -> jax.Array:
-    return swap.read_wait(self.store, ticket, self.like)
 
   def write(self, x: jax.Array, rank, layer=0) -> jax.Array:
     """Write one layer's shard; returns a token for the reads that need it."""

@@ -6,8 +6,9 @@
   and moments stay in pinned host memory and the C++ kernel updates them on
   the CPU (an XLA custom call under `compute_on("device_host")`), returning
   the new compute params.
-* `NvmePipeline` runs on the host between steps: every rank's shard of every
-  layer of every leaf is one sub-group, streamed through 3 to 8 rotating
+* `NvmePipeline` runs on the host after or under the backward pass: each
+  rank's shards of one layer are packed into sub-groups (a few leaves each,
+  none larger than the largest shard), streamed through 3 to 8 rotating
   pinned buffer sets (as many as `pinned_budget` holds): while sub-group k
   is updated, the next ones are being read and k-1 written, so NVMe reads,
   the CPU kernel and NVMe writes overlap.
@@ -91,13 +92,53 @@ def host_update(hyper: AdamHyper, decays: Sequence[float], count: jax.Array, mas
 
 
 @dataclasses.dataclass(frozen=True)
-class Unit:
-  """One sub-group: rank `rank`'s shard of layer `layer` of leaf `leaf`."""
+class Part:
+  """Rank `rank`'s shard of layer `layer` of leaf `leaf`, at `offset` in its sub-group's buffers."""
 
   leaf: int
   rank: int
   layer: int
   size: int
+  offset: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One sub-group: shards of one rank's layer, moved as one transfer and updated together."""
+
+  parts: tuple[Part, ...]
+  size: int  # elements of buffer it takes (parts aligned to ALIGN elements)
+
+
+ALIGN = 1024  # elements: a part's fp32 buffers start on a 4 KiB boundary (zero-copy transfers)
+
+
+def pack_units(parts: Sequence[Part], layers: Sequence[int | None]) -> list[Unit]:
+  """Consecutive parts of one rank's layer, packed into sub-groups no larger than the largest
+  part: the small leaves (biases, norms) ride along instead of costing a transfer each, and
+  the buffers stay as large as they were."""
+  cap = max((p.size for p in parts), default=0)
+  units: list[Unit] = []
+  group: list[Part] = []
+  used = 0
+
+  def close():
+    nonlocal group, used
+    if group:
+      units.append(Unit(tuple(group), used))
+    group, used = [], 0
+
+  for p in parts:
+    same = group and (group[0].rank, group[0].layer, layers[group[0].leaf] is None) == (
+        p.rank, p.layer, layers[p.leaf] is None)
+    start = -(-used // ALIGN) * ALIGN
+    if not same or start + p.size > cap:
+      close()
+      start = 0
+    group.append(dataclasses.replace(p, offset=start))
+    used = start + p.size
+  close()
+  return units
 
 
 def shard_key(base: str, rank: int, layer: int = 0) -> str:
@@ -132,10 +173,11 @@ class NvmePipeline:
     # in the order backward writes the grads: stacked layers from the last one down, then the
     # leaves outside the stacks (their grads come at the end), so the update of a layer can run
     # while backward is still on the layers below it
-    units = [Unit(i, r, layer, int(np.prod(shape, dtype=np.int64)))
+    parts = [Part(i, r, layer, int(np.prod(shape, dtype=np.int64)))
              for r in ranks for i, shape in enumerate(self.shapes)
              for layer in range(layers[i] or 1)]
-    self.units = sorted(units, key=lambda u: (self.layers[u.leaf] is None, -u.layer, u.rank, u.leaf))
+    parts = sorted(parts, key=lambda u: (self.layers[u.leaf] is None, -u.layer, u.rank, u.leaf))
+    self.units = pack_units(parts, self.layers)
     largest = max((u.size for u in self.units), default=0)
     per_set = largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
     if SLOTS * per_set > budget:
@@ -151,16 +193,25 @@ class NvmePipeline:
     self._scalars = jax.jit(hyper.scalars)
     self.last_step: dict[str, float] = {}
 
-  def key(self, what: str, unit: Unit) -> str:
-    return shard_key(f"{what}/{self.names[unit.leaf]}", unit.rank, unit.layer)
+  def key(self, what: str, part: Part) -> str:
+    return shard_key(f"{what}/{self.names[part.leaf]}", part.rank, part.layer)
 
-  def _slot(self, k: int, unit: Unit) -> dict[str, np.ndarray]:
+  @property
+  def parts(self) -> list[Part]:
+    return [p for u in self.units for p in u.parts]
+
+  def _slot(self, k: int) -> dict[str, np.ndarray]:
     if not self._slots:
       n = max(u.size for u in self.units)
       self._slots = [{"master": aligned_empty(n, np.float32), "m": aligned_empty(n, np.float32),
                       "v": aligned_empty(n, np.float32), "grad": aligned_empty(n, self.grads_dtype),
                       "param": aligned_empty(n, self.params_dtype)} for _ in range(self.slots)]
-    return {name: buf[:unit.size] for name, buf in self._slots[k % self.slots].items()}
+    return self._slots[k % self.slots]
+
+  def _views(self, k: int, part: Part) -> dict[str, np.ndarray]:
+    """Part `part` of sub-group k's buffers, in its leaf's shape."""
+    return {name: buf[part.offset:part.offset + part.size].reshape(self.shapes[part.leaf])
+            for name, buf in self._slot(k).items()}
 
   # ---------------------------------------------------------------- init
   def write_leaf(self, leaf: int, master_shards: dict[int, np.ndarray]) -> None:
@@ -171,7 +222,7 @@ class NvmePipeline:
       shard = np.asarray(shard, np.float32)
       stacked = self.layers[leaf] is not None
       for layer in range(self.layers[leaf] or 1):
-        unit = Unit(leaf, rank, layer, 0)
+        unit = Part(leaf, rank, layer, 0)
         data = np.ascontiguousarray(shard[layer] if stacked else shard)
         zeros = np.zeros_like(data)
         tickets += [self.store.write(self.key("o/master", unit), data),
@@ -186,7 +237,7 @@ class NvmePipeline:
   # ---------------------------------------------------------------- step
   def grad_keys(self) -> list[str]:
     """The swap-store keys of the grads this pipeline reads (when they are on NVMe)."""
-    return [self.key("g", u) for u in self.units] if self.grads_on_nvme else []
+    return [self.key("g", p) for p in self.parts] if self.grads_on_nvme else []
 
   def step(self, count: int, grads: list[dict[int, np.ndarray]] | None,
            gate: "GradGate | None" = None, grad_norm: float | None = None) -> list[dict[int, np.ndarray]]:
@@ -208,7 +259,7 @@ class NvmePipeline:
       raise ValueError("this AdamW clips grads (max_grad_norm): pass the step's grad_norm.")
     outs: list[dict[int, np.ndarray]] = [{} for _ in self.names]
     if not self.params_on_nvme:
-      for u in self.units:
+      for u in self.parts:
         if u.rank not in outs[u.leaf]:
           shape = ((self.layers[u.leaf],) if self.layers[u.leaf] else ()) + self.shapes[u.leaf]
           outs[u.leaf][u.rank] = np.empty(shape, self.params_dtype)
@@ -218,8 +269,8 @@ class NvmePipeline:
     writing += [("p", "param")] if self.params_on_nvme else []
 
     def views(k, names):
-      u, slot = self.units[k], self._slot(k, self.units[k])
-      return [(self.key(what, u), slot[buf].reshape(self.shapes[u.leaf])) for what, buf in names]
+      return [(self.key(what, p), self._views(k, p)[buf]) for p in self.units[k].parts
+              for what, buf in names]
 
     def read_when_written(key, out):
       gate.wait(key)
@@ -236,25 +287,26 @@ class NvmePipeline:
           _Deferred(functools.partial(read_when_written, key, out)) for key, out in late]
 
     def compute(k):
-      u, slot = self.units[k], self._slot(k, self.units[k])
-      if self.grads_on_nvme:
-        grad = slot["grad"]
-      else:
-        g = grads[u.leaf][u.rank]
-        grad = np.ascontiguousarray(g[u.layer] if self.layers[u.leaf] else g).reshape(-1)
-      if clip and grad_norm >= clip:  # as optax.clip_by_global_norm, in the grads' dtype
-        grad = ((grad / grad.dtype.type(grad_norm)) * grad.dtype.type(clip)).astype(grad.dtype)
-      param = slot["param"] if self.params_on_nvme else (
-          outs[u.leaf][u.rank][u.layer] if self.layers[u.leaf] else outs[u.leaf][u.rank]).reshape(-1)
-      adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
-                  self.decays[u.leaf], self.threads)
+      for u in self.units[k].parts:
+        slot = {name: x.reshape(-1) for name, x in self._views(k, u).items()}
+        if self.grads_on_nvme:
+          grad = slot["grad"]
+        else:
+          g = grads[u.leaf][u.rank]
+          grad = np.ascontiguousarray(g[u.layer] if self.layers[u.leaf] else g).reshape(-1)
+        if clip and grad_norm >= clip:  # as optax.clip_by_global_norm, in the grads' dtype
+          grad = ((grad / grad.dtype.type(grad_norm)) * grad.dtype.type(clip)).astype(grad.dtype)
+        param = slot["param"] if self.params_on_nvme else (
+            outs[u.leaf][u.rank][u.layer] if self.layers[u.leaf] else outs[u.leaf][u.rank]).reshape(-1)
+        adamw_numpy(slot["master"], slot["m"], slot["v"], grad, param, lr, bc1, bc2, c,
+                    self.decays[u.leaf], self.threads)
 
     stats = run_pipeline(len(self.units), start_read, compute,
                          lambda k: [self.store.write_many(views(k, writing))], self.slots)
     sizes = {"master": 4, "m": 4, "v": 4, "grad": self.grads_dtype.itemsize,
              "param": self.params_dtype.itemsize}
-    stats["bytes_read"] = sum(u.size * sizes[b] for u in self.units for _, b in reading)
-    stats["bytes_written"] = sum(u.size * sizes[b] for u in self.units for _, b in writing)
+    stats["bytes_read"] = sum(p.size * sizes[b] for p in self.parts for _, b in reading)
+    stats["bytes_written"] = sum(p.size * sizes[b] for p in self.parts for _, b in writing)
     self.last_step = stats
     return outs
 
