@@ -15,6 +15,7 @@ from zinfjax.models import GPT, get_config, lm_loss
     (dict(prefetch_depth=-1), "prefetch_depth must be an int >= 0"),
     (dict(persistence_threshold=-5), "persistence_threshold"),
     (dict(nvme_io_threads=0), "nvme_io_threads must be an int from 1 to 64"),
+    (dict(host_nice=-1), "host_nice must be an int from 0 to 19"),
 ])
 def test_bad_zero_config(kwargs, match):
   with pytest.raises(ValueError, match=match):

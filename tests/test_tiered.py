@@ -140,6 +140,23 @@ def test_nvme_optimizer_runs_under_backward(mesh, batches, tmp_path):
     assert np.isfinite(float(metrics["loss"]))
     waits += metrics["nvme_grad_waits"]
   assert waits > 0
+  # the optimizer and I/O threads run host_nice (5) below the program's threads
+  nice = thread_nice()
+  program = {n for name, n in nice if name.startswith("tf_XLA")}
+  background = {name: n for name, n in nice if name.startswith(("zinfjax-optim", "zinfjax-io"))}
+  assert len(program) == 1 and {"zinfjax-optim", "zinfjax-io"} <= set(background)
+  assert set(background.values()) == {min(19, program.pop() + 5)}
+  state.engine.store.close()
+
+
+def thread_nice() -> list[tuple[str, int]]:
+  """(name, nice) of this process's threads, from /proc."""
+  out = []
+  for tid in os.listdir("/proc/self/task"):
+    stat = open(f"/proc/self/task/{tid}/stat").read()
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    out.append((name, int(stat[stat.rindex(")") + 2:].split()[16])))
+  return out
 
 
 def test_corrupted_swap_file_between_steps_is_named(nvme_run, batches):

@@ -50,6 +50,10 @@ class ZeroConfig:
     nvme_io_threads: shards the swap store moves at once. Each shard (one
       rank's piece of one layer) is often a single I/O block, so this is the
       drive's queue depth for the step's many small transfers.
+    host_nice: added to the nice value of zinfjax's background host threads
+      (the NVMe optimizer pipeline and the swap store's I/O threads), so the
+      threads running the XLA program keep the CPU first: on XLA:CPU they
+      are the compute itself, on a GPU they launch it. 0 = same priority.
   """
 
   stage: int = 3
@@ -66,6 +70,7 @@ class ZeroConfig:
   nvme_prefetch_depth: int = 1
   offload_activations: bool = False
   nvme_io_threads: int = 4
+  host_nice: int = 5
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -123,6 +128,8 @@ class ZeroConfig:
     if not isinstance(self.nvme_io_threads, int) or not 1 <= self.nvme_io_threads <= 64:
       raise ValueError("ZeroConfig.nvme_io_threads must be an int from 1 to 64, got "
                        f"{self.nvme_io_threads!r}.")
+    if not isinstance(self.host_nice, int) or not 0 <= self.host_nice <= 19:
+      raise ValueError(f"ZeroConfig.host_nice must be an int from 0 to 19, got {self.host_nice!r}.")
 
   @property
   def grad_tier(self) -> str:

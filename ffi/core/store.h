@@ -43,6 +43,7 @@ struct StoreConfig {
   unsigned fallback_threads = 8;      // pread/pwrite workers per driver (threads backend)
   size_t pinned_budget = 64 << 20;    // staging buffer pool budget
   int pool_timeout_ms = 60000;
+  int io_nice = 0;                    // added to the I/O threads' nice value (lower CPU priority)
 };
 
 // One shard of a WriteManyAsync / ReadManyAsync.

@@ -124,7 +124,7 @@ PYBIND11_MODULE(_engine, m) {
   py::class_<SwapStore, std::shared_ptr<SwapStore>>(m, "SwapStore")
       .def(py::init([](std::vector<std::string> paths, int rank, size_t block_size,
                        unsigned queue_depth, std::string backend, bool direct, unsigned io_threads,
-                       size_t pinned_budget, double pool_timeout_s) {
+                       size_t pinned_budget, double pool_timeout_s, int io_nice) {
              StoreConfig c;
              c.paths = std::move(paths);
              c.rank = rank;
@@ -135,12 +135,13 @@ PYBIND11_MODULE(_engine, m) {
              c.io_threads = io_threads;
              c.pinned_budget = pinned_budget;
              c.pool_timeout_ms = static_cast<int>(pool_timeout_s * 1000);
+             c.io_nice = io_nice;
              return std::make_shared<SwapStore>(std::move(c));
            }),
            py::arg("paths"), py::arg("rank") = 0, py::arg("block_size") = 1 << 20,
            py::arg("queue_depth") = 32, py::arg("backend") = "auto", py::arg("direct") = true,
            py::arg("io_threads") = 2, py::arg("pinned_budget") = 64 << 20,
-           py::arg("pool_timeout_s") = 60.0)
+           py::arg("pool_timeout_s") = 60.0, py::arg("io_nice") = 0)
       .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
                              const std::string& dtype, std::vector<int64_t> shape) {
         py::buffer_info info = data.request();

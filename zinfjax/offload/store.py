@@ -104,6 +104,8 @@ class AioStore:
     backend: "auto" (io_uring, else threads), "io_uring" or "threads".
     direct: O_DIRECT (buffered where the filesystem refuses it).
     io_threads: transfers that run concurrently.
+    io_nice: added to the I/O threads' nice value, so they yield the CPU to
+      the threads running the XLA program (0: same priority).
     pinned_budget: bytes of staging buffers the store may hold (never more); the
       copies of detached writes (the XLA grad writes) in flight stay within the
       same amount again.
@@ -112,10 +114,11 @@ class AioStore:
   def __init__(self, paths: PathLike | Sequence[PathLike], rank: int = 0, *,
                block_size: int = 1 << 20, queue_depth: int = 32, backend: str = "auto",
                direct: bool = True, io_threads: int = 2, pinned_budget: int = 64 << 20,
-               pool_timeout_s: float = 60.0):
+               pool_timeout_s: float = 60.0, io_nice: int = 0):
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     self._store = _engine.SwapStore([os.fspath(p) for p in paths], rank, block_size, queue_depth,
-                                    backend, direct, io_threads, pinned_budget, pool_timeout_s)
+                                    backend, direct, io_threads, pinned_budget, pool_timeout_s,
+                                    io_nice)
     self._handle: int | None = None
 
   @property
