@@ -132,3 +132,25 @@ def test_a_layer_of_several_leaves_in_one_call(store):
         store.handle, swap.read_start_many(store.handle, keys, t), [likes[1]] + likes[1:]))(0)
   with pytest.raises(Exception, match="no shard 'many/nope/r0/l0'"):
     jax.jit(lambda t: swap.read_start_many(store.handle, ["many/a", "many/nope"], t))(0)
+
+
+def test_engine_owned_buffers_are_reused_within_the_budget(tmp_path):
+  """The buffers of engine-owned reads go back to a cache of spare buffers, never holding
+  more than the store's pinned budget, and the next read of the same size reuses one."""
+  store = AioStore(tmp_path, pinned_budget=1 << 20)
+  keys = [f"spare/{i}" for i in range(3)]
+  likes = [jax.ShapeDtypeStruct((40_000,), jnp.float32)] * 3  # 3 x 160 KB per read
+  for k in keys:
+    store.write(f"{k}/r0/l0", np.arange(40_000, dtype=np.float32)).wait()
+
+  @jax.jit
+  def read_layer(t):
+    return swap.read_wait_many(store.handle, swap.read_start_many(store.handle, keys, t), likes)
+
+  first = read_layer(0)
+  spare = store.stats()["spare_bytes"]
+  assert 0 < spare <= 1 << 20
+  assert all(np.array_equal(np.asarray(x), np.arange(40_000)) for x in first)
+  read_layer(1)[0].block_until_ready()
+  assert store.stats()["spare_bytes"] == spare  # taken and given back, not a second one
+  store.close()

@@ -175,7 +175,7 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
             for (const std::string& key : job->keys)
               if (--detached_[key] == 0) detached_.erase(key);
             detached_bytes_ -= job->result ? job->result->size() : 0;
-            job->result.reset();
+            GiveBuffer(std::move(job->result));
             jobs_.erase(job->ticket);
           }
         }
@@ -368,7 +368,7 @@ void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
     for (const ShardIo& s : shards) ++detached_[s.key];
     detached_bytes_ += nbytes;
   }
-  auto copy = std::make_unique<AlignedBuffer>(nbytes);
+  std::unique_ptr<AlignedBuffer> copy = TakeBuffer(nbytes);
   std::vector<std::string> keys;
   std::vector<ShardEntry> entries;
   std::vector<const uint8_t*> srcs;
@@ -459,7 +459,7 @@ std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string
     if (dsts.empty()) {  // into the job's own buffer (TakeResults copies the shards out)
       size_t total = 0;
       std::vector<size_t> at = Offsets(entries, &total);
-      job.result = std::make_unique<AlignedBuffer>(total);
+      job.result = TakeBuffer(total);
       for (size_t offset : at) dsts.push_back(job.result->data() + offset);
     }
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -552,6 +552,30 @@ void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
                           " but is read as " + Describe(outs[i].dtype, outs[i].shape));
     std::memcpy(outs[i].data, job->result->data() + at[i], e.nbytes);
   }
+  GiveBuffer(std::move(job->result));
+}
+
+std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(spare_mu_);
+    auto it = spare_.find(bytes);
+    if (it != spare_.end()) {
+      std::unique_ptr<AlignedBuffer> b = std::move(it->second);
+      spare_.erase(it);
+      spare_bytes_ -= b->capacity();
+      return b;
+    }
+  }
+  return std::make_unique<AlignedBuffer>(bytes);
+}
+
+void SwapStore::GiveBuffer(std::unique_ptr<AlignedBuffer> buffer) {
+  if (!buffer) return;
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  if (spare_bytes_ + buffer->capacity() > config_.pinned_budget) return;  // freed here
+  spare_bytes_ += buffer->capacity();
+  size_t size = buffer->size();
+  spare_.emplace(size, std::move(buffer));
 }
 
 void SwapStore::LoadManifest() {

@@ -124,6 +124,10 @@ class SwapStore {
   std::string folder() const { return folders_.front(); }
   std::vector<std::string> files() const;
   PoolStats pool_stats() const { return pool_->Stats(); }
+  size_t spare_bytes() {
+    std::lock_guard<std::mutex> lock(spare_mu_);
+    return spare_bytes_;
+  }
   uint64_t bytes_used() const;
 
   // Test-only fault switch: pretend only `bytes` more can be allocated
@@ -145,6 +149,13 @@ class SwapStore {
                    std::vector<ShardEntry> entries, bool write,
                    std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
+  // The store's own buffers (engine-owned reads, detached-write copies) come
+  // from and go back to a cache of spare ones: the same sizes recur every
+  // layer and step, and buffers handed back to malloc stay in its arenas
+  // (RSS grows with the threads) or are faulted in and zeroed again (CPU).
+  // It keeps at most pinned_budget bytes.
+  std::unique_ptr<AlignedBuffer> TakeBuffer(size_t bytes);
+  void GiveBuffer(std::unique_ptr<AlignedBuffer> buffer);
   // The job that writes `srcs[i]` as shard `entries[i]` of `keys[i]` (every write path).
   std::function<void(Job&)> WriteWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
                                       std::vector<const uint8_t*> srcs);
@@ -182,6 +193,9 @@ class SwapStore {
   std::map<std::string, uint64_t> generations_;  // completed writes per key
   std::map<std::string, int> detached_;           // detached writes in flight per key
   uint64_t detached_bytes_ = 0;
+  std::mutex spare_mu_;
+  std::multimap<size_t, std::unique_ptr<AlignedBuffer>> spare_;  // by size
+  size_t spare_bytes_ = 0;
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
 

@@ -192,6 +192,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("files", &SwapStore::files)
       .def_property_readonly("bytes_used", &SwapStore::bytes_used)
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
+      .def_property_readonly("spare_bytes", &SwapStore::spare_bytes)
       .def("set_fault_free_bytes", &SwapStore::SetFaultFreeBytes, py::arg("bytes"),
            "Test-only: pretend only `bytes` more can be allocated (negative: off).")
       .def("set_defer_errors", &SwapStore::set_defer_errors, py::arg("on"),

@@ -216,7 +216,8 @@ class AioStore:
 
   def stats(self) -> dict:
     return {"backend": self.backend, "direct": self._store.direct,
-            "bytes_used": self._store.bytes_used, "pool": self._store.pool_stats()}
+            "bytes_used": self._store.bytes_used, "pool": self._store.pool_stats(),
+            "spare_bytes": self._store.spare_bytes}
 
   def close(self) -> None:
     if self._handle is not None:
