@@ -46,10 +46,6 @@ std::vector<size_t> Offsets(const std::vector<ShardEntry>& entries, size_t* tota
   return at;
 }
 
-}  // namespace
-
-namespace {
-
 void MakeDirs(const std::string& path) {
   std::string partial;
   std::stringstream ss(path);
@@ -435,16 +431,7 @@ void SwapStore::CheckReadable(const std::string& key, const ShardEntry& e,
 
 ShardEntry SwapStore::ReadableEntry(const std::string& key, const std::string& dtype,
                                    const std::vector<int64_t>& shape, size_t nbytes) {
-  ShardEntry e;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    WaitWritten(lock, key);
-    auto it = manifest_.find(key);
-    if (it == manifest_.end())
-      throw MissingShard("no shard '" + key + "' in the swap manifest of " + folders_[0] +
-                         ": it was never written there (or the manifest belongs to another run)");
-    e = it->second;
-  }
+  ShardEntry e = Entry(key);  // waits for its detached writes
   CheckReadable(key, e, dtype, shape, nbytes);
   return e;
 }
@@ -483,10 +470,10 @@ std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string
 uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
                               const std::string& dtype, const std::vector<int64_t>& shape,
                               bool urgent) {
+  if (dst == nullptr) throw EngineError("ReadAsync needs a destination for '" + key + "'");
   ShardEntry e = ReadableEntry(key, dtype, shape, nbytes);
-  std::vector<uint8_t*> dsts;
-  if (dst != nullptr) dsts.push_back(static_cast<uint8_t*>(dst));
-  return Enqueue(ReadWork({key}, {e}, std::move(dsts)), {key}, {e}, /*write=*/false, nullptr, urgent);
+  return Enqueue(ReadWork({key}, {e}, {static_cast<uint8_t*>(dst)}), {key}, {e}, /*write=*/false,
+                 nullptr, urgent);
 }
 
 uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent) {
@@ -494,7 +481,8 @@ uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool ur
   std::vector<ShardEntry> entries;
   for (const std::string& key : keys) {
     ShardEntry e = Entry(key);  // waits for its detached writes
-    entries.push_back(ReadableEntry(key, e.dtype, e.shape, e.nbytes));
+    CheckReadable(key, e, e.dtype, e.shape, e.nbytes);
+    entries.push_back(e);
   }
   return Enqueue(ReadWork(keys, entries, {}), keys, entries, /*write=*/false, nullptr, urgent);
 }
@@ -529,11 +517,6 @@ void SwapStore::Wait(uint64_t ticket) {
     jobs_.erase(ticket);
   }
   if (job->error) std::rethrow_exception(job->error);
-}
-
-void SwapStore::TakeResult(uint64_t ticket, void* dst, size_t nbytes, const std::string& dtype,
-                           const std::vector<int64_t>& shape) {
-  TakeResults(ticket, {{"", dst, nbytes, dtype, shape}});
 }
 
 void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {

@@ -74,9 +74,8 @@ class SwapStore {
   // Copies nothing: `src` must stay valid until Wait(ticket) returns.
   uint64_t WriteAsync(const std::string& key, const void* src, size_t nbytes,
                       const std::string& dtype, const std::vector<int64_t>& shape);
-  // Reads into `dst` (valid until Wait), or, with dst == nullptr, into a
-  // buffer the ticket owns (TakeResult copies it out). `urgent` reads (those
-  // a running XLA program waits on) go ahead of queued bulk transfers.
+  // Reads into `dst` (valid until Wait). `urgent` reads (those a running XLA
+  // program waits on) go ahead of queued bulk transfers.
   uint64_t ReadAsync(const std::string& key, void* dst, size_t nbytes, const std::string& dtype,
                      const std::vector<int64_t>& shape,
                      bool urgent = false);
@@ -92,10 +91,6 @@ class SwapStore {
   uint64_t ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent = false);
   void TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs);
   void Wait(uint64_t ticket);
-  // Waits for a ReadAsync(dst=nullptr) and copies its bytes into `dst`,
-  // after checking they were written as `dtype[shape]`.
-  void TakeResult(uint64_t ticket, void* dst, size_t nbytes, const std::string& dtype,
-                  const std::vector<int64_t>& shape);
 
   // Makes the manifest and file contents durable (fsync + atomic rename).
   void Sync();

@@ -104,33 +104,6 @@ ffi::Error ReadImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffe
   });
 }
 
-ffi::Error ReadStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
-                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
-                         int64_t store, std::string_view key) {
-  (void)token;
-  return Guard(store, [&](SwapStore& s) {
-    std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
-    ShardEntry e = s.Entry(k);
-    // into a buffer the engine owns: the read runs while the program goes on
-    int32_t value = static_cast<int32_t>(s.ReadAsync(k, nullptr, e.nbytes, e.dtype, e.shape,
-                                                     /*urgent=*/true));
-    // pageable source: cudaMemcpyAsync has copied `value` out before it returns
-    return Check(cudaMemcpyAsync(ticket->typed_data(), &value, sizeof(value), cudaMemcpyHostToDevice, stream), "ticket");
-  });
-}
-
-ffi::Error ReadWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::Result<ffi::AnyBuffer> y,
-                        int64_t store) {
-  return Guard(store, [&](SwapStore& s) {
-    uint64_t t = static_cast<uint64_t>(DeviceScalar(stream, ticket));
-    std::lock_guard<std::mutex> lock(staging().mu);
-    uint8_t* host = staging().Get(y->size_bytes());
-    s.TakeResult(t, host, y->size_bytes(), DtypeName(y->element_type()), Dims(*y));
-    if (auto e = Check(cudaMemcpyAsync(y->untyped_data(), host, y->size_bytes(), cudaMemcpyHostToDevice, stream), "copy to device"); e.failure()) return e;
-    return Check(cudaStreamSynchronize(stream), "sync");
-  });
-}
-
 // A layer's shards of several leaves in one call each (see the CPU handlers),
 // staged at 4 KiB-aligned offsets of the staging buffer.
 ffi::Error WriteManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
@@ -226,23 +199,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitManyCuda, zinfjax::ReadWaitMany
                                   .RemainingRets()
                                   .Attr<int64_t>("store"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartCuda, zinfjax::ReadStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("key"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitCuda, zinfjax::ReadWaitImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("store"));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteCuda, zinfjax::WriteImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -269,8 +225,6 @@ PYBIND11_MODULE(_engine_cuda, m) {
     py::dict d;
     d["zinfjax_swap_write"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapWriteCuda));
     d["zinfjax_swap_read"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadCuda));
-    d["zinfjax_swap_read_start"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadStartCuda));
-    d["zinfjax_swap_read_wait"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadWaitCuda));
     d["zinfjax_swap_write_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapWriteManyCuda));
     d["zinfjax_swap_read_start_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadStartManyCuda));
     d["zinfjax_swap_read_wait_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadWaitManyCuda));

@@ -243,8 +243,6 @@ PYBIND11_MODULE(_engine, m) {
     py::dict d;
     d["zinfjax_swap_write"] = EncapsulateFfiHandler(ZinfjaxSwapWrite);
     d["zinfjax_swap_read"] = EncapsulateFfiHandler(ZinfjaxSwapRead);
-    d["zinfjax_swap_read_start"] = EncapsulateFfiHandler(ZinfjaxSwapReadStart);
-    d["zinfjax_swap_read_wait"] = EncapsulateFfiHandler(ZinfjaxSwapReadWait);
     d["zinfjax_swap_write_many"] = EncapsulateFfiHandler(ZinfjaxSwapWriteMany);
     d["zinfjax_swap_read_start_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadStartMany);
     d["zinfjax_swap_read_wait_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadWaitMany);

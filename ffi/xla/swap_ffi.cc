@@ -66,26 +66,6 @@ ffi::Error SwapReadImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
   });
 }
 
-ffi::Error SwapReadStartImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
-                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
-                             int64_t store, std::string_view key) {
-  (void)token;
-  return WithStore(store, [&](SwapStore& s) {
-    std::string k = Key(key, rank, layer);
-    ShardEntry e = s.Entry(k);
-    ticket->typed_data()[0] = static_cast<int32_t>(s.ReadAsync(k, nullptr, e.nbytes, e.dtype, e.shape,
-                                                             /*urgent=*/true));
-  });
-}
-
-ffi::Error SwapReadWaitImpl(ffi::Buffer<ffi::S32> ticket, ffi::Result<ffi::AnyBuffer> y,
-                            int64_t store) {
-  return WithStore(store, [&](SwapStore& s) {
-    s.TakeResult(static_cast<uint64_t>(ticket.typed_data()[0]), y->untyped_data(), y->size_bytes(),
-                 DtypeName(y->element_type()), Dims(*y));
-  });
-}
-
 // A layer's shards of several leaves in one call each: one store job (one
 // driver wake-up, one submission stream) instead of one per leaf.
 ffi::Error SwapWriteManyImpl(ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
@@ -147,21 +127,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapRead, zinfjax::SwapReadImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("store")
                                   .Attr<std::string_view>("key"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStart, zinfjax::SwapReadStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("key"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWait, zinfjax::SwapReadWaitImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("store"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteMany, zinfjax::SwapWriteManyImpl,
                               ffi::Ffi::Bind()

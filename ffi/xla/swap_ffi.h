@@ -7,8 +7,6 @@
 extern "C" {
 XLA_FFI_Error* ZinfjaxSwapWrite(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapRead(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* ZinfjaxSwapReadStart(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* ZinfjaxSwapReadWait(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapWriteMany(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapReadStartMany(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapReadWaitMany(XLA_FFI_CallFrame* call_frame);

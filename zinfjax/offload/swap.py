@@ -36,17 +36,12 @@ def read(store: int, key: str, like: jax.ShapeDtypeStruct, token, *, rank=0, lay
 
 def read_start(store: int, key: str, token, *, rank=0, layer=0) -> jax.Array:
   """Start reading a shard into an engine-owned buffer; returns a ticket for `read_wait`."""
-  call = jax.ffi.ffi_call("zinfjax_swap_read_start", jax.ShapeDtypeStruct((), jnp.int32),
-                          has_side_effect=True)
-  return call(_i32(token), _i32(rank), _i32(layer), store=np.int64(store), key=key)
+  return read_start_many(store, [key], token, rank=rank, layer=layer)
 
 
 def read_wait(store: int, ticket: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
   """Finish a `read_start`: wait for it and return the shard (checked against `like`)."""
-  call = jax.ffi.ffi_call("zinfjax_swap_read_wait", jax.ShapeDtypeStruct(like.shape, like.dtype),
-                          has_side_effect=True)
-  return call(_i32(ticket), store=np.int64(store))
-
+  return read_wait_many(store, ticket, [like])[0]
 
 
 def _keys(keys) -> str:

@@ -269,8 +269,11 @@ class NvmePipeline:
     writing += [("p", "param")] if self.params_on_nvme else []
 
     def views(k, names):
-      return [(self.key(what, p), self._views(k, p)[buf]) for p in self.units[k].parts
-              for what, buf in names]
+      out = []
+      for p in self.units[k].parts:
+        bufs = self._views(k, p)
+        out += [(self.key(what, p), bufs[buf]) for what, buf in names]
+      return out
 
     def read_when_written(key, out):
       gate.wait(key)
