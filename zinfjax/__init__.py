@@ -14,7 +14,9 @@ from .config import ZeroConfig
 from .layers import Stack
 from .mesh import make_mesh
 from .tiling import TiledLinear, tile_matmuls
-from .train import TrainState, abstract_init, init, make_train_step, train_step
+from .placement import Plan
+from .state import TrainState, abstract_init, init
+from .step import make_train_step, train_step
 
-__all__ = ["ZeroConfig", "Stack", "TiledLinear", "tile_matmuls", "TrainState", "abstract_init", "init", "make_mesh", "make_train_step",
+__all__ = ["ZeroConfig", "Plan", "Stack", "TiledLinear", "tile_matmuls", "TrainState", "abstract_init", "init", "make_mesh", "make_train_step",
            "train_step"]

@@ -4,11 +4,63 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 Precision = Literal["bf16", "fp32"]
 Tier = Literal["device", "pinned_host", "nvme"]
 TIERS = ("device", "pinned_host", "nvme")
+# a per-layer split: (tier, layers or fraction of each stack's layers), the last one None (the rest)
+TierSplit = tuple[tuple[str, "int | float | None"], ...]
+
+
+def parse_split(value: Any, name: str) -> TierSplit:
+  """A tier, a split string ("device:2,pinned_host") or a dict/pairs, as a `TierSplit`."""
+  if isinstance(value, str):
+    pairs = []
+    for item in value.split(","):
+      tier, _, amount = item.strip().partition(":")
+      pairs.append((tier.strip(), _amount(amount.strip(), name) if amount else None))
+  elif isinstance(value, Mapping):
+    pairs = list(value.items())
+  elif isinstance(value, (tuple, list)):
+    pairs = [tuple(p) for p in value]
+  else:
+    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split such as "
+                     f"'device:2,pinned_host', got {value!r}.")
+  example = f"e.g. {name}='pinned_host:0.25,nvme' (the first quarter of each stack's layers in " \
+            "pinned host, the rest on NVMe)"
+  tiers = [p[0] for p in pairs]
+  bad = [t for t in tiers if t not in TIERS]
+  if bad or not pairs:
+    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split of them, "
+                     f"got {value!r}; {example}.")
+  if len(set(tiers)) != len(tiers):
+    raise ValueError(f"ZeroConfig.{name}={value!r} names a tier twice; name each tier once, "
+                     f"{example}.")
+  for tier, amount in pairs[:-1]:
+    ok = (isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0) or (
+        isinstance(amount, float) and 0.0 <= amount <= 1.0)
+    if not ok:
+      raise ValueError(f"ZeroConfig.{name}={value!r}: {tier!r} needs a layer count (int >= 0) or "
+                       f"a fraction of the layers (0.0 to 1.0); {example}.")
+  if pairs[-1][1] is not None and len(pairs) > 1:
+    raise ValueError(f"ZeroConfig.{name}={value!r}: the last tier ({pairs[-1][0]!r}) takes the "
+                     f"remaining layers, so give it no amount; {example}.")
+  return tuple((t, a) for t, a in pairs[:-1]) + ((pairs[-1][0], None),)
+
+
+def _amount(text: str, name: str) -> int | float:
+  try:
+    if text.endswith("%"):
+      return float(text[:-1]) / 100
+    return float(text) if "." in text else int(text)
+  except ValueError:
+    raise ValueError(f"ZeroConfig.{name}: {text!r} is neither a layer count nor a fraction "
+                     "(write 2, 0.25 or 25%).") from None
+
+
+def split_tiers(split: TierSplit) -> tuple[str, ...]:
+  return tuple(t for t, _ in split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,14 +82,24 @@ class ZeroConfig:
       shard gathered, used and released in turn (1 = off).
     offload_param: tier of the compute params (stage 3): "device" (HBM),
       "pinned_host" (host memory, copied to the device layer by layer ahead of
-      use) or "nvme" (the swap store under `nvme_path`, read layer by layer).
+      use) or "nvme" (the swap store under `nvme_path`, read layer by layer);
+      or a per-layer split (see below).
     offload_grad: tier of the gradients; they are reduce-scattered straight
       into the tier of their params, so it can only be that tier (None: same).
     offload_optimizer: tier of the fp32 master params and optimizer state.
       "device" runs any optax transformation in the step; "pinned_host" runs
       zinfjax's C++ AdamW on the host next to its states; "nvme" streams them
-      through host buffers in pipelined sub-groups. The host tiers need
-      `tx=zinfjax.optim.adamw(...)` (or `adam`).
+      through host buffers in pipelined sub-groups; or a per-layer split.
+      Anything but "device" needs `tx=zinfjax.optim.adamw(...)` (or `adam`).
+
+  A per-layer split puts the first layers of every `Stack` on one tier and
+  the next ones on another: "device:2,pinned_host" (the first 2 layers on
+  device, the rest in pinned host), "pinned_host:0.25,nvme" (the first
+  quarter in pinned host, the rest on NVMe), "device:1,pinned_host:2,nvme";
+  or the same as a dict, `{"pinned_host": 0.25, "nvme": None}`. An int is a
+  layer count, a float a fraction of each stack's layers, and the last tier
+  takes the rest. Leaves outside the stacks (embeddings, final norm) live on
+  the first tier named.
     nvme_path: folder (or folders, striped) of the swap store; created if
       missing. Each process keeps its files in `nvme_path/rank{process}/`.
     pinned_budget: bytes of pinned host buffers for NVMe transfers (staging
@@ -62,9 +124,9 @@ class ZeroConfig:
   prefetch_depth: int = 1
   axis: str = "data"
   tiles: int = 1
-  offload_param: Tier = "device"
-  offload_grad: Tier | None = None
-  offload_optimizer: Tier = "device"
+  offload_param: Tier | str | Mapping = "device"
+  offload_grad: Tier | str | Mapping | None = None
+  offload_optimizer: Tier | str | Mapping = "device"
   nvme_path: str | Sequence[str] | None = None
   pinned_budget: int = 256 << 20
   nvme_prefetch_depth: int = 1
@@ -98,9 +160,8 @@ class ZeroConfig:
 
   def _check_offload(self) -> None:
     for name in ("offload_param", "offload_optimizer"):
-      if getattr(self, name) not in TIERS:
-        raise ValueError(f"ZeroConfig.{name} must be one of {TIERS}, got {getattr(self, name)!r}.")
-    if self.offload_grad not in (None, self.offload_param):
+      parse_split(getattr(self, name), name)
+    if self.offload_grad is not None and parse_split(self.offload_grad, "offload_grad") != self.param_split:
       raise ValueError(
           f"ZeroConfig.offload_grad={self.offload_grad!r} differs from offload_param="
           f"{self.offload_param!r}: gradients are reduce-scattered straight into the tier of their "
@@ -132,18 +193,24 @@ class ZeroConfig:
       raise ValueError(f"ZeroConfig.host_nice must be an int from 0 to 19, got {self.host_nice!r}.")
 
   @property
-  def grad_tier(self) -> str:
-    return self.offload_param
+  def param_split(self) -> TierSplit:
+    """Tiers of the compute params (and grads) per layer, e.g. (("device", 2), ("pinned_host", None))."""
+    return parse_split(self.offload_param, "offload_param")
+
+  @property
+  def optimizer_split(self) -> TierSplit:
+    """Tiers of the fp32 master params and optimizer states per layer."""
+    return parse_split(self.offload_optimizer, "offload_optimizer")
 
   @property
   def offloads(self) -> bool:
     """Whether any state leaves the device (or activations go to the host)."""
-    return (self.offload_param != "device" or self.offload_optimizer != "device"
-            or self.offload_activations)
+    tiers = split_tiers(self.param_split) + split_tiers(self.optimizer_split)
+    return set(tiers) != {"device"} or self.offload_activations
 
   @property
   def uses_nvme(self) -> bool:
-    return "nvme" in (self.offload_param, self.offload_optimizer)
+    return "nvme" in split_tiers(self.param_split) + split_tiers(self.optimizer_split)
 
   @property
   def nvme_paths(self) -> list[str]:

@@ -32,6 +32,7 @@ from jax import lax
 from .offload import tiers
 from .partition import LeafLayout, is_layout
 from .schedule import LayerSchedule, layer_schedule
+from .tiling import tile_matmuls
 
 
 def gather(x: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:
@@ -128,12 +129,12 @@ class ScanPlan:
   grad_nvme: Any = None
   nvme_depth: int = 0     # NVMe reads run this many layers ahead of the device prefetch
   offload_activations: bool = False
+  first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
 
   def apply(self, params: Any, x: jax.Array) -> jax.Array:
     """One block on `x`: `params` are gathered, or (tiles > 1) this layer's local shards."""
     if self.tiles == 1:
       return nnx.merge(self.graphdef, params)(x)
-    from .tiling import tile_matmuls
     run = lambda shards, x: nnx.merge(self.graphdef, _tree_gather(shards, self.layouts,
                                                                   self.axis_name))(x)
     return tile_matmuls(run, tiles=self.tiles)(params, x)
@@ -178,7 +179,7 @@ class _Fetcher:
       self.leaves, self.treedef = jax.tree.flatten(plan.nvme)
 
   def _start(self, layer) -> jax.Array:
-    return tiers.start_layer(self.leaves, 0, self.rank, layer)
+    return tiers.start_layer(self.leaves, 0, self.rank, layer + self.plan.first_layer)
 
   def _wait(self, ticket) -> Any:
     return jax.tree.unflatten(self.treedef, tiers.wait_layer(self.leaves, ticket))
@@ -270,7 +271,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
       return (g_h, state, sums), jax.tree.map(lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
     # the layer's grads of every leaf as one store job; each anchor gets its token
     token = tiers.write_layer(jax.tree.leaves(plan.grad_nvme), jax.tree.leaves(g_shard), rank,
-                              i).astype(jnp.float32)
+                              i + plan.first_layer).astype(jnp.float32)
     sums = jax.tree.map(
         lambda s, x, lay: s + jnp.stack([token, _sum_squares(x, lay, plan.axis_name)]),
         sums, g_shard, plan.layouts, is_leaf=is_layout)
@@ -295,10 +296,21 @@ layer_scan.defvjp(_layer_scan_fwd, _layer_scan_bwd)
 
 
 class ZeroStack:
-  """Stands in for a `zinfjax.layers.Stack` inside a ZeRO-3 step: `x -> layer_scan(x)`."""
+  """Stands in for a `zinfjax.layers.Stack` inside a ZeRO-3 step.
 
-  def __init__(self, plan: ScanPlan, shards: Any):
-    self.plan, self.shards = plan, shards
+  `segments` are (ScanPlan, shards) of consecutive layer ranges, one per tier
+  the stack's params are split over (see `placement.py`); they run in order,
+  each a `layer_scan` with its own prefetch. `on_call(index)` is told when the
+  stack runs (at trace time), so the step learns the order of its stacks.
+  """
+
+  def __init__(self, segments: list[tuple[ScanPlan, Any]], index: int = 0,
+               on_call: Callable[[int], None] | None = None):
+    self.segments, self.index, self.on_call = segments, index, on_call
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return layer_scan(self.plan, self.shards, x)
+    if self.on_call is not None:
+      self.on_call(self.index)
+    for plan, shards in self.segments:
+      x = layer_scan(plan, shards, x)
+    return x

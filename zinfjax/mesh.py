@@ -1,4 +1,4 @@
-"""The data mesh: every device on one `data` axis, and the shardings ZeRO uses on it."""
+"""The data mesh: every device on one `data` axis."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 
 def make_mesh(devices: Sequence[jax.Device] | int | None = None, axis: str = "data") -> Mesh:
@@ -21,12 +21,3 @@ def make_mesh(devices: Sequence[jax.Device] | int | None = None, axis: str = "da
           f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before importing jax.")
     devices = all_devices[:devices]
   return Mesh(np.asarray(devices), (axis,))
-
-
-def batch_sharding(mesh: Mesh, axis: str = "data") -> NamedSharding:
-  """Batches are split on their leading (example) axis over `axis`."""
-  return NamedSharding(mesh, P(axis))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())

@@ -93,7 +93,7 @@ def plan_layouts(abstract_params: Any, stacked_prefixes: set[Path], dp: int,
   """A `LeafLayout` for every leaf of `abstract_params` (same tree structure)."""
 
   def one(path, leaf):
-    keys = tuple(_key_name(k) for k in path)
+    keys = tuple(key_name(k) for k in path)
     stacked = any(keys[:len(p)] == p for p in stacked_prefixes)
     return leaf_layout(leaf.shape, dp, stacked=stacked,
                        persistence_threshold=persistence_threshold)
@@ -101,7 +101,8 @@ def plan_layouts(abstract_params: Any, stacked_prefixes: set[Path], dp: int,
   return jax.tree_util.tree_map_with_path(one, abstract_params)
 
 
-def _key_name(key) -> str:
+def key_name(key) -> str:
+  """The name of one step of a pytree path (dict key, attribute or index)."""
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
       return str(getattr(key, attr))

@@ -16,8 +16,11 @@ layer is fetched again; cheap, and it keeps every scan step the same shape).
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
+
+from .placement import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,3 +54,21 @@ def layer_schedule(num_layers: int, depth: int, nvme_depth: int = 0, *,
       prologue_arrive=tuple(clamp(start + step * k) for k in range(depth)),
       prologue_read=tuple(clamp(start + step * k) for k in range(depth + nvme_depth)),
       reverse=reverse)
+
+
+def grad_write_order(plan: Plan, stack_calls: Sequence[int] = ()) -> list[tuple[int, int]]:
+  """(leaf, layer) in the order the backward pass writes the grads.
+
+  Backward runs the stacks in the reverse of the order the forward pass ran
+  them (`stack_calls`, indices into `plan.stacks`, as the step saw them when
+  it was traced; stacks it did not see keep the plan's order), each from its
+  last layer down, with every leaf of a layer at once; the grads of the
+  leaves outside the stacks are complete only when backward ends.
+  """
+  order = list(dict.fromkeys(list(stack_calls) + list(range(len(plan.stacks)))))
+  out = []
+  for index in reversed(order):
+    stack = plan.stacks[index]
+    out += [(leaf, layer) for layer in reversed(range(stack.num_layers)) for leaf in stack.leaves]
+  in_stacks = {leaf for s in plan.stacks for leaf in s.leaves}
+  return out + [(leaf.index, 0) for leaf in plan.leaves if leaf.index not in in_stacks]

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax._src import core as jcore
+import jax.extend.core as jcore  # public: Literal, ClosedJaxpr
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
 

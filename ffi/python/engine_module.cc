@@ -13,6 +13,7 @@
 #include "core/buffer.h"
 #include "core/errors.h"
 #include "core/hash.h"
+#include "core/keys.h"
 #include "core/pool.h"
 #include "core/store.h"
 #include "xla/adam_ffi.h"
@@ -85,6 +86,10 @@ PYBIND11_MODULE(_engine, m) {
 
   m.def("align_up", [](size_t n) { return AlignUp(n); }, py::arg("n"),
         "Bytes `n` rounded up to the O_DIRECT alignment.");
+  m.def("shard_key", [](const std::string& base, int32_t rank, int32_t layer) {
+    return ShardKey(base, rank, layer);
+  }, py::arg("base"), py::arg("rank"), py::arg("layer"),
+        "The swap-store key of one rank's shard of one layer (the one the FFI handlers use).");
   m.def("checksum", [](py::buffer b) {
     py::buffer_info info = b.request();
     RequireContiguous(info);

@@ -1,5 +1,5 @@
 // Helpers shared by the CPU and CUDA FFI handlers: dtype names and shapes as
-// the swap store's manifest records them, and shard keys.
+// the swap store's manifest records them (shard keys: core/keys.h).
 #ifndef ZINFJAX_XLA_FFI_UTIL_H_
 #define ZINFJAX_XLA_FFI_UTIL_H_
 
@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/keys.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace zinfjax {
@@ -35,24 +36,6 @@ inline const char* DtypeName(xla::ffi::DataType t) {
 inline std::vector<int64_t> Dims(const xla::ffi::AnyBuffer& b) {
   auto d = b.dimensions();
   return std::vector<int64_t>(d.begin(), d.end());
-}
-
-// The store key of one device's shard of one layer: "{base}/r{rank}/l{layer}".
-inline std::string ShardKey(std::string_view base, int32_t rank, int32_t layer) {
-  return std::string(base) + "/r" + std::to_string(rank) + "/l" + std::to_string(layer);
-}
-
-// The shard keys of one call over several leaves: `bases` holds their base
-// keys separated by newlines (a key holds no newline).
-inline std::vector<std::string> ShardKeys(std::string_view bases, int32_t rank, int32_t layer) {
-  std::vector<std::string> keys;
-  for (size_t start = 0; start <= bases.size();) {
-    size_t end = bases.find('\n', start);
-    if (end == std::string_view::npos) end = bases.size();
-    keys.push_back(ShardKey(bases.substr(start, end - start), rank, layer));
-    start = end + 1;
-  }
-  return keys;
 }
 
 }  // namespace zinfjax

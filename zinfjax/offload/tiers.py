@@ -21,7 +21,6 @@ from jax import lax
 from . import swap
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
-KINDS = {"device": "device", "pinned_host": "pinned_host", "nvme": None}
 
 
 def to_device(x: jax.Array, tier: str) -> jax.Array:
@@ -42,7 +41,8 @@ class NvmeLeaf:
   key: str                    # base key; shards are `{key}/r{rank}/l{layer}`
   shape: tuple[int, ...]      # one layer's local shard
   dtype: Any
-  layers: int | None = None   # stacked leaves: number of layers
+  layers: int | None = None   # stacked leaves: number of layers (of this segment)
+  first: int = 0              # the leaf's layer that is this segment's layer 0
 
   @property
   def like(self) -> jax.ShapeDtypeStruct:
@@ -56,13 +56,13 @@ class NvmeLeaf:
     return swap.write(self.store, self.key, x.astype(self.dtype), rank=rank, layer=layer)
 
   def read_all(self, token, rank) -> jax.Array:
-    """The whole local shard (all layers, stacked, for a stacked leaf)."""
+    """The whole local shard of the segment (its layers, stacked, for a stacked leaf)."""
     if self.layers is None:
       return self.read(token, rank)
-    return lax.map(lambda i: self.read(token, rank, i), jnp.arange(self.layers))
+    return lax.map(lambda i: self.read(token, rank, i), jnp.arange(self.layers) + self.first)
 
   def write_all(self, x: jax.Array, rank) -> jax.Array:
-    """Write the whole local shard, layer by layer; returns one token for all of it."""
+    """Write the segment's local shard, layer by layer; returns one token for all of it."""
     if self.layers is None:
       return self.write(x, rank)
 
@@ -70,7 +70,7 @@ class NvmeLeaf:
       i, layer = i_x
       return token + self.write(layer, rank, i), None
 
-    return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers), x))[0]
+    return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers) + self.first, x))[0]
 
 
 def _one_store(leaves: Sequence[NvmeLeaf]) -> int:

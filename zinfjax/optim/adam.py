@@ -29,7 +29,7 @@ from jax.experimental.compute_on import compute_on
 
 from .kernel import AdamConstants, adamw_ffi, adamw_jnp, bias_corrections
 from .nvme import NvmeAdam
-from .sharded import AdamHyper, clip_scale
+from .hyper import AdamHyper, clip_scale, weight_decays
 
 TIERS = ("device", "pinned_host", "nvme")
 
@@ -67,17 +67,6 @@ def _check_structure(tree: Any, shapes: list[tuple[int, ...]], what: str) -> Non
         f"{len(got)} leaves of shapes {got[:6]}{' ...' if len(got) > 6 else ''} "
         f"({jax.tree.structure(tree)}). Pass the grads of the same params, in the same order, "
         "that were given to init.")
-
-
-def _weight_decays(params: Any, weight_decay: float, mask) -> list[float]:
-  leaves = jax.tree.leaves(params)
-  if mask is None:
-    return [float(weight_decay)] * len(leaves)
-  flags = mask(params) if callable(mask) else mask
-  flags = jax.tree.leaves(flags)
-  if len(flags) != len(leaves):
-    raise ValueError(f"weight decay mask has {len(flags)} leaves but params have {len(leaves)}.")
-  return [float(weight_decay) if bool(f) else 0.0 for f in flags]
 
 
 def _as_updates(new_params: list, params: list) -> list:
@@ -156,7 +145,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     count = optax.safe_int32_increment(state.count)
     bc1, bc2 = bias_corrections(b1, b2, count)
     lr = jnp.asarray(schedule(state.count), jnp.float32)
-    decays = _weight_decays(params, weight_decay, mask)
+    decays = weight_decays(params, weight_decay, mask)
     g_leaves, p_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
 
     if nvme is not None:
@@ -191,7 +180,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
   tx = OffloadedTransformation(init, update)
   tx.nvme = nvme  # the NVMe pipeline (stats, store), None on other tiers
   tx.offload = offload
-  # what `train_step` needs to run this AdamW itself on the tier ZeroConfig.offload_optimizer names
+  # the engine runs this same AdamW itself on the tiers ZeroConfig.offload_optimizer names
   tx.hyper = AdamHyper(schedule, constants, float(weight_decay), mask, max_grad_norm)
   return tx
 

@@ -1,0 +1,244 @@
+"""`Checkpointer`: checkpoints of a `TrainState` on every tier, through orbax-checkpoint.
+
+One orbax step folder per saved step (`directory/<step>/`), written under a
+temporary name and renamed once every process is done (a save killed half
+way leaves the previous steps intact), the last `keep` kept:
+
+  meta/metadata   JSON: format, step, every leaf's logical shape and dtype,
+                  the ZeRO config and mesh it came from, the caller's `extra`
+  state/<name>    one zarr3 array per leaf (tensorstore), in its logical
+                  (unpadded) shape, chunked as one rank's shard of one layer,
+                  every chunk crc32c-checked
+
+What is stored is in `leaves.py`, how each process moves its shards in
+`handler.py`. The format knows nothing of the run's mesh or tiers, so a
+checkpoint restores onto any number of devices and any placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..engine import build_engine
+from ..optim.host import HostAdamState
+from ..partition import key_name
+from ..state import TrainState, make_states
+from .handler import CheckpointError, Run, StateHandler, StateRestore, StateSave, open_checked, read
+from .leaves import Leaf, Source, state_leaves
+
+FORMAT = "zinfjax-checkpoint/1"
+
+
+# ------------------------------------------------------------------ manager
+class Checkpointer:
+  """Saves and restores zinfjax training states in `directory`, keeping the last `keep`.
+
+    ckpt = Checkpointer("/ckpt/run1", keep=3)
+    ckpt.save(state, extra={"data_step": 100})     # returns once the state may change
+    state, extra = ckpt.restore(model_factory, tx, config, mesh)   # latest step
+
+  `save` is asynchronous: device and pinned-host shards are written in the
+  background (NVMe shards before it returns); `wait()` blocks until the last
+  save is committed. Every process of a multi-process run calls both.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True):
+    if keep is not None and keep < 1:
+      raise ValueError(f"keep={keep}: keep at least 1 checkpoint (or None for all).")
+    self.directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise CheckpointError(f"checkpoint directory {self.directory} is a file; give a folder.")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=False, enable_async_checkpointing=async_save,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+    self._handler = StateHandler()
+    self._manager = None
+    self._options = options
+
+  @property
+  def manager(self) -> ocp.CheckpointManager:
+    if self._manager is None:
+      self._manager = ocp.CheckpointManager(
+          self.directory, options=self._options,
+          item_handlers={"state": self._handler, "meta": ocp.JsonCheckpointHandler()})
+    return self._manager
+
+  def all_steps(self) -> list[int]:
+    """Committed steps, oldest first (folders of unfinished saves are not steps)."""
+    if not os.path.isdir(self.directory):
+      return []
+    return sorted(self.manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  # ---------------------------------------------------------------- save
+  def save(self, state, *, extra: dict | None = None) -> bool:
+    """Save `state` as step `state.step`; False when that step is already saved."""
+    step = int(jax.device_get(state.step.addressable_data(0)))
+    os.makedirs(self.directory, exist_ok=True)
+    if step in self.all_steps():
+      return False
+    engine = state.engine
+    leaves = state_leaves(state)
+    meta = {"format": FORMAT, "step": step,
+            "leaves": {l.name: {"shape": list(l.shape), "dtype": np.dtype(l.dtype).name}
+                       for l in leaves},
+            "config": _config_json(engine.config), "devices": engine.dp,
+            "processes": jax.process_count(), "extra": extra or {}}
+    run = Run(leaves, engine.plan, engine.store)
+    self.manager.save(step, args=ocp.args.Composite(state=StateSave(run), meta=ocp.args.JsonSave(meta)))
+    return True
+
+  def wait(self) -> None:
+    """Block until every save started is committed."""
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+
+  # ---------------------------------------------------------------- restore
+  def metadata(self, step: int | None = None) -> dict:
+    """The JSON metadata of `step` (default: the latest); `["step"]` is the step it holds."""
+    step = self._step(step)
+    path = os.path.join(self.directory, str(step), "meta", "metadata")
+    try:
+      with open(path) as f:
+        meta = json.load(f)
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f"checkpoint step {step} in {self.directory} has no readable "
+                            f"metadata ({e}); restore another step: {self.all_steps()}.") from e
+    if meta.get("format") != FORMAT:
+      raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}).")
+    return meta
+
+  def _step(self, step: int | None) -> int:
+    steps = self.all_steps()
+    if not steps:
+      raise CheckpointError(f"no checkpoint in {self.directory}: it holds no committed step.")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; saved steps: {steps}.")
+    return step
+
+  def restore(self, model_factory: Callable, tx: optax.GradientTransformation, config, mesh, *,
+              step: int | None = None):
+    """`(state, extra)`: the training state of `step` (default: the latest) placed as `config`
+    says on `mesh`, whatever placement and device count it was saved from."""
+    meta = self.metadata(step)
+    step = meta["step"]
+    engine = build_engine(model_factory, tx, config, mesh)
+    target = make_states(engine, model_factory, abstract=True)
+    leaves = _restore_targets(target)
+    _check_compatible(meta, leaves, self.directory, step)
+    run = Run(leaves, engine.plan, engine.store)
+    restored = self.manager.restore(step, args=ocp.args.Composite(state=StateRestore(run)))["state"]
+    if engine.store is not None:
+      engine.store.sync()
+    plan = engine.plan
+
+    def parts(prefix: str, derived: bool) -> Any:
+      out = []
+      for leaf in plan.leaves:
+        name = f"{prefix}/{leaf.name}"
+        srcs = next(l for l in leaves if l.name == name).sources
+        out.append(tuple(restored[f"{name}#{k}"] for k, s in enumerate(srcs)
+                         if s.array is not None and s.derived == derived))
+      return plan.unflatten(out)
+
+    master, params = parts("master", False), parts("master", True)
+    opt = target.opt_state
+    if isinstance(opt, HostAdamState):
+      opt_state = HostAdamState(restored["opt/count#0"], parts("opt/mu", False), parts("opt/nu", False))
+    else:
+      paths, treedef = jax.tree_util.tree_flatten_with_path(opt)
+      opt_state = jax.tree.unflatten(treedef, [
+          restored["opt/" + "/".join(key_name(k) for k in path) + "#0"] for path, _ in paths])
+    state = TrainState(restored["step#0"], params, master, opt_state, engine)
+    return state, meta.get("extra", {})
+
+  def close(self) -> None:
+    if self._manager is not None:
+      self._manager.wait_until_finished()
+      self._manager.close()
+      self._manager = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def master_params(directory: str | os.PathLike, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+  """`(leaf name, fp32 array)` of a checkpoint's master params, one leaf at a time in full
+  logical shape, without building a model or a mesh (for export, like `zero_to_fp32`)."""
+  ckpt = Checkpointer(directory)
+  meta = ckpt.metadata(step)
+  folder = os.path.join(ckpt.directory, str(meta["step"]), "state")
+  for name, info in meta["leaves"].items():
+    if not name.startswith("master/"):
+      continue
+    leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
+    arr = open_checked(os.path.join(folder, name), leaf)
+    yield name[len("master/"):], read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
+
+
+def _restore_targets(target) -> list[Leaf]:
+  """`state_leaves` of an abstract state, with scalars that must come back as arrays."""
+  leaves = state_leaves(target)
+  whole = NamedSharding(target.engine.mesh, P())
+  for leaf in leaves:
+    if leaf.name in ("step", "opt/count"):
+      src = leaf.sources[0]
+      if not isinstance(src.array, jax.ShapeDtypeStruct):
+        src.array = jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)
+  return leaves
+
+
+def _check_compatible(meta: dict, leaves: list[Leaf], directory: str, step: int) -> None:
+  """Clear errors when the checkpoint holds another model or another optimizer's state."""
+  saved = meta["leaves"]
+  wanted = {l.name: (list(l.shape), np.dtype(l.dtype).name) for l in leaves}
+  where = f"checkpoint step {step} in {directory}"
+  model = lambda d: {k: v for k, v in d.items() if k.startswith("master/")}
+  diff = [(k, saved.get(k), wanted.get(k)) for k in sorted(set(model(saved)) | set(model(wanted)))
+          if (saved[k]["shape"] if k in saved else None) != (wanted[k][0] if k in wanted else None)]
+  if diff:
+    k, there, here = diff[0]
+    there = there["shape"] if there else "absent"
+    here = here[0] if here else "absent"
+    raise CheckpointError(
+        f"{where} was saved from another model: {len(diff)} params differ, e.g. {k!r} has shape "
+        f"{there} there and {here} here. Build the model with the config it was trained with, "
+        "or use another checkpoint directory.")
+  opt_saved = {k for k in saved if k.startswith("opt/")}
+  opt_wanted = {k for k in wanted if k.startswith("opt/")}
+  if opt_saved != opt_wanted:
+    missing = sorted(opt_wanted - opt_saved)[:3]
+    raise CheckpointError(
+        f"{where} holds another optimizer's state (this run needs {missing} ...). Restore with the "
+        "optimizer it was saved with; zinfjax's host AdamW states restore across pinned_host and "
+        "nvme, optax states only onto offload_optimizer='device' with the same optax chain.")
+  for k in sorted(opt_wanted):
+    if saved[k]["shape"] != wanted[k][0]:
+      raise CheckpointError(f"{where}: optimizer state {k!r} has shape {saved[k]['shape']} there and "
+                            f"{wanted[k][0]} here.")
+
+
+def _config_json(config) -> dict:
+  out = {}
+  for f in dataclasses.fields(config):
+    v = getattr(config, f.name)
+    out[f.name] = v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
+  return out

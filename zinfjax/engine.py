@@ -1,0 +1,138 @@
+"""The `Engine`: static facts of one training run, built once from the model, optimizer,
+config and mesh: the model's graph, the placement plan, the optimizer that runs where its
+states live, and (when a state is on NVMe) the swap store and the NVMe optimizer pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from .config import ZeroConfig
+from .layers import Stack
+from .offload.store import AioStore, NoSpaceError
+from .optim.hyper import AdamHyper
+from .optim.pipeline import NvmePipeline
+from .partition import plan_layouts
+from .placement import Plan, make_plan
+
+Path = tuple[Any, ...]
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+  """What a step needs besides the arrays: graph, plan, optimizer, store."""
+
+  graphdef: Any
+  plan: Plan
+  config: ZeroConfig
+  tx: optax.GradientTransformation
+  hyper: AdamHyper | None = None   # the AdamW the engine runs itself (None: `tx` under jit)
+  decays: tuple[float, ...] = ()   # its weight decay per leaf
+  store: AioStore | None = None    # the process's swap store when a state is on NVMe
+  pipeline: NvmePipeline | None = None  # the NVMe optimizer (optimizer segments on NVMe)
+  steps: dict = dataclasses.field(default_factory=dict)  # compiled steps by loss_fn
+
+  @property
+  def mesh(self) -> Mesh:
+    return self.plan.mesh
+
+  @property
+  def dp(self) -> int:
+    return self.plan.dp
+
+  @property
+  def layouts(self) -> Any:
+    return self.plan.layouts
+
+  @property
+  def stack_paths(self) -> tuple[Path, ...]:
+    return tuple(s.path for s in self.plan.stacks)
+
+
+def _stack_paths(model: nnx.Module) -> tuple[Path, ...]:
+  return tuple(tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Stack))
+
+
+def _check_params_only(model: nnx.Module) -> None:
+  _, _, other = nnx.split(model, nnx.Param, ...)
+  leaves = jax.tree.leaves(other)
+  if leaves:
+    raise ValueError(
+        "zinfjax trains models whose state is all nnx.Param; this model also holds "
+        f"{len(leaves)} other variables (rng counters, batch stats). Build the model "
+        "without dropout/rngs state or keep them outside the module.")
+
+
+def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConfig) -> AdamHyper | None:
+  """The AdamW the engine runs itself, or None when the optimizer is `tx` on the device."""
+  if plan.optimizer_on_device:
+    return None
+  hyper = getattr(tx, "hyper", None)
+  if hyper is None:
+    raise ValueError(
+        f"offload_optimizer={config.offload_optimizer!r} runs zinfjax's AdamW next to the states "
+        f"on each tier, so it needs tx=zinfjax.optim.adamw(...) (or adam), got {tx!r}. Use "
+        "offload_optimizer='device' to train with any optax transformation.")
+  if getattr(tx, "offload", "device") != "device":
+    raise ValueError(
+        f"the optimizer tier is set by ZeroConfig.offload_optimizer ({config.offload_optimizer!r});"
+        f" build the tx without offload= (got adamw(offload={tx.offload!r})).")
+  return hyper
+
+
+def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
+  """The process's swap store, after checking the states fit on the drive (before any write)."""
+  store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
+                   pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice)
+  store.defer_errors()  # raised after each step (see step.checked)
+  free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.stats()["bytes_used"]
+  need = plan.nvme_bytes()
+  total = sum(need.values())
+  if total > free:
+    store.close()
+    gb = lambda n: f"{n / 1e9:.2f} GB"
+    raise NoSpaceError(
+        f"nvme_path {config.nvme_paths} has {gb(free)} free, but the states placed on NVMe need "
+        f"{gb(total)} (params {gb(need['params'])}, grads {gb(need['grads'])}, optimizer "
+        f"{gb(need['optimizer'])}): free space there, add folders to nvme_path, or keep some "
+        "states off NVMe (offload_param / offload_optimizer, or a per-layer split).")
+  return store
+
+
+def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
+                 config: ZeroConfig, mesh: Mesh, *, open_store_: bool = True) -> Engine:
+  """The `Engine` of a run: the plan of the model's leaves on `mesh`, and (with `open_store_`)
+  the swap store and NVMe pipeline its placement needs. Allocates no state."""
+  if config.axis not in mesh.shape:
+    raise ValueError(f"mesh axes {tuple(mesh.shape)} have no {config.axis!r} axis; "
+                     "build the mesh with zinfjax.make_mesh().")
+  abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract_model)
+  _check_params_only(abstract_model)
+  stack_paths = _stack_paths(abstract_model)
+  layouts = plan_layouts(nnx.to_pure_dict(abstract_state), {p + ("block",) for p in stack_paths},
+                         mesh.shape[config.axis], config.persistence_threshold)
+  plan = make_plan(config, layouts, stack_paths, mesh)
+  hyper = _engine_adamw(tx, plan, config)
+  decays = ()
+  if hyper is not None:
+    shapes = plan.unflatten([jax.ShapeDtypeStruct(l.layout.storage_shape, jnp.float32)
+                             for l in plan.leaves])
+    decays = tuple(hyper.decays(shapes))
+  engine = Engine(graphdef, plan, config, tx, hyper, decays)
+  if not (config.uses_nvme and open_store_):
+    return engine
+  store = open_store(config, plan)
+  pipeline = None
+  if "nvme" in plan.tiers("master"):
+    pipeline = NvmePipeline(store, plan, hyper, decays,
+                            budget=config.pinned_budget - config.pinned_budget // 4)
+  return dataclasses.replace(engine, store=store, pipeline=pipeline)

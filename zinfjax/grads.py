@@ -1,0 +1,117 @@
+"""Per-rank loss and gradients of a ZeRO step (inside `shard_map`), with params on any tier.
+
+The params come in as the plan's parts: per leaf a tuple with one entry per
+param segment, an array for `device`/`pinned_host` segments and an anchor
+(float32[1, 2]) for `nvme` ones. Each `Stack` of the model is swapped for a
+`ZeroStack` running one layer scan per segment; every other leaf is fetched
+from its tier and all-gathered. The gradients come back in the same parts:
+on the params' tiers, or written to NVMe with the anchor's gradient holding
+`[token, sum of squares]` of the writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from . import gather as G
+from .offload import tiers
+from .partition import is_layout
+from .placement import LeafPlan, Plan, Segment
+
+LossFn = Callable[[nnx.Module, Any], jax.Array]
+is_parts = lambda x: isinstance(x, tuple)
+
+
+def nvme_leaf(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> tiers.NvmeLeaf:
+  """The swap-store shards of one segment of one leaf's `state`."""
+  return tiers.NvmeLeaf(store.handle, leaf.base_key(state), leaf.local_shape, plan.dtype(state),
+                        seg.layers if leaf.stacked else None, seg.start)
+
+
+def _get(tree: Any, path) -> Any:
+  for k in path:
+    tree = tree[k] if isinstance(tree, dict) else getattr(tree, k)
+  return tree
+
+
+def _set_attr(model: nnx.Module, path, value: Any) -> None:
+  parent = _get(model, path[:-1])
+  if isinstance(parent, (list, dict)):
+    parent[path[-1]] = value
+  else:
+    object.__setattr__(parent, path[-1], value)
+
+
+def _fetch(plan: Plan, store, leaf: LeafPlan, x: jax.Array) -> jax.Array:
+  """A leaf outside the stacks, from its tier to the device, gathered."""
+  (seg,) = leaf.params
+  if seg.tier == "device":
+    return G.fetch(x, leaf.layout, plan.axis)
+  pair = None
+  if seg.tier == "nvme":
+    pair = tuple(nvme_leaf(plan, store, leaf, s, seg) for s in ("params", "grads"))
+  return G.fetch_from(x, leaf.layout, plan.axis, seg.tier, pair)
+
+
+def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G.ZeroStack:
+  """The `ZeroStack` of one of the plan's stacks: a layer scan per param segment."""
+  plan, config, store = engine.plan, engine.config, engine.store
+  leaves = [plan.leaves[i] for i in stack.leaves]
+  treedef = jax.tree.structure(_get(plan.layouts, stack.path + ("block",)), is_leaf=is_layout)
+  block = lambda xs: jax.tree.unflatten(treedef, xs)
+  segments = []
+  for j, seg in enumerate(stack.params):
+    nvme = seg.tier == "nvme"
+    scan = G.ScanPlan(
+        block_graph, block([l.layout.layer() for l in leaves]), seg.layers, config.prefetch_depth,
+        plan.axis, config.tiles, param_tier=seg.tier,
+        nvme=block([nvme_leaf(plan, store, l, "params", seg) for l in leaves]) if nvme else None,
+        grad_nvme=block([nvme_leaf(plan, store, l, "grads", seg) for l in leaves]) if nvme else None,
+        nvme_depth=config.nvme_prefetch_depth, offload_activations=config.offload_activations,
+        first_layer=seg.start)
+    segments.append((scan, block([flat[l.index][j] for l in leaves])))
+  return G.ZeroStack(segments, index, on_call)
+
+
+def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
+                         on_call: Callable[[int], None] | None = None):
+  """Per-rank loss and gradients (already reduced to this rank's storage shards), in parts."""
+  plan, axis, dp = engine.plan, engine.plan.axis, engine.plan.dp
+
+  def loss_of(params):
+    flat = plan.flatten(params)
+    if plan.stage == 3:
+      stacked = {i for s in plan.stacks for i in s.leaves}
+      view = [parts[0] if i in stacked else _fetch(plan, engine.store, plan.leaves[i], parts[0])
+              for i, parts in enumerate(flat)]
+      model = nnx.merge(engine.graphdef, plan.unflatten(view))
+      for index, stack in enumerate(plan.stacks):
+        graph = nnx.graphdef(_get(model, stack.path).block)
+        _set_attr(model, stack.path, zero_stack(engine, stack, index, flat, graph, on_call))
+    else:
+      model = nnx.merge(engine.graphdef, plan.unflatten([parts[0] for parts in flat]))
+    return loss_fn(model, batch) / dp
+
+  loss, grads = jax.value_and_grad(loss_of)(params)
+  if plan.stage != 3:
+    reduce = G.all_reduce_keep_shard if plan.stage == 1 else G.reduce_scatter
+    grads = plan.unflatten([(reduce(g[0], leaf.layout, axis),)
+                            for g, leaf in zip(plan.flatten(grads), plan.leaves)])
+  return lax.psum(loss, axis), grads
+
+
+def sum_squares(plan: Plan, grads: Any) -> jax.Array:
+  """The squared global norm of grads in parts (global arrays, and NVMe anchors)."""
+  total = jnp.float32(0)
+  for leaf, parts in zip(plan.leaves, plan.flatten(grads)):
+    for seg, g in zip(leaf.params, parts):
+      if seg.tier == "nvme":
+        total = total + jnp.sum(g[:, 1])
+      else:
+        total = total + jnp.sum(jnp.square(tiers.to_device(g, seg.tier).astype(jnp.float32)))
+  return total

@@ -1,0 +1,67 @@
+"""The engine's AdamW where its states live in arrays: on the device or in pinned host memory.
+
+Both run inside the step's `shard_map`, on each rank's local shards:
+
+* `device_update`: XLA on the device (the same math as optax.adamw, in jnp);
+* `pinned_update`: the fused C++ kernel on the CPU next to the states (an XLA
+  custom call under `compute_on("device_host")`); grads go to the host, the
+  new compute params come back to the device.
+
+The NVMe tier streams its states through the host instead: `pipeline.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+from jax.experimental.compute_on import compute_on
+
+from ..offload import tiers
+from .hyper import AdamHyper
+from .kernel import adamw_ffi, adamw_jnp
+
+
+class HostAdamState(NamedTuple):
+  """Optimizer state of the engine's AdamW: the step count and the moments held in arrays
+  (per leaf, a tuple with one array per optimizer segment on the device or pinned host)."""
+
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+Updated = tuple[list, list, list, list]  # new masters, moments, compute params
+
+
+def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
+                  mus: list, nus: list, grads: list, params_dtype) -> Updated:
+  """AdamW on device-resident shards (jnp, bit-identical to optax.adamw)."""
+  lr, bc1, bc2 = scalars
+  out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
+         for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
+  new_m, new_mu, new_nu = ([x[i] for x in out] for i in range(3))
+  return new_m, new_mu, new_nu, [m.astype(params_dtype) for m in new_m]
+
+
+def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
+                  mus: list, nus: list, grads: list, params_dtype) -> Updated:
+  """AdamW on pinned-host shards by the C++ kernel on the CPU; params come back to the device."""
+  if not masters:
+    return [], [], [], []
+  lr, bc1, bc2 = scalars
+  grads = [tiers.to_tier(g, "pinned_host") for g in grads]
+
+  @compute_on("device_host")
+  @jax.jit
+  def update(masters, mus, nus, grads, lr, bc1, bc2):
+    out = [adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
+           for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
+    return [list(x) for x in zip(*out)]
+
+  new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2)
+  host = lambda xs: [tiers.to_tier(x, "pinned_host") for x in xs]
+  return host(new_m), host(new_mu), host(new_nu), [tiers.to_device(p, "pinned_host") for p in params]
+
+
+UPDATES = {"device": device_update, "pinned_host": pinned_update}

@@ -1,0 +1,281 @@
+"""The placement plan: where every shard of every state lives, per layer, as data.
+
+Computed once from `ZeroConfig`, the partition layouts and the mesh. For each
+leaf of the model and each state of it
+
+  params   compute params (bf16, or fp32 in exact mode)   store prefix "p"
+  grads    their gradients (they follow the params' tiers) "g"
+  master   fp32 master params                              "o/master"
+  mu, nu   AdamW's moments (they follow the master)        "o/m", "o/v"
+
+the plan holds its tier per layer (as `Segment`s: layers [start, stop) of a
+stacked leaf on one tier), its sharding (memory kind included), its store key
+and its local shard shape. Everything that moves or stores a shard (the
+state's creation, the step, the NVMe optimizer, the checkpoint, the memory
+report) asks the plan instead of the config. When a shard moves is the other
+half of the answer: `schedule.py`.
+
+A state held in arrays is a tuple per leaf: one array per segment of the leaf
+on the `device` or `pinned_host` tier, in layer order (a stacked segment holds
+its layers [start, stop)); segments on `nvme` live in the swap store only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import _engine
+from .config import TierSplit, ZeroConfig
+from .partition import LeafLayout, is_layout, key_name
+
+STATES = ("params", "grads", "master", "mu", "nu")
+PREFIX = {"params": "p", "grads": "g", "master": "o/master", "mu": "o/m", "nu": "o/v"}
+ARRAY_TIERS = ("device", "pinned_host")   # tiers that hold jax.Arrays (JAX memory kinds)
+MEMORY_KIND = {"device": "device", "pinned_host": "pinned_host"}
+
+
+def shard_key(base: str, rank: int, layer: int = 0) -> str:
+  """The swap-store key of one rank's shard of one layer (one definition, in the C++ engine)."""
+  return _engine.shard_key(base, int(rank), int(layer))
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Layers [start, stop) of a leaf on `tier` (a leaf outside the stacks: [0, 1))."""
+
+  tier: str
+  start: int
+  stop: int
+
+  @property
+  def layers(self) -> int:
+    return self.stop - self.start
+
+  def __contains__(self, layer: int) -> bool:
+    return self.start <= layer < self.stop
+
+
+def split_layers(split: TierSplit, num_layers: int | None) -> tuple[Segment, ...]:
+  """A per-layer split applied to a stack of `num_layers` (None: a leaf outside the stacks)."""
+  if num_layers is None:
+    return (Segment(split[0][0], 0, 1),)
+  out, start = [], 0
+  for tier, amount in split:
+    left = num_layers - start
+    n = left if amount is None else min(left, amount if isinstance(amount, int)
+                                        else int(round(amount * num_layers)))
+    if n > 0:
+      out.append(Segment(tier, start, start + n))
+      start += n
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """One leaf: its name, layout, local shard shape and per-state segments."""
+
+  index: int
+  name: str                        # its path, e.g. "blocks/block/mlp/fc1/kernel"
+  layout: LeafLayout
+  local_shape: tuple[int, ...]     # one rank's shard of one layer: the unit every tier moves
+  params: tuple[Segment, ...]      # grads follow the params
+  optimizer: tuple[Segment, ...]   # master, mu, nu
+
+  @property
+  def stacked(self) -> bool:
+    return self.layout.stacked
+
+  @property
+  def num_layers(self) -> int:
+    return self.layout.shape[0] if self.stacked else 1
+
+  @property
+  def local_size(self) -> int:
+    return math.prod(self.local_shape)
+
+  def segments(self, state: str) -> tuple[Segment, ...]:
+    return self.params if state in ("params", "grads") else self.optimizer
+
+  def array_segments(self, state: str) -> tuple[Segment, ...]:
+    return tuple(s for s in self.segments(state) if s.tier in ARRAY_TIERS)
+
+  def tier(self, state: str, layer: int = 0) -> str:
+    return next(s.tier for s in self.segments(state) if layer in s)
+
+  def base_key(self, state: str) -> str:
+    return f"{PREFIX[state]}/{self.name}"
+
+  def key(self, state: str, rank: int, layer: int = 0) -> str:
+    return shard_key(self.base_key(state), rank, layer)
+
+  @staticmethod
+  def key_of(base: str, rank: int, layer: int = 0) -> str:
+    return shard_key(base, rank, layer)
+
+  def segment_shape(self, seg: Segment) -> tuple[int, ...]:
+    """Global storage shape of a segment's array (its layers, for a stacked leaf)."""
+    shape = self.layout.storage_shape
+    return (seg.layers,) + shape[1:] if self.stacked else shape
+
+  def take(self, x: Any, seg: Segment) -> Any:
+    """Layers of `seg` out of a whole leaf (array, or numpy shard) with a layer axis."""
+    return x[seg.start:seg.stop] if self.stacked else x
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+  """One `Stack` of the model: its path, depth, leaves, and the param tiers of its layers."""
+
+  path: tuple[Any, ...]
+  num_layers: int
+  leaves: tuple[int, ...]          # indices of its block's leaves
+  params: tuple[Segment, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """Where every shard of a run lives. `leaves` are in the order of the params' tree."""
+
+  leaves: tuple[LeafPlan, ...]
+  treedef: Any
+  stacks: tuple[StackPlan, ...]
+  mesh: Mesh
+  axis: str
+  stage: int
+  compute_dtype: Any
+
+  @property
+  def dp(self) -> int:
+    return self.mesh.shape[self.axis]
+
+  @property
+  def layouts(self) -> Any:
+    return self.unflatten([leaf.layout for leaf in self.leaves])
+
+  @property
+  def ranks(self) -> list[int]:
+    """Positions on the data axis of this process's devices."""
+    return [r for r, d in enumerate(self.mesh.devices.reshape(-1))
+            if d.process_index == jax.process_index()]
+
+  def unflatten(self, xs: Sequence[Any]) -> Any:
+    return jax.tree.unflatten(self.treedef, list(xs))
+
+  def flatten(self, tree: Any) -> list[Any]:
+    """Per leaf, in plan order (a state's tuples stay whole)."""
+    return self.treedef.flatten_up_to(tree)
+
+  # ------------------------------------------------------------ tiers
+  def tiers(self, state: str) -> set[str]:
+    return {s.tier for leaf in self.leaves for s in leaf.segments(state)}
+
+  def uses(self, tier: str) -> bool:
+    return any(tier in self.tiers(s) for s in ("params", "master"))
+
+  @property
+  def optimizer_on_device(self) -> bool:
+    """Every optimizer state whole on the device: any optax transformation runs in the step."""
+    return self.tiers("master") == {"device"}
+
+  # ------------------------------------------------------------ shardings
+  def spec(self, leaf: LeafPlan, compute: bool = False) -> P:
+    if compute and self.stage != 3:
+      return P()
+    return leaf.layout.spec(self.axis)
+
+  def sharding(self, leaf: LeafPlan, tier: str, compute: bool = False) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(leaf, compute), memory_kind=MEMORY_KIND[tier])
+
+  def dtype(self, state: str) -> Any:
+    return jnp.dtype(self.compute_dtype if state in ("params", "grads") else jnp.float32)
+
+  def abstract(self, state: str) -> Any:
+    """The state's arrays as sharded `ShapeDtypeStruct`s: a tuple per leaf, one per array segment."""
+    compute = state == "params"
+
+    def one(leaf):
+      # stages 1 and 2 compute with whole (gathered, unpadded) params on every rank
+      shape = lambda seg: (leaf.layout.shape if compute and self.stage != 3
+                           else leaf.segment_shape(seg))
+      return tuple(jax.ShapeDtypeStruct(shape(seg), self.dtype(state),
+                                        sharding=self.sharding(leaf, seg.tier, compute))
+                   for seg in leaf.array_segments(state))
+
+    return self.unflatten([one(leaf) for leaf in self.leaves])
+
+  # ------------------------------------------------------------ bytes
+  def nvme_bytes(self, ranks: int | None = None) -> dict[str, int]:
+    """Bytes this process's ranks keep in the swap store, by state group."""
+    ranks = len(self.ranks) if ranks is None else ranks
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    item = jnp.dtype(self.compute_dtype).itemsize
+    for leaf in self.leaves:
+      n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == "nvme")
+      out["params"] += n("params") * leaf.local_size * item * ranks
+      out["grads"] += n("params") * leaf.local_size * item * ranks
+      out["optimizer"] += n("master") * leaf.local_size * 12 * ranks
+    return out
+
+  def tier_bytes(self) -> dict[str, int]:
+    """Bytes of model states one device holds on each tier (params, grads, master, moments)."""
+    out = {"device": 0, "pinned_host": 0, "nvme": 0}
+    item = jnp.dtype(self.compute_dtype).itemsize
+    for leaf in self.leaves:
+      for seg in leaf.params:
+        out[seg.tier] += seg.layers * leaf.local_size * 2 * item
+      for seg in leaf.optimizer:
+        out[seg.tier] += seg.layers * leaf.local_size * 12
+    return out
+
+  # ------------------------------------------------------------ checkpoint regions
+  def region(self, leaf: LeafPlan, rank: int, layer: int) -> tuple[slice, ...]:
+    """Rank `rank`'s shard of layer `layer` in the leaf's storage coordinates (maybe padded)."""
+    lay = leaf.layout
+    region = [slice(0, n) for n in lay.storage_shape]
+    if lay.stacked:
+      region[0] = slice(layer, layer + 1)
+    if lay.axis is not None:
+      size = lay.padded // self.dp
+      region[lay.axis] = slice(rank * size, (rank + 1) * size)
+    return tuple(region)
+
+
+def local_shape(layout: LeafLayout, dp: int) -> tuple[int, ...]:
+  """One rank's shard of one layer."""
+  shape = list(layout.storage_shape)
+  if layout.axis is not None:
+    shape[layout.axis] //= dp
+  return tuple(shape[1:] if layout.stacked else shape)
+
+
+def make_plan(config: ZeroConfig, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
+              mesh: Mesh) -> Plan:
+  """The plan of a model whose leaves have `layouts` and whose `Stack`s sit at `stack_paths`."""
+  dp = mesh.shape[config.axis]
+  flat, treedef = jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)
+  leaves, stack_of = [], {}
+  for i, (path, lay) in enumerate(flat):
+    keys = tuple(key_name(k) for k in path)
+    stack = next((j for j, p in enumerate(stack_paths)
+                  if keys[:len(p) + 1] == tuple(map(str, p)) + ("block",)), None)
+    layers = lay.shape[0] if lay.stacked else None
+    leaves.append(LeafPlan(i, "/".join(keys), lay, local_shape(lay, dp),
+                           split_layers(config.param_split, layers),
+                           split_layers(config.optimizer_split, layers)))
+    if stack is not None:
+      stack_of.setdefault(stack, []).append(i)
+  stacks = []
+  for j, path in enumerate(stack_paths):
+    members = tuple(stack_of.get(j, ()))
+    if not members:
+      continue
+    depth = leaves[members[0]].num_layers
+    stacks.append(StackPlan(tuple(path), depth, members, split_layers(config.param_split, depth)))
+  return Plan(tuple(leaves), treedef, tuple(stacks), mesh, config.axis, config.stage,
+              config.compute_dtype)

@@ -1,0 +1,23 @@
+"""This process's shards of a sharded array as numpy, and back: how host-side code (the NVMe
+optimizer, init, checkpoints) reads and writes the per-rank pieces the plan describes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+
+def host_shards(x: jax.Array, mesh: Mesh) -> dict[int, np.ndarray]:
+  """rank -> this process's local shard of `x`, as numpy."""
+  devices = list(mesh.devices.reshape(-1))
+  return {devices.index(s.device): np.asarray(s.data) for s in x.addressable_shards}
+
+
+def from_host_shards(shards: dict[int, np.ndarray], sharding: NamedSharding, shape) -> jax.Array:
+  """The inverse of `host_shards`: a global array from per-rank numpy shards."""
+  devices = list(sharding.mesh.devices.reshape(-1))
+  arrays = [jax.device_put(shards[devices.index(d)],
+                           jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
+            for d in sharding.addressable_devices]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -1,0 +1,214 @@
+"""`TrainState` and its creation: every state placed where the plan says, never whole on one device.
+
+A state held in arrays is a tree like the params whose leaves are tuples: one
+array per segment of the leaf on `device` or `pinned_host` (see
+`placement.py`); its NVMe segments are in the swap store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import gather as G
+from .config import ZeroConfig
+from .engine import Engine, ModelFactory, build_engine
+from .optim.host import HostAdamState
+from .placement import Plan
+from .shards import host_shards
+
+is_parts = lambda x: isinstance(x, tuple)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  """Arrays of a ZeRO run (`engine` is static metadata; `engine.plan` says where all lives)."""
+
+  step: jax.Array
+  params: Any        # compute params: per leaf, a tuple of its array segments
+  master: Any        # fp32 master params (storage form, split over `data`), likewise
+  opt_state: Any     # optax state of `engine.tx` (optimizer on device) or HostAdamState
+  engine: Engine = dataclasses.field(metadata=dict(static=True))
+
+  def full_params(self, dtype=jnp.float32) -> Any:
+    """The fp32 master params in their logical shapes, from every tier (tests, export)."""
+    plan = self.engine.plan
+    out = [leaf.layout.unpad(jnp.asarray(_whole(plan, leaf, parts, self.engine.store))).astype(dtype)
+           for leaf, parts in zip(plan.leaves, plan.flatten(self.master))]
+    return plan.unflatten(out)
+
+  def model(self) -> nnx.Module:
+    """An ordinary NNX model holding the current master params (gathered whole)."""
+    return nnx.merge(self.engine.graphdef, self.full_params())
+
+
+def _whole(plan: Plan, leaf, parts: tuple, store) -> np.ndarray:
+  """One leaf's fp32 master in storage shape, joined from its segments (one process)."""
+  arrays = iter(parts)
+  pieces = []
+  for seg in leaf.optimizer:
+    if seg.tier != "nvme":
+      pieces.append(np.asarray(next(arrays)))
+      continue
+    if jax.process_count() > 1:
+      raise NotImplementedError("full_params gathers every rank's NVMe shards: one process only.")
+    ranks = []
+    for r in range(plan.dp):
+      layers = [store.read(leaf.key("master", r, j)).wait() for j in range(seg.start, seg.stop)]
+      ranks.append(np.stack(layers) if leaf.stacked else layers[0])
+    lay = leaf.layout
+    pieces.append(ranks[0] if lay.axis is None else np.concatenate(ranks, axis=lay.axis))
+  return np.concatenate(pieces) if leaf.stacked else pieces[0]
+
+
+def untuple(plan: Plan, tree: Any) -> Any:
+  """A whole-leaf state (one array segment per leaf) as a plain tree of arrays."""
+  return plan.unflatten([parts[0] for parts in plan.flatten(tree)])
+
+
+def retuple(plan: Plan, tree: Any) -> Any:
+  return plan.unflatten([(x,) for x in plan.flatten(tree)])
+
+
+def gather_params(plan: Plan, master: Any) -> Any:
+  """Stages 1 and 2: whole compute params on every rank (cast, all-gather, unpad)."""
+  dtype, leaves = plan.compute_dtype, plan.leaves
+  storage = [leaf.layout.spec(plan.axis) for leaf in leaves]
+
+  def body(*xs):
+    return tuple(G.gather(x.astype(dtype), leaf.layout, plan.axis) for x, leaf in zip(xs, leaves))
+
+  out = jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(storage),
+                      out_specs=tuple(P() for _ in leaves), check_vma=False)(
+                          *[p[0] for p in plan.flatten(master)])
+  return plan.unflatten([(x,) for x in out])
+
+
+def opt_state_shardings(engine: Engine, master: Any) -> Any:
+  """Param-shaped parts of an optax state are split like the master; the rest replicated."""
+  abstract = jax.eval_shape(engine.tx.init, master)
+  storage = jax.tree.map(lambda x: x.sharding, master)
+  whole = NamedSharding(engine.mesh, P())
+  return optax.tree_map_params(engine.tx, lambda _, sharding: sharding, abstract, storage,
+                               transform_non_params=lambda _: whole)
+
+
+def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None):
+  """`key -> fp32 master leaves` (all, or the indices in `leaves`), jitted straight into their
+  sharded storage form: each device draws only its own shard (partitionable RNG)."""
+  plan = engine.plan
+  chosen = list(range(len(plan.leaves))) if leaves is None else list(leaves)
+
+  def make(key):
+    model = model_factory(nnx.Rngs(key))
+    flat = plan.flatten(nnx.to_pure_dict(nnx.state(model)))
+    return [plan.leaves[i].layout.pad(flat[i].astype(jnp.float32)) for i in chosen]
+
+  shardings = [plan.sharding(plan.leaves[i], "device") for i in chosen]
+  return jax.jit(make, out_shardings=shardings)
+
+
+def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets: list) -> tuple:
+  """One leaf's whole storage-form value `x` put on its segments' tiers for `state`."""
+  dtype = plan.dtype(state)
+  parts = []
+  shards = None
+  for seg in leaf.segments(state):
+    if seg.tier != "nvme":
+      piece = x if seg.layers == leaf.num_layers else leaf.take(x, seg)
+      # a program, not device_put: each state gets its own buffers (fp32 params are not the master)
+      put = jax.jit(lambda v: v.astype(dtype), out_shardings=plan.sharding(leaf, seg.tier))
+      parts.append(put(piece))
+      continue
+    shards = host_shards(x, plan.mesh) if shards is None else shards
+    for rank, shard in shards.items():
+      for layer in range(seg.start, seg.stop):
+        data = shard[layer] if leaf.stacked else shard
+        if state == "master":
+          tickets += pipeline.write_layer(leaf.index, rank, layer, data)
+        elif leaf.tier("master", layer) != "nvme":  # else the pipeline wrote the params too
+          tickets.append(store.write(leaf.key("params", rank, layer), np.asarray(data).astype(dtype)))
+  return tuple(parts)
+
+
+def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool) -> TrainState:
+  """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`)."""
+  plan, mesh = engine.plan, engine.mesh
+  rep = NamedSharding(mesh, P())
+  key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
+  if abstract:
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    master = plan.abstract("master")
+    if engine.hyper is None:
+      tree = untuple(plan, master)
+      opt = jax.eval_shape(jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree)), tree)
+    else:
+      opt = HostAdamState(step, master, master)
+    return TrainState(step, plan.abstract("params"), master, opt, engine)
+
+  # without NVMe the whole master is one program; with it one leaf at a time, so host memory
+  # holds at most one leaf while the states stream to the swap store
+  groups = ([list(range(len(plan.leaves)))] if engine.store is None
+            else [[i] for i in range(len(plan.leaves))])
+  masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
+  for group in groups:
+    values = master_initializer(engine, model_factory, group)(key)
+    for i, x in zip(group, values):
+      leaf = plan.leaves[i]
+      masters[i] = _place(plan, leaf, x, "master", engine.store, engine.pipeline, tickets)
+      if plan.stage == 3:
+        params[i] = _place(plan, leaf, x, "params", engine.store, engine.pipeline, tickets)
+      for t in tickets:
+        t.wait()
+      tickets.clear()
+      del x
+  if engine.store is not None:
+    engine.store.sync()
+  master = plan.unflatten(masters)
+  params = plan.unflatten(params) if plan.stage == 3 else gather_params(plan, master)
+  step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+  if engine.hyper is None:
+    tree = untuple(plan, master)
+    opt = jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree))(tree)
+  else:
+    zeros = jax.jit(lambda m: jax.tree.map(jnp.zeros_like, m),
+                    out_shardings=jax.tree.map(lambda x: x.sharding, master))
+    opt = HostAdamState(jax.device_put(jnp.zeros((), jnp.int32), rep), zeros(master), zeros(master))
+  return TrainState(step, params, master, opt, engine)
+
+
+def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: ZeroConfig,
+         mesh, rng: int | jax.Array = 0) -> TrainState:
+  """Create a sharded `TrainState` without ever holding the whole model on one device.
+
+  Args:
+    model_factory: `rngs -> nnx.Module`, e.g. `lambda rngs: GPT(cfg, rngs=rngs)`.
+    tx: any optax transformation with the optimizer on the device; with it on
+      a host tier (or split over tiers), `zinfjax.optim.adamw(...)`.
+    config: the ZeRO settings (placement included).
+    mesh: a mesh with a `config.axis` axis (see `make_mesh`).
+    rng: seed or PRNG key for the parameters.
+  """
+  engine = build_engine(model_factory, tx, config, mesh)
+  return make_states(engine, model_factory, rng, abstract=False)
+
+
+def abstract_init(model_factory: ModelFactory, tx: optax.GradientTransformation,
+                  config: ZeroConfig, mesh) -> TrainState:
+  """The `TrainState` `init` would make, as sharded `ShapeDtypeStruct`s: nothing is allocated.
+
+  Lower a step on it to read its memory before committing to a model size:
+  `make_train_step(s, loss).jitted.lower(s, batch).compile().memory_analysis()`.
+  """
+  engine = build_engine(model_factory, tx, config, mesh, open_store_=False)
+  return make_states(engine, model_factory, abstract=True)
+
+

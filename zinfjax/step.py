@@ -1,0 +1,348 @@
+"""The training step: one builder for every stage and placement, reading the plan.
+
+One jitted program computes the loss and the gradients (`grads.py`), then
+updates every optimizer segment held in arrays where it lives (any optax
+transformation when the whole optimizer is on the device; else zinfjax's
+AdamW: jnp on the device, the C++ kernel on pinned host) and puts the new
+compute params on their tiers. The optimizer segments on NVMe are updated by
+the host pipeline (`optim/pipeline.py`): after the program, or while its
+backward pass is still running when their grads are written to NVMe and
+nothing needs the global norm first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .grads import LossFn, local_loss_and_grads, nvme_leaf, sum_squares
+from .offload import tiers
+from .optim.host import UPDATES, HostAdamState
+from .optim.hyper import clip_scale
+from .optim.pipeline import GradGate
+from .placement import Segment
+from .schedule import grad_write_order
+from .shards import from_host_shards, host_shards
+from .state import TrainState, gather_params, retuple, untuple
+
+Step = Callable[[TrainState, Any], tuple[TrainState, dict]]
+
+
+def _overlap(seg: Segment, start: int, stop: int) -> tuple[int, int]:
+  return max(seg.start, start), min(seg.stop, stop)
+
+
+def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
+  """A jitted `(state, batch) -> (state, metrics)` for `loss_fn(model, local_batch) -> mean loss`.
+
+  `batch` is any pytree of arrays whose leading axis (examples) divides evenly
+  over the `data` axis; `loss_fn` sees each rank's slice. The input state is
+  donated: use the returned one.
+  """
+  engine = state.engine
+  if loss_fn in engine.steps:
+    return engine.steps[loss_fn]
+  plan, mesh, axis, store = engine.plan, engine.mesh, engine.plan.axis, engine.store
+  hyper, pipeline = engine.hyper, engine.pipeline
+  rep, anchor_spec = NamedSharding(mesh, P()), P(axis)
+  leaves = plan.leaves
+  full_specs = plan.unflatten([tuple(anchor_spec if s.tier == "nvme" else plan.spec(l, True)
+                                     for s in l.params) for l in leaves])
+  storage = [plan.spec(l) for l in leaves]
+  calls: list[int] = []   # the stacks in the order the forward pass runs them (seen at trace)
+
+  def record(index: int) -> None:
+    if index not in calls:
+      calls.append(index)
+
+  def with_anchors(params):
+    anchor = lambda: jax.lax.with_sharding_constraint(
+        jnp.zeros((plan.dp, 2), jnp.float32), NamedSharding(mesh, anchor_spec))
+    out = []
+    for leaf, parts in zip(leaves, plan.flatten(params)):
+      it = iter(parts)
+      out.append(tuple(anchor() if s.tier == "nvme" else next(it) for s in leaf.params))
+    return plan.unflatten(out)
+
+  def shard_map(body, in_specs, out_specs):
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+  def grads_in(grads, ranges):
+    """Per leaf, the grads of each layer range as device arrays (NVMe ones read back)."""
+    def body(grads):
+      rank, out = tiers.rank(axis), []
+      for leaf, parts, rs in zip(leaves, plan.flatten(grads), ranges):
+        got = []
+        for start, stop in rs:
+          pieces = []
+          for seg, g in zip(leaf.params, parts):
+            lo, hi = _overlap(seg, start, stop)
+            if lo >= hi:
+              continue
+            if seg.tier == "nvme":
+              sub = nvme_leaf(plan, store, leaf, "grads", Segment("nvme", lo, hi))
+              pieces.append(sub.read_all(g[0, 0].astype(jnp.int32), rank))
+            else:
+              x = tiers.to_device(g, seg.tier)
+              pieces.append(x[lo - seg.start:hi - seg.start] if leaf.stacked else x)
+          got.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+        out.append(tuple(got))
+      return out
+    return shard_map(body, (full_specs,), [tuple(s for _ in rs) for s, rs in zip(storage, ranges)])(grads)
+
+  def place_params(old_params, new: list) -> tuple[Any, jax.Array]:
+    """New compute params (per leaf: [(start, stop, device array)]) onto their segments; layers
+    no piece covers (updated later by the NVMe pipeline) keep their old values."""
+    out, writes = [], []
+    for leaf, olds, pieces in zip(leaves, plan.flatten(old_params), new):
+      olds, parts = iter(olds), []
+      for seg in leaf.params:
+        old = None if seg.tier == "nvme" else next(olds)
+        covered = [(max(a, seg.start), min(b, seg.stop), x, a) for a, b, x in pieces
+                   if max(a, seg.start) < min(b, seg.stop)]
+        if seg.tier == "nvme":
+          writes += [(leaf, Segment("nvme", lo, hi), x[lo - a:hi - a] if leaf.stacked else x)
+                     for lo, hi, x, a in covered]
+          continue
+        chunks, at = [], seg.start
+        for lo, hi, x, a in covered:
+          if lo > at:
+            chunks.append(old[at - seg.start:lo - seg.start])
+          chunks.append(x[lo - a:hi - a] if leaf.stacked else x)
+          at = hi
+        if at < seg.stop:
+          chunks.append(old if at == seg.start else old[at - seg.start:])
+        parts.append(chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks))
+      out.append(tuple(parts))
+    token = None
+    if writes:
+      def body(*xs):
+        rank = tiers.rank(axis)
+        tokens = [nvme_leaf(plan, store, leaf, "params", seg).write_all(x, rank)
+                  for (leaf, seg, _), x in zip(writes, xs)]
+        return sum(tokens).reshape(1)
+      token = jnp.sum(shard_map(body, tuple(plan.spec(w[0]) for w in writes), anchor_spec)(
+          *[w[2] for w in writes]))
+    return plan.unflatten(out), token
+
+  def optax_update(state, grads, norm):
+    whole = grads_in(grads, [[(0, l.num_layers)] for l in leaves])
+    g32 = plan.unflatten([g[0].astype(jnp.float32) for g in whole])
+    master = untuple(plan, state.master)
+    updates, opt_state = engine.tx.update(g32, state.opt_state, master)
+    master = optax.apply_updates(master, updates)
+    new = [[(0, l.num_layers, m.astype(plan.compute_dtype))] for l, m in zip(leaves, plan.flatten(master))]
+    return retuple(plan, master), opt_state, new
+
+  def adamw_update(state, grads, norm):
+    ranges = [[(s.start, s.stop) for s in l.optimizer if s.tier != "nvme"] for l in leaves]
+    count = state.opt_state.count
+    if not any(ranges):  # every optimizer state on NVMe: the pipeline updates them all
+      return state.master, HostAdamState(count + 1, state.opt_state.mu, state.opt_state.nu), [
+          [] for _ in leaves]
+    got = grads_in(grads, ranges)
+    clip = clip_scale(norm, hyper.max_grad_norm)
+    scalars = hyper.scalars(count)
+    opt = state.opt_state
+    flat = [plan.flatten(t) for t in (state.master, opt.mu, opt.nu)]
+    jobs = [(i, j, s.tier) for i, l in enumerate(leaves) for j, s in enumerate(l.array_segments("master"))]
+    specs = tuple(storage[i] for i, _, _ in jobs)
+
+    def body(scalars, *xs):
+      n = len(jobs)
+      ms, mus, nus, gs = (list(xs[k * n:(k + 1) * n]) for k in range(4))
+      outs = [None] * n
+      for tier, update in UPDATES.items():
+        idx = [k for k, job in enumerate(jobs) if job[2] == tier]
+        res = update(hyper, [engine.decays[jobs[k][0]] for k in idx], scalars, *(
+            [arr[k] for k in idx] for arr in (ms, mus, nus, gs)), plan.compute_dtype)
+        for r, k in enumerate(idx):
+          outs[k] = tuple(x[r] for x in res)
+      return tuple(tuple(o) for o in outs)
+
+    grads_jobs = [got[i][j] for i, j, _ in jobs]
+    if clip is not None:
+      grads_jobs = [clip(g) for g in grads_jobs]
+    res = shard_map(body, (P(),) + specs * 4, tuple((s,) * 4 for s in specs))(
+        scalars, *[flat[0][i][j] for i, j, _ in jobs], *[flat[1][i][j] for i, j, _ in jobs],
+        *[flat[2][i][j] for i, j, _ in jobs], *grads_jobs)
+    trees = [[list(parts) for parts in f] for f in flat]
+    new = [[] for _ in leaves]
+    for (i, j, _), (m, mu, nu, p) in zip(jobs, res):
+      for t, x in zip(trees, (m, mu, nu)):
+        t[i][j] = x
+      seg = leaves[i].array_segments("master")[j]
+      new[i].append((seg.start, seg.stop, p))
+    master, mu, nu = (plan.unflatten([tuple(p) for p in t]) for t in trees)
+    return master, HostAdamState(count + 1, mu, nu), new
+
+  host_grads = pipeline is not None and not pipeline.grads_all_on_nvme
+
+  def step(state: TrainState, batch: Any):
+    fn = shard_map(lambda p, b: local_loss_and_grads(engine, loss_fn, p, b, record),
+                   (full_specs, P(axis)), (P(), full_specs))
+    loss, grads = fn(with_anchors(state.params), batch)
+    norm = jnp.sqrt(sum_squares(plan, grads))
+    update = optax_update if hyper is None else adamw_update
+    master, opt_state, new = update(state, grads, norm)
+    if plan.stage == 3:
+      params, token = place_params(state.params, new)
+    else:
+      params, token = gather_params(plan, master), None
+    metrics = {"loss": loss, "grad_norm": norm}
+    if token is not None:
+      metrics["nvme_token"] = token
+    kept = plan.unflatten([tuple(g for s, g in zip(l.params, parts) if s.tier != "nvme")
+                           for l, parts in zip(leaves, plan.flatten(grads))]) if host_grads else None
+    return TrainState(state.step + 1, params, master, opt_state, engine), metrics, kept
+
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  grad_shardings = (None if not host_grads else
+                    jax.tree.map(lambda x: x.sharding, state.params))
+  jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, rep, grad_shardings),
+                   in_shardings=(shardings, NamedSharding(mesh, P(axis))))
+  if pipeline is None:
+    def run(state, batch):
+      new, metrics, _ = checked(engine, jitted(state, shard_batch(engine, batch)))
+      return new, metrics
+  else:
+    run = _with_pipeline(engine, jitted, calls)
+  run.jitted = jitted
+  engine.steps[loss_fn] = run
+  return run
+
+
+def _with_pipeline(engine, jitted, calls: list[int]) -> Step:
+  """The step followed (or accompanied, under backward) by the NVMe optimizer pipeline."""
+  plan, pipeline, mesh = engine.plan, engine.pipeline, engine.mesh
+  clips = engine.hyper.max_grad_norm is not None
+  under_backward = pipeline.grads_all_on_nvme and not clips
+  ordered: list[bool] = []
+  # the pipeline under backward runs on its own thread, below the program's threads in priority
+  optimizer_thread = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix="zinfjax-optim", initializer=lower_priority,
+      initargs=(engine.config.host_nice,))
+
+  def run(state, batch):
+    t0 = time.perf_counter()
+    count = int(state.opt_state.count)
+    batch = shard_batch(engine, batch)
+    extra: dict[str, Any] = {}
+    if not under_backward:  # after the program (the grads or the global norm come from it)
+      new, metrics, grads = checked(engine, jitted(state, batch))
+      t1 = time.perf_counter()
+      cache: dict[tuple[int, int], dict] = {}
+
+      def grad_of(p):
+        leaf = plan.leaves[p.leaf]
+        j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
+        if (p.leaf, j) not in cache:
+          cache[(p.leaf, j)] = host_shards(plan.flatten(grads)[p.leaf][j], mesh)
+        seg = leaf.array_segments("grads")[j]
+        g = cache[(p.leaf, j)][p.rank]
+        return g[p.layer - seg.start] if leaf.stacked else g
+
+      outs = pipeline.step(count, grad_of, grad_norm=float(metrics["grad_norm"]))
+      del grads, cache
+    else:  # grads land on NVMe layer by layer: update each layer while backward goes on below it
+      running: list = []
+      ended: list[float] = []
+      gate = GradGate(engine.store, pipeline.grad_keys(),
+                      lambda: bool(ended) or (bool(running) and all(
+                          x.is_ready() for x in jax.tree.leaves(running))))
+      running.extend(jitted(state, batch))  # dispatched (and traced): runs while the pipeline waits
+      if not ordered:  # the stacks' order is known once the program was traced
+        pipeline.set_order(grad_write_order(plan, calls))
+        ordered.append(True)
+      watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
+                                               ended.append(time.perf_counter())), daemon=True)
+      watch.start()
+      outs = optimizer_thread.submit(pipeline.step, count, None, gate).result()
+      new, metrics, _ = checked(engine, tuple(running))
+      watch.join()
+      t1 = ended[0]
+      extra["nvme_grad_waits"] = gate.waited
+    new.params = merge_params(plan, new.params, outs)
+    stats = pipeline.last_step
+    metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],
+               "adam_s": stats["compute_s"], "nvme_read_wait_s": stats["read_wait_s"],
+               "nvme_write_wait_s": stats["write_wait_s"], "nvme_bytes_read": stats["bytes_read"],
+               "nvme_bytes_written": stats["bytes_written"], **extra}
+    return new, metrics
+
+  return run
+
+
+def merge_params(plan, params: Any, outs: dict) -> Any:
+  """Compute params the NVMe pipeline made (per (leaf, rank, layer)) put into their arrays."""
+  if not outs:
+    return params
+  flat = [list(parts) for parts in plan.flatten(params)]
+  for leaf in plan.leaves:
+    for j, seg in enumerate(leaf.array_segments("params")):
+      layers = [l for l in range(seg.start, seg.stop) if (leaf.index, plan.ranks[0], l) in outs]
+      if not layers:
+        continue
+      x = flat[leaf.index][j]
+      shards = {r: np.array(s) for r, s in host_shards(x, plan.mesh).items()}
+      for r, shard in shards.items():
+        for l in layers:
+          if leaf.stacked:
+            shard[l - seg.start] = outs[(leaf.index, r, l)]
+          else:
+            shard[...] = outs[(leaf.index, r, l)]
+      flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
+  return plan.unflatten([tuple(p) for p in flat])
+
+
+def lower_priority(nice: int, name: bytes = b"zinfjax-optim") -> None:
+  """Name the calling thread (for top -H) and add `nice` to its nice value (Linux: per
+  thread; threads it starts, such as the AdamW kernel's, inherit it)."""
+  try:
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
+  except (OSError, AttributeError):
+    pass
+  if nice > 0 and hasattr(os, "setpriority"):
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
+def checked(engine, outputs):
+  """`outputs` once the step is done, raising any error its NVMe transfers recorded."""
+  if engine.store is not None:
+    jax.block_until_ready(outputs)
+    engine.store.raise_deferred()
+  return outputs
+
+
+def shard_batch(engine, batch: Any) -> Any:
+  """Place a host batch on the mesh, split on its leading axis; clear error if uneven."""
+  axis, dp = engine.plan.axis, engine.dp
+  sharding = NamedSharding(engine.mesh, P(axis))
+
+  def put(x):
+    x = x if isinstance(x, jax.Array) else np.asarray(x)
+    if x.ndim == 0 or x.shape[0] % dp:
+      raise ValueError(
+          f"batch leaf of shape {tuple(x.shape)} does not split over {dp} devices on "
+          f"axis {axis!r}; use a batch size that is a multiple of {dp}.")
+    if jax.process_count() > 1:  # every process holds the global batch; each places its rows
+      return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
+    return jax.device_put(x, sharding)
+
+  return jax.tree.map(put, batch)
+
+
+def train_step(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[TrainState, dict]:
+  """One ZeRO training step; compiles once per (loss_fn, shapes) and reuses it."""
+  return make_train_step(state, loss_fn)(state, batch)
