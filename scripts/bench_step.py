@@ -59,7 +59,8 @@ def main(argv=None) -> int:
   import zinfjax
   from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
   from zinfjax.optim.kernel import AdamConstants, adamw_numpy
-  from zinfjax.train import _local_loss_and_grads, shard_batch
+  from zinfjax.grads import local_loss_and_grads
+  from zinfjax.step import shard_batch
   from jax.sharding import PartitionSpec as P
 
   tokens, vocab = load_tokens(os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt"))
@@ -94,10 +95,12 @@ def main(argv=None) -> int:
 
   # compute alone: the all-device forward/backward, plus the C++ AdamW over every state element
   engine = state.engine
-  grad_fn = jax.jit(jax.shard_map(lambda p, b: _local_loss_and_grads(engine, lm_loss, p, b),
-                                  mesh=mesh, in_specs=(engine.compute_specs(), P("data")),
-                                  out_specs=(P(), engine.storage_specs()), check_vma=False))
-  params = state.compute_params
+  plan = engine.plan
+  specs = plan.unflatten([tuple(plan.spec(l, True) for _ in l.params) for l in plan.leaves])
+  grad_fn = jax.jit(jax.shard_map(lambda p, b: local_loss_and_grads(engine, lm_loss, p, b),
+                                  mesh=mesh, in_specs=(specs, P("data")),
+                                  out_specs=(P(), specs), check_vma=False))
+  params = state.params
   jax.block_until_ready(grad_fn(params, shard_batch(engine, batches[0])))
   fb, fb_cpu = [], []
   for batch in batches[1:]:

@@ -31,13 +31,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prefetch-depth", type=int, default=1)
   p.add_argument("--tiles", type=int, default=1,
                  help="memory-centric tiling of each block's matrix products (ZeRO-3)")
-  p.add_argument("--offload-param", default="device", choices=TIERS,
-                 help="tier of the bf16 params (and their grads); needs --zero-stage 3")
-  p.add_argument("--offload-grad", default=None, choices=TIERS,
+  p.add_argument("--offload-param", default="device", metavar="TIER[:N],...",
+                 help=f"tier of the bf16 params (and their grads), one of {TIERS}, or a per-layer "
+                      "split: 'device:2,pinned_host' puts the first 2 layers of each stack on the "
+                      "device and the rest in pinned host; needs --zero-stage 3")
+  p.add_argument("--offload-grad", default=None, metavar="TIER",
                  help="tier of the grads (they follow --offload-param; only that tier is accepted)")
-  p.add_argument("--offload-optimizer", default="device", choices=TIERS,
-                 help="tier of the fp32 master params and Adam moments (host tiers run zinfjax's "
-                      "C++ AdamW)")
+  p.add_argument("--offload-optimizer", default="device", metavar="TIER[:N],...",
+                 help="tier of the fp32 master params and Adam moments, or a per-layer split such "
+                      "as 'pinned_host:0.25,nvme' (a fraction or a layer count per tier, the last "
+                      "takes the rest); anything but device runs zinfjax's AdamW on each tier")
   p.add_argument("--nvme-path", action="append", default=None,
                  help="folder of the NVMe swap store (repeat to stripe over several drives)")
   p.add_argument("--pinned-budget", type=int, default=256, help="MiB of pinned host buffers for NVMe")
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
   else:
     schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
   clip = args.clip or None
-  if zero.offload_optimizer == "device":
+  if zero.optimizer_split == (("device", None),):
     tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
     tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
   else:  # runs where its states live: the C++ AdamW on the host or the NVMe pipeline
@@ -150,6 +153,7 @@ def main(argv=None) -> int:
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
         f"{jax.devices()[0].platform} devices{processes} | data {args.data} ({len(tokens):,} "
         f"tokens, vocab {vocab})")
+  gib = lambda n: f"{n / 2**30:.2f} GiB"
   say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
@@ -172,6 +176,8 @@ def main(argv=None) -> int:
     state = zinfjax.init(model_factory, tx, zero, mesh, args.seed)
     say(f"init {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
+  planned = state.engine.plan.tier_bytes()
+  say("model states per device (plan): " + ", ".join(f"{k} {gib(v)}" for k, v in planned.items()))
   step_fn = zinfjax.make_train_step(state, lm_loss)
   data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed, step=start)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,

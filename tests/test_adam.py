@@ -250,7 +250,7 @@ def test_pipeline_reads_ahead_without_reusing_a_busy_slot(slots):
 def test_sub_groups_pack_small_leaves_without_growing_the_buffers():
   """pack_units: each rank's layer is split into sub-groups of consecutive leaves, never
   larger than the largest shard, with aligned, non-overlapping parts, every part once."""
-  from zinfjax.optim.sharded import ALIGN, Part, pack_units
+  from zinfjax.optim.pipeline import ALIGN, Part, pack_units
   sizes = [64, 64, 98304, 384, 32768, 64, 64, 64, 131072, 256, 131072, 64, 4097, 3]
   layers = [3] * 12 + [None, None]
   parts = [Part(leaf, rank, layer, sizes[leaf])

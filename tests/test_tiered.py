@@ -10,7 +10,7 @@ import pytest
 import zinfjax
 from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.offload import EngineError, NoSpaceError
-from zinfjax.train import shard_batch
+from zinfjax.step import shard_batch
 
 from helpers import text_batches, zero_training
 
@@ -61,19 +61,20 @@ def test_placement_matches_all_device(param, optimizer, activations, mesh, batch
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)  # ~0.3% of one lr step
 
   # the states really live where the config says
+  plan = state.engine.plan
   if param == "nvme":
-    assert state.params is None
+    assert jax.tree.leaves(state.params) == [] and plan.tiers("params") == {"nvme"}
     assert any(k.startswith("p/blocks/") for k in state.engine.store.keys())
     assert any(k.startswith("g/blocks/") for k in state.engine.store.keys())
   else:
-    assert kinds(state.compute_params) == {param}
+    assert kinds(state.params) == {param}
   if optimizer == "nvme":
-    assert state.master is None
+    assert jax.tree.leaves(state.master) == [] and plan.tiers("master") == {"nvme"}
     assert state.engine.pipeline.last_step["bytes_read"] > 0
   else:
     assert kinds(state.master) == {optimizer}
   jitted = zinfjax.make_train_step(state, lm_loss).jitted
-  args = (state if optimizer != "nvme" else state.params, shard_batch(state.engine, batches[0]))
+  args = (state, shard_batch(state.engine, batches[0]))
   hlo = jitted.lower(*args).as_text()
   assert ("zinfjax_adamw" in hlo) == (optimizer == "pinned_host")
   assert ("zinfjax_swap_read_start" in hlo) == (param == "nvme")
