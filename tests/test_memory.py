@@ -32,10 +32,10 @@ def analyses(mesh):
 
 def test_arguments_are_one_eighth_of_the_states(analyses):
   for layers, (state, analysis) in analyses.items():
-    total = sum(x.nbytes for x in jax.tree.leaves((state.master, state.opt_state)))
+    total = sum(x.nbytes for x in jax.tree.leaves((state.params, state.master, state.opt_state)))
     scalars = sum(x.nbytes for x in jax.tree.leaves(state) if x.ndim == 0)
     per_device = analysis.argument_size_in_bytes
-    # params (= master in fp32 mode), mu, nu: each device holds 1/8 (+ scalars, + the batch)
+    # params, master, mu, nu: each device holds 1/8 (+ scalars, + the batch)
     batch_bytes = 2 * (BATCH // 8) * SEQ * 4
     assert per_device <= (total - scalars) / 8 + scalars * 8 + batch_bytes + 1024, (layers, per_device)
     assert per_device >= (total - scalars) / 8
