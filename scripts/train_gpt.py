@@ -107,7 +107,7 @@ def main(argv=None) -> int:
   from zinfjax.checkpoint import CheckpointError, Checkpointer
   from zinfjax.memory import tier_bytes
   from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
-  from zinfjax.progress import Progress
+  from zinfjax.progress import Progress, human_bytes
 
   distributed.initialize(auto=args.distributed)
   main_process = jax.process_index() == 0
@@ -153,7 +153,6 @@ def main(argv=None) -> int:
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
         f"{jax.devices()[0].platform} devices{processes} | data {args.data} ({len(tokens):,} "
         f"tokens, vocab {vocab})")
-  gib = lambda n: f"{n / 2**30:.2f} GiB"
   say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
@@ -177,7 +176,7 @@ def main(argv=None) -> int:
     say(f"init {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
   planned = state.engine.plan.tier_bytes()
-  say("model states per device (plan): " + ", ".join(f"{k} {gib(v)}" for k, v in planned.items()))
+  say("model states per device (plan): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in planned.items()))
   step_fn = zinfjax.make_train_step(state, lm_loss)
   data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed, step=start)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,

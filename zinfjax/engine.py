@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from .config import ZeroConfig
 from .layers import Stack
 from .offload.store import AioStore, NoSpaceError
+from .optim.adam import OffloadedTransformation
 from .optim.hyper import AdamHyper
 from .optim.pipeline import NvmePipeline
 from .partition import plan_layouts
@@ -75,17 +76,16 @@ def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConf
   """The AdamW the engine runs itself, or None when the optimizer is `tx` on the device."""
   if plan.optimizer_on_device:
     return None
-  hyper = getattr(tx, "hyper", None)
-  if hyper is None:
+  if not isinstance(tx, OffloadedTransformation):
     raise ValueError(
         f"offload_optimizer={config.offload_optimizer!r} runs zinfjax's AdamW next to the states "
         f"on each tier, so it needs tx=zinfjax.optim.adamw(...) (or adam), got {tx!r}. Use "
         "offload_optimizer='device' to train with any optax transformation.")
-  if getattr(tx, "offload", "device") != "device":
+  if tx.offload != "device":
     raise ValueError(
         f"the optimizer tier is set by ZeroConfig.offload_optimizer ({config.offload_optimizer!r});"
         f" build the tx without offload= (got adamw(offload={tx.offload!r})).")
-  return hyper
+  return tx.hyper
 
 
 def open_store(config: ZeroConfig, plan: Plan) -> AioStore:

@@ -8,7 +8,7 @@ array per segment of the leaf on `device` or `pinned_host` (see
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,6 @@ from .optim.host import HostAdamState
 from .placement import Plan
 from .shards import host_shards
 
-is_parts = lambda x: isinstance(x, tuple)
 
 
 @jax.tree_util.register_dataclass

@@ -61,23 +61,10 @@ int32_t DeviceScalar(cudaStream_t stream, const ffi::Buffer<ffi::S32>& b) {
   return value;
 }
 
-template <typename F>
-ffi::Error Guard(int64_t handle, F&& body) {
-  std::shared_ptr<SwapStore> store = LookupStore(handle);
-  if (!store) return ffi::Error::InvalidArgument("no zinfjax swap store with handle " + std::to_string(handle));
-  try {
-    return body(*store);
-  } catch (const std::exception& e) {
-    if (!store->defer_errors()) return ffi::Error::Internal(e.what());
-    store->DeferError(std::current_exception());  // raised by the caller after the program
-    return ffi::Error::Success();
-  }
-}
-
 ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> token, int64_t store,
                      std::string_view key) {
-  return Guard(store, [&](SwapStore& s) {
+  return WithStore(store, [&](SwapStore& s) {
     std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     std::lock_guard<std::mutex> lock(staging().mu);
     uint8_t* host = staging().Get(x.size_bytes());
@@ -93,7 +80,7 @@ ffi::Error ReadImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffe
                     ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int64_t store,
                     std::string_view key) {
   (void)token;
-  return Guard(store, [&](SwapStore& s) {
+  return WithStore(store, [&](SwapStore& s) {
     std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     std::lock_guard<std::mutex> lock(staging().mu);
     uint8_t* host = staging().Get(y->size_bytes());
@@ -109,7 +96,7 @@ ffi::Error ReadImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffe
 ffi::Error WriteManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
                          ffi::RemainingArgs xs, ffi::ResultBuffer<ffi::S32> token, int64_t store,
                          std::string_view keys) {
-  return Guard(store, [&](SwapStore& s) {
+  return WithStore(store, [&](SwapStore& s) {
     std::vector<std::string> names = ShardKeys(keys, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     if (names.size() != xs.size())
       return ffi::Error::InvalidArgument("zinfjax_swap_write_many: arrays and keys differ in number");
@@ -136,7 +123,7 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, f
                              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
                              int64_t store, std::string_view keys) {
   (void)token;
-  return Guard(store, [&](SwapStore& s) {
+  return WithStore(store, [&](SwapStore& s) {
     std::vector<std::string> names = ShardKeys(keys, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
     int32_t value = static_cast<int32_t>(s.ReadOwnedAsync(names, /*urgent=*/true));
     return Check(cudaMemcpyAsync(ticket->typed_data(), &value, sizeof(value), cudaMemcpyHostToDevice, stream), "ticket");
@@ -145,7 +132,7 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, f
 
 ffi::Error ReadWaitManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::RemainingRets ys,
                             int64_t store) {
-  return Guard(store, [&](SwapStore& s) {
+  return WithStore(store, [&](SwapStore& s) {
     uint64_t t = static_cast<uint64_t>(DeviceScalar(stream, ticket));
     size_t total = 0;
     for (size_t i = 0; i < ys.size(); ++i) total += AlignUp(ys.get<ffi::AnyBuffer>(i).value()->size_bytes());

@@ -31,21 +31,6 @@ std::string Key(std::string_view base, const ffi::Buffer<ffi::S32>& rank,
   return ShardKey(base, rank.typed_data()[0], layer.typed_data()[0]);
 }
 
-template <typename F>
-ffi::Error WithStore(int64_t handle, F&& body) {
-  std::shared_ptr<SwapStore> store = LookupStore(handle);
-  if (!store)
-    return ffi::Error::InvalidArgument("no zinfjax swap store with handle " +
-                                       std::to_string(handle) + " (was it closed?)");
-  try {
-    body(*store);
-  } catch (const std::exception& e) {
-    if (!store->defer_errors()) return ffi::Error::Internal(e.what());
-    store->DeferError(std::current_exception());  // raised by the caller after the program
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error SwapWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
                          ffi::ResultBuffer<ffi::S32> token, int64_t store, std::string_view key) {
   return WithStore(store, [&](SwapStore& s) {

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from ..optim.host import HostAdamState
-from ..partition import LeafLayout, is_layout, key_name
+from ..partition import LeafLayout, key_name
 from ..placement import LeafPlan, Plan
 
 Region = tuple[slice, ...]

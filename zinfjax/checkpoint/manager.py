@@ -34,7 +34,7 @@ from ..optim.host import HostAdamState
 from ..partition import key_name
 from ..state import TrainState, make_states
 from .handler import CheckpointError, Run, StateHandler, StateRestore, StateSave, open_checked, read
-from .leaves import Leaf, Source, state_leaves
+from .leaves import Leaf, state_leaves
 
 FORMAT = "zinfjax-checkpoint/1"
 

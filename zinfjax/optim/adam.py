@@ -29,6 +29,7 @@ from jax.experimental.compute_on import compute_on
 
 from .kernel import AdamConstants, adamw_ffi, adamw_jnp, bias_corrections
 from .nvme import NvmeAdam
+from ..partition import key_name
 from .hyper import AdamHyper, clip_scale, weight_decays
 
 TIERS = ("device", "pinned_host", "nvme")
@@ -119,7 +120,9 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     leaves = jax.tree.leaves(params)
     shapes[:] = [tuple(jnp.shape(p)) for p in leaves]
     if nvme is not None:
-      nvme.configure([jnp.shape(p) for p in leaves])
+      paths = jax.tree_util.tree_flatten_with_path(params)[0]
+      nvme.configure([jnp.shape(p) for p in leaves],
+                     ["/".join(key_name(k) for k in path) for path, _ in paths])
       count = io_callback(nvme.host_init, jax.ShapeDtypeStruct((), jnp.int32), *leaves,
                           ordered=True)
       return NvmeAdamState(count)
@@ -177,16 +180,24 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     like_state = lambda leaves: jax.tree.unflatten(jax.tree.structure(state.master), leaves)
     return updates, OffloadAdamState(count, like_state(new_m), like_state(new_mu), like_state(new_nu))
 
-  tx = OffloadedTransformation(init, update)
-  tx.nvme = nvme  # the NVMe pipeline (stats, store), None on other tiers
-  tx.offload = offload
-  # the engine runs this same AdamW itself on the tiers ZeroConfig.offload_optimizer names
-  tx.hyper = AdamHyper(schedule, constants, float(weight_decay), mask, max_grad_norm)
-  return tx
+  hyper = AdamHyper(schedule, constants, float(weight_decay), mask, max_grad_norm)
+  return OffloadedTransformation.make(init, update, hyper, offload, nvme)
 
 
 class OffloadedTransformation(optax.GradientTransformation):
-  """An optax `GradientTransformation` (two fields, so `optax.chain` takes it) with `.nvme`."""
+  """An optax `GradientTransformation` (two fields, so `optax.chain` takes it) that also says
+  which AdamW it is: `hyper` (what the engine runs itself on the tiers `ZeroConfig` names),
+  `offload` (its own tier in a plain Flax loop) and `nvme` (that tier's pipeline, or None)."""
+
+  hyper: AdamHyper
+  offload: str
+  nvme: NvmeAdam | None
+
+  @classmethod
+  def make(cls, init, update, hyper: AdamHyper, offload: str, nvme: NvmeAdam | None):
+    tx = cls(init, update)
+    tx.hyper, tx.offload, tx.nvme = hyper, offload, nvme
+    return tx
 
 
 def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,

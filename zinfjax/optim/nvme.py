@@ -18,9 +18,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..offload.store import AioStore, aligned_empty
+from ..placement import PREFIX, shard_key
 from .kernel import AdamConstants, adamw_numpy
 
 SLOTS = 3  # reading k+1, computing k, writing k-1
+STATE = {"master": "master", "m": "mu", "v": "nu"}  # buffer -> the plan's state name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +95,10 @@ class NvmeAdam:
     self.last_step: dict[str, float] = {}
 
   # ------------------------------------------------------------------ layout
-  def configure(self, shapes: Sequence[tuple[int, ...]]) -> None:
+  def configure(self, shapes: Sequence[tuple[int, ...]], names: Sequence[str] | None = None) -> None:
+    """Sub-groups for leaves of `shapes`; `names` (their paths) name their store keys."""
     self.shapes = [tuple(s) for s in shapes]
+    self.names = list(names) if names is not None else [f"leaf{i}" for i in range(len(shapes))]
     self.groups = [SubGroup(i, start, min(start + self.sub_group_size, n))
                    for i, shape in enumerate(self.shapes)
                    for n in [int(np.prod(shape, dtype=np.int64))]
@@ -115,9 +119,11 @@ class NvmeAdam:
                      for _ in range(SLOTS)]
     return self._slots[k % SLOTS]
 
-  @staticmethod
-  def _key(k: int, name: str) -> str:
-    return f"adam/{k}/{name}"
+  def key(self, k: int, state: str) -> str:
+    """Sub-group k's shard of `state` ("master", "mu", "nu"): the engine's key scheme, with the
+    sub-group's index within its leaf in place of the layer."""
+    g = self.groups[k]
+    return shard_key(f"{PREFIX[state]}/{self.names[g.leaf]}", self.rank, g.start // self.sub_group_size)
 
   # ----------------------------------------------------------------- steps
   def host_init(self, *params: np.ndarray) -> np.ndarray:
@@ -130,7 +136,7 @@ class NvmeAdam:
       slot["master"][:] = np.asarray(params[g.leaf]).reshape(-1)[g.start:g.stop]
       slot["m"].fill(0)
       slot["v"].fill(0)
-      pending[k] = [self.store.write(self._key(k, n), slot[n]) for n in ("master", "m", "v")]
+      pending[k] = [self.store.write(self.key(k, STATE[n]), slot[n]) for n in ("master", "m", "v")]
     for tickets in pending.values():
       for t in tickets:
         t.wait()
@@ -155,9 +161,9 @@ class NvmeAdam:
 
     stats = run_pipeline(
         len(self.groups),
-        lambda k: [self.store.read(self._key(k, n), buf) for n, buf in views(k).items()],
+        lambda k: [self.store.read(self.key(k, STATE[n]), buf) for n, buf in views(k).items()],
         compute,
-        lambda k: [self.store.write(self._key(k, n), buf) for n, buf in views(k).items()])
+        lambda k: [self.store.write(self.key(k, STATE[n]), buf) for n, buf in views(k).items()])
     stats["bytes_read"] = stats["bytes_written"] = sum(12 * g.size for g in self.groups)
     self.last_step = stats
     return tuple(outs)
