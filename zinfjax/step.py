@@ -294,6 +294,11 @@ def merge_params(plan, params: Any, outs: dict) -> Any:
       if not layers:
         continue
       x = flat[leaf.index][j]
+      if len(layers) == seg.layers:  # all of it is new: no need to read the old values back
+        shards = {r: (np.stack([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
+                      else outs[(leaf.index, r, layers[0])]) for r in plan.ranks}
+        flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
+        continue
       shards = {r: np.array(s) for r, s in host_shards(x, plan.mesh).items()}
       for r, shard in shards.items():
         for l in layers:

@@ -115,8 +115,19 @@ class NvmePipeline:
 
   def set_order(self, order: Sequence[tuple[int, int]]) -> None:
     """Update the sub-groups in this (leaf, layer) order: the order backward writes grads."""
-    parts = [Part(leaf, r, layer, self.plan.leaves[leaf].local_size)
-             for leaf, layer in order if (leaf, layer) in self._nvme for r in self.ranks]
+    # within one layer of one stack (the leaves backward writes at once), each rank's leaves
+    # stay together, so its small leaves pack into one sub-group
+    stack_of = {leaf: j for j, s in enumerate(self.plan.stacks) for leaf in s.leaves}
+    block = lambda o: (stack_of.get(o[0]), o[1])
+    parts, i = [], 0
+    while i < len(order):
+      j = i
+      while j < len(order) and block(order[j]) == block(order[i]):
+        j += 1
+      mine = [o for o in order[i:j] if o in self._nvme]
+      parts += [Part(leaf, r, layer, self.plan.leaves[leaf].local_size)
+                for r in self.ranks for leaf, layer in mine]
+      i = j
     self.units = pack_units(parts, [l.num_layers if l.stacked else None for l in self.plan.leaves])
     largest = max((u.size for u in self.units), default=0)
     per_set = largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
