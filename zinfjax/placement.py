@@ -114,10 +114,6 @@ class LeafPlan:
   def key(self, state: str, rank: int, layer: int = 0) -> str:
     return shard_key(self.base_key(state), rank, layer)
 
-  @staticmethod
-  def key_of(base: str, rank: int, layer: int = 0) -> str:
-    return shard_key(base, rank, layer)
-
   def segment_shape(self, seg: Segment) -> tuple[int, ...]:
     """Global storage shape of a segment's array (its layers, for a stacked leaf)."""
     shape = self.layout.storage_shape

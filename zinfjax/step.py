@@ -108,8 +108,8 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
       olds, parts = iter(olds), []
       for seg in leaf.params:
         old = None if seg.tier == "nvme" else next(olds)
-        covered = [(max(a, seg.start), min(b, seg.stop), x, a) for a, b, x in pieces
-                   if max(a, seg.start) < min(b, seg.stop)]
+        covered = [(lo, hi, x, a) for a, b, x in pieces for lo, hi in [_overlap(seg, a, b)]
+                   if lo < hi]
         if seg.tier == "nvme":
           writes += [(leaf, Segment("nvme", lo, hi), x[lo - a:hi - a] if leaf.stacked else x)
                      for lo, hi, x, a in covered]

@@ -19,7 +19,7 @@ import tensorstore as ts
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
-from ..placement import Plan
+from ..placement import Plan, shard_key
 from .leaves import Leaf, Region, Source, chunks, clip, local, norm_region, shifted
 
 IN_FLIGHT = 8  # NVMe shards on their way to the checkpoint at once (each one in host memory)
@@ -172,7 +172,7 @@ def _stream_to_nvme(arr, leaf: Leaf, src: Source, run: Run) -> None:
     data = read(arr, region, leaf, np.float32).reshape(leaf.plan.local_shape)
     for t in tickets:
       t.wait()
-    tickets = [run.store.write(leaf.plan.key_of(base, rank, layer), data.astype(dtype))
+    tickets = [run.store.write(shard_key(base, rank, layer), data.astype(dtype))
                for base, dtype in src.keys]
   for t in tickets:
     t.wait()
@@ -184,7 +184,7 @@ def _stream_nvme_to(path: str, leaf: Leaf, src: Source, run: Run) -> None:
   base = src.keys[0][0]
   replicated = leaf.layout.axis is None
   units = [u for u in _units(run, leaf, src) if not replicated or u[0] == 0]
-  key = lambda u: leaf.plan.key_of(base, u[0], u[1])
+  key = lambda u: shard_key(base, u[0], u[1])
   reading = run.store.read(key(units[0])) if units else None
   writing: list = []  # at most IN_FLIGHT shards in host memory
   for i, (rank, layer, region) in enumerate(units):

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..offload.store import AioStore, aligned_empty
 from ..placement import Plan
+from ..schedule import grad_write_order
 from .hyper import AdamHyper
 from .kernel import adamw_numpy
 from .nvme import SLOTS, run_pipeline
@@ -82,13 +83,6 @@ def pack_units(parts: Sequence[Part], layers: Sequence[int | None]) -> list[Unit
   return units
 
 
-def backward_order(plan: Plan) -> list[tuple[int, int]]:
-  """(leaf, layer) in a plausible backward order when the stacks' order is not known yet:
-  stacked layers from the last down, then the leaves outside the stacks."""
-  pairs = [(leaf.index, layer) for leaf in plan.leaves for layer in range(leaf.num_layers)]
-  return sorted(pairs, key=lambda p: (not plan.leaves[p[0]].stacked, -p[1], p[0]))
-
-
 class NvmePipeline:
   """AdamW over the plan's NVMe optimizer segments, for the ranks this process owns.
 
@@ -106,12 +100,16 @@ class NvmePipeline:
     self.grads_dtype = np.dtype(plan.dtype("grads"))
     self.threads, self.budget = threads, budget
     self.ranks = plan.ranks
-    self._nvme = {(leaf.index, layer) for leaf in plan.leaves for seg in leaf.optimizer
-                  if seg.tier == "nvme" for layer in range(seg.start, seg.stop)}
+    # (leaf, layer) pairs whose states are on NVMe, per state: asked for every part every step
+    self._on_nvme = {state: {(leaf.index, layer) for leaf in plan.leaves
+                             for seg in leaf.segments(state) if seg.tier == "nvme"
+                             for layer in range(seg.start, seg.stop)}
+                     for state in ("master", "params", "grads")}
+    self._nvme = self._on_nvme["master"]
     self._slots: list[dict[str, np.ndarray]] = []
     self._scalars = jax.jit(hyper.scalars)
     self.last_step: dict[str, float] = {}
-    self.set_order(backward_order(plan))
+    self.set_order(grad_write_order(plan))  # until the step has seen the stacks' order
 
   def set_order(self, order: Sequence[tuple[int, int]]) -> None:
     """Update the sub-groups in this (leaf, layer) order: the order backward writes grads."""
@@ -148,7 +146,7 @@ class NvmePipeline:
     return [p for u in self.units for p in u.parts]
 
   def on_nvme(self, state: str, part: Part) -> bool:
-    return self.plan.leaves[part.leaf].tier(state, part.layer) == "nvme"
+    return (part.leaf, part.layer) in self._on_nvme[state]
 
   def key(self, state: str, part: Part) -> str:
     return self.plan.leaves[part.leaf].key(state, part.rank, part.layer)
