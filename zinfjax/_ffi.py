@@ -17,7 +17,7 @@ def register() -> None:
     from . import _engine_cuda  # built only where the CUDA toolkit was found
   except ImportError:  # not built, or its CUDA runtime is missing on this machine
     return
-  for name, capsule in _engine_cuda.registrations().items():
+  for name, capsule in _engine_cuda.registrations(_engine.store_lookup()).items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 

@@ -26,10 +26,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
-from .offload import tiers
+from .offload import swap, tiers
 from .partition import LeafLayout, is_layout
 from .schedule import LayerSchedule, layer_schedule
 from .tiling import tile_matmuls
@@ -178,41 +179,49 @@ class _Fetcher:
     if self.nvme:  # a layer's leaves move as one store job: one ticket per layer
       self.leaves, self.treedef = jax.tree.flatten(plan.nvme)
 
+  def _layer(self, layers, i=None) -> swap.Layer | int:
+    """A layer of this scan as the store knows it: the stack's index, with its schedule."""
+    first = self.plan.first_layer
+    if i is None:
+      return int(layers) + first
+    return swap.layer_at(np.asarray(layers) + first, i, reverse=self.sched.reverse)
+
   def _start(self, layer) -> jax.Array:
-    return tiers.start_layer(self.leaves, 0, self.rank, layer + self.plan.first_layer)
+    return tiers.start_layer(self.leaves, 0, self.rank, layer)
 
-  def _wait(self, ticket) -> Any:
-    return jax.tree.unflatten(self.treedef, tiers.wait_layer(self.leaves, ticket))
+  def _wait(self, ticket, layer) -> Any:
+    return jax.tree.unflatten(self.treedef, tiers.wait_layer(self.leaves, ticket, self.rank, layer))
 
-  def _local(self, layer, pending) -> tuple[Any, tuple]:
-    """This rank's shard of `layer` on the device (consuming the oldest read in flight)."""
+  def _local(self, index, layer, pending) -> tuple[Any, tuple]:
+    """This rank's shard of the layer at `index` (a traced position, or the store's `layer`)
+    on the device, consuming the oldest read in flight."""
     plan = self.plan
     if not self.nvme:
-      local = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False),
+      local = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False),
                            self.shards)
       return jax.tree.map(lambda x: tiers.to_device(x, plan.param_tier), local), pending
     if not pending:
-      return self._wait(self._start(layer)), pending
+      return self._wait(self._start(layer), layer), pending
     oldest, pending = pending[0], pending[1:]
-    return self._wait(oldest), pending
+    return self._wait(oldest, layer), pending
 
   def prologue(self) -> tuple:
     pending = ()
     if self.nvme and self.plan.nvme_depth:
-      pending = tuple(self._start(layer) for layer in self.sched.prologue_read)
+      pending = tuple(self._start(self._layer(layer)) for layer in self.sched.prologue_read)
     queue = []
     for layer in self.sched.prologue_arrive:
-      local, pending = self._local(layer, pending)
+      local, pending = self._local(layer, self._layer(layer), pending)
       queue.append(self.plan.gather_layer(local))
     return tuple(queue), pending
 
   def next(self, state: tuple, i) -> tuple[Any, tuple]:
     """The gathered layer at position `i`; starts the fetches the schedule puts at `i`."""
     queue, pending = state
-    arrive, read = jnp.asarray(self.sched.arrive)[i], jnp.asarray(self.sched.read)[i]
     if self.nvme and self.plan.nvme_depth:
-      pending = pending + (self._start(read),)
-    local, pending = self._local(arrive, pending)
+      pending = pending + (self._start(self._layer(self.sched.read, i)),)
+    arrive = self._layer(self.sched.arrive, i)
+    local, pending = self._local(jnp.asarray(self.sched.arrive)[i], arrive, pending)
     full = self.plan.gather_layer(local)
     if not queue:  # no device prefetch: `arrive` is the layer we compute now
       return full, (queue, pending)
@@ -220,8 +229,13 @@ class _Fetcher:
 
   def drain(self, state: tuple) -> None:
     """Wait for the clamped reads still in flight past the last layer (frees their buffers)."""
-    for ticket in state[1]:
-      self._wait(ticket)
+    pending = state[1]
+    if not pending:
+      return
+    step = -1 if self.sched.reverse else 1
+    reads = list(self.sched.prologue_read) + list(self.sched.read[::step])
+    for ticket, layer in zip(pending, reads[-len(pending):]):
+      self._wait(ticket, self._layer(layer))
 
 
 def _forward(plan: ScanPlan, shards, x):
@@ -270,8 +284,9 @@ def _layer_scan_bwd(plan, residuals, g_y):
     if not to_nvme:
       return (g_h, state, sums), jax.tree.map(lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
     # the layer's grads of every leaf as one store job; each anchor gets its token
+    layer = swap.layer_at(np.arange(plan.num_layers) + plan.first_layer, i, reverse=True)
     token = tiers.write_layer(jax.tree.leaves(plan.grad_nvme), jax.tree.leaves(g_shard), rank,
-                              i + plan.first_layer).astype(jnp.float32)
+                              layer).astype(jnp.float32)
     sums = jax.tree.map(
         lambda s, x, lay: s + jnp.stack([token, _sum_squares(x, lay, plan.axis_name)]),
         sums, g_shard, plan.layouts, is_leaf=is_layout)

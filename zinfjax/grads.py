@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from . import gather as G
-from .offload import tiers
+from .offload import swap, tiers
 from .partition import is_layout
 from .placement import LeafPlan, Plan, Segment
 
@@ -30,7 +30,8 @@ is_parts = lambda x: isinstance(x, tuple)
 def nvme_leaf(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> tiers.NvmeLeaf:
   """The swap-store shards of one segment of one leaf's `state`."""
   return tiers.NvmeLeaf(store.handle, leaf.base_key(state), leaf.local_shape, plan.dtype(state),
-                        seg.layers if leaf.stacked else None, seg.start)
+                        seg.layers if leaf.stacked else None, seg.start,
+                        swap.rank_table(plan.mesh, plan.axis))
 
 
 def _get(tree: Any, path) -> Any:

@@ -22,9 +22,17 @@ constexpr size_t AlignUp(size_t n, size_t align = kAlignment) {
 // An owned, zero-initialised, `kAlignment`-aligned host buffer.
 class AlignedBuffer {
  public:
+  using FreeHook = void (*)(void*);
+
   explicit AlignedBuffer(size_t bytes);
   AlignedBuffer(AlignedBuffer&&) noexcept = default;
   AlignedBuffer& operator=(AlignedBuffer&&) noexcept = default;
+  ~AlignedBuffer() {
+    if (on_free_ && data_) on_free_(data_.get());
+  }
+
+  // Called with data() just before the memory is freed (e.g. to unpin it for CUDA).
+  void set_on_free(FreeHook hook) { on_free_ = hook; }
 
   uint8_t* data() { return data_.get(); }
   const uint8_t* data() const { return data_.get(); }
@@ -36,6 +44,7 @@ class AlignedBuffer {
     void operator()(uint8_t* p) const;
   };
   std::unique_ptr<uint8_t, Free> data_;
+  FreeHook on_free_ = nullptr;
   size_t size_ = 0;
   size_t capacity_ = 0;
 };

@@ -348,7 +348,14 @@ void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nb
 }
 
 void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
-  if (shards.empty()) throw EngineError("WriteDetachedMany needs at least one shard");
+  DetachedWrite write = BeginDetached(shards);
+  for (size_t i = 0; i < shards.size(); ++i)
+    std::memcpy(write.buffer->data() + write.at[i], shards[i].data, shards[i].nbytes);
+  FinishDetached(std::move(write));
+}
+
+SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& shards) {
+  if (shards.empty()) throw EngineError("a detached write needs at least one shard");
   size_t nbytes = 0;
   for (const ShardIo& s : shards) nbytes += AlignUp(s.nbytes);
   auto pending = [&] {
@@ -364,17 +371,14 @@ void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
     for (const ShardIo& s : shards) ++detached_[s.key];
     detached_bytes_ += nbytes;
   }
-  std::unique_ptr<AlignedBuffer> copy = TakeBuffer(nbytes);
-  std::vector<std::string> keys;
-  std::vector<ShardEntry> entries;
-  std::vector<const uint8_t*> srcs;
+  DetachedWrite write;
   try {
+    write.buffer = TakeBuffer(nbytes);
     size_t at = 0;
     for (const ShardIo& s : shards) {
-      std::memcpy(copy->data() + at, s.data, s.nbytes);
-      keys.push_back(s.key);
-      entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
-      srcs.push_back(copy->data() + at);
+      write.keys.push_back(s.key);
+      write.entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
+      write.at.push_back(at);
       at += AlignUp(s.nbytes);
     }
   } catch (...) {
@@ -387,7 +391,24 @@ void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
     done_cv_.notify_all();
     throw;
   }
-  Enqueue(WriteWork(keys, entries, std::move(srcs)), keys, entries, /*write=*/true, std::move(copy));
+  return write;
+}
+
+void SwapStore::FinishDetached(DetachedWrite write) noexcept {
+  std::vector<const uint8_t*> srcs;
+  for (size_t offset : write.at) srcs.push_back(write.buffer->data() + offset);
+  const size_t nbytes = write.buffer->size();
+  try {
+    Enqueue(WriteWork(write.keys, write.entries, std::move(srcs)), write.keys, write.entries,
+            /*write=*/true, std::move(write.buffer));
+  } catch (...) {  // only allocation can fail here: release the keys, keep the error
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!deferred_) deferred_ = std::current_exception();
+    for (const std::string& key : write.keys)
+      if (--detached_[key] == 0) detached_.erase(key);
+    detached_bytes_ -= nbytes;
+  }
+  done_cv_.notify_all();
 }
 
 void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {
@@ -519,23 +540,43 @@ void SwapStore::Wait(uint64_t ticket) {
   if (job->error) std::rethrow_exception(job->error);
 }
 
-void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
+std::unique_ptr<AlignedBuffer> SwapStore::TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
+                                                    std::vector<size_t>* at) {
   std::shared_ptr<Job> job = FindJob(ticket);
   Wait(ticket);
   if (!job->result || outs.size() != job->entries.size())
     throw EngineError("ticket " + std::to_string(ticket) + " holds " +
                       std::to_string(job->result ? job->entries.size() : 0) + " read shards, not " +
                       std::to_string(outs.size()));
-  size_t total = 0;
-  std::vector<size_t> at = Offsets(job->entries, &total);
   for (size_t i = 0; i < outs.size(); ++i) {
     const ShardEntry& e = job->entries[i];
-    if (e.dtype != outs[i].dtype || e.shape != outs[i].shape || e.nbytes != outs[i].nbytes)
+    if (e.dtype != outs[i].dtype || e.shape != outs[i].shape || e.nbytes != outs[i].nbytes) {
+      GiveBuffer(std::move(job->result));
       throw ShardMismatch("shard '" + job->keys[i] + "' was written as " + Describe(e.dtype, e.shape) +
                           " but is read as " + Describe(outs[i].dtype, outs[i].shape));
-    std::memcpy(outs[i].data, job->result->data() + at[i], e.nbytes);
+    }
   }
-  GiveBuffer(std::move(job->result));
+  size_t total = 0;
+  *at = Offsets(job->entries, &total);
+  return std::move(job->result);
+}
+
+void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
+  std::vector<size_t> at;
+  std::unique_ptr<AlignedBuffer> buffer = TakeOwned(ticket, outs, &at);
+  for (size_t i = 0; i < outs.size(); ++i) std::memcpy(outs[i].data, buffer->data() + at[i], outs[i].nbytes);
+  GiveBuffer(std::move(buffer));
+}
+
+void SwapStore::SetPinHooks(void (*pin)(void*, size_t), AlignedBuffer::FreeHook unpin) {
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  if (pin_ == pin) return;
+  pin_ = pin;
+  unpin_ = unpin;
+  for (auto& [size, b] : spare_) {  // the spares made before: pinned now
+    pin_(b->data(), b->capacity());
+    b->set_on_free(unpin_);
+  }
 }
 
 std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
@@ -549,7 +590,13 @@ std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
       return b;
     }
   }
-  return std::make_unique<AlignedBuffer>(bytes);
+  auto b = std::make_unique<AlignedBuffer>(bytes);
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  if (pin_) {
+    pin_(b->data(), b->capacity());
+    b->set_on_free(unpin_);
+  }
+  return b;
 }
 
 void SwapStore::GiveBuffer(std::unique_ptr<AlignedBuffer> buffer) {

@@ -106,6 +106,29 @@ class SwapStore {
                      const std::string& dtype, const std::vector<int64_t>& shape);
   // WriteDetached for several shards as one job (a layer's grads).
   void WriteDetachedMany(const std::vector<ShardIo>& shards);
+  // A detached write in two steps, for data that arrives later (a device-to-host
+  // copy in flight). BeginDetached waits for room as WriteDetached does,
+  // allocates the shards (NoSpace is thrown here), makes reads of the keys wait
+  // from now on, and lends the buffer to fill: shard i goes at `at[i]`.
+  // FinishDetached queues the write; it never throws and makes no blocking
+  // call (it may run in a CUDA host function): an error becomes the deferred error.
+  struct DetachedWrite {
+    std::vector<std::string> keys;
+    std::vector<ShardEntry> entries;
+    std::vector<size_t> at;
+    std::unique_ptr<AlignedBuffer> buffer;
+  };
+  DetachedWrite BeginDetached(const std::vector<ShardIo>& shards);
+  void FinishDetached(DetachedWrite write) noexcept;
+  // TakeResults without the copy: checks the read's shards against `outs` and
+  // hands over the buffer they lie in (shard i at `at[i]`); GiveBack returns it.
+  std::unique_ptr<AlignedBuffer> TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
+                                           std::vector<size_t>* at);
+  void GiveBack(std::unique_ptr<AlignedBuffer> buffer) { GiveBuffer(std::move(buffer)); }
+  // Buffers the store lends (owned reads, detached writes) are passed to `pin`
+  // when made and to `unpin` before they are freed: the CUDA handlers page-lock
+  // them so device copies from and to them run asynchronously.
+  void SetPinHooks(void (*pin)(void*, size_t), AlignedBuffer::FreeHook unpin);
   // Completed writes of `key` so far: a reader on another thread (the host
   // optimizer) waits for the write a running XLA program makes (the grads).
   uint64_t Generation(const std::string& key) const;
@@ -191,6 +214,8 @@ class SwapStore {
   std::mutex spare_mu_;
   std::multimap<size_t, std::unique_ptr<AlignedBuffer>> spare_;  // by size
   size_t spare_bytes_ = 0;
+  void (*pin_)(void*, size_t) = nullptr;
+  AlignedBuffer::FreeHook unpin_ = nullptr;
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
 

@@ -1,22 +1,41 @@
-// XLA FFI handlers for the swap store on the CUDA platform.
+// XLA FFI handlers for the swap store on the CUDA platform, asynchronous.
 //
-// A shard moves between device memory and the store through a page-locked
-// staging buffer: device -> pinned host with cudaMemcpyAsync on the stream
-// XLA passes in, then the engine's aio path to NVMe (and the reverse for
-// reads; a started read fills an engine-owned buffer while the program
-// runs, and its wait stages that into device memory). Built as its own module (zinfjax._engine_cuda) only when CMake
-// finds the CUDA toolkit, and registered only when JAX has a GPU backend, so
-// a CPU-only install never needs libcudart.
+// XLA:GPU calls a handler on the host thread that launches the program's
+// kernels, usually well ahead of the GPU. So a handler only enqueues work on
+// the stream XLA passes in and never synchronizes it:
+//
+//   * it finds its shards from the host's copy of the static schedule
+//     (SwapSite: rank by device ordinal, layer by count of executions in the
+//     run), never by reading the rank, layer or ticket operands back;
+//   * write_many reserves the shards in the store, enqueues device-to-host
+//     copies into a page-locked buffer the store lends, and a host function
+//     that hands the filled buffer to the store's I/O threads when the copies
+//     are done; reads of those keys wait for the write from the launch on;
+//   * read_start_many starts reading into a page-locked buffer the store owns;
+//     read_wait_many takes it (waiting on the launch thread only if the read
+//     is still on the disk: the schedule starts reads layers ahead), enqueues
+//     the host-to-device copies, and a host function that returns the buffer
+//     once they are done.
+//
+// Host functions make no CUDA call: returned buffers are handed back to the
+// store on the launch thread, at the next handler. The handlers are not
+// command-buffer compatible (their host logic must run at every execution),
+// so XLA never captures them into a CUDA graph. Built as its own module
+// (zinfjax._engine_cuda) only where CMake finds the CUDA toolkit; it links its
+// own copy of the core, so it looks stores up in zinfjax._engine's table.
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
-#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/errors.h"
+#include "core/schedule.h"
 #include "core/store.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla/ffi_util.h"
@@ -27,132 +46,152 @@ namespace py = pybind11;
 namespace zinfjax {
 namespace {
 
-// One growable page-locked staging buffer per process (transfers are serialized on it).
-class Staging {
- public:
-  uint8_t* Get(size_t bytes) {
-    if (!buffer_ || buffer_->capacity() < bytes) {
-      if (buffer_) cudaHostUnregister(buffer_->data());
-      buffer_ = std::make_unique<AlignedBuffer>(bytes);
-      cudaHostRegister(buffer_->data(), buffer_->capacity(), cudaHostRegisterDefault);
-    }
-    return buffer_->data();
-  }
-  std::mutex mu;
+CallSchedule& schedule() {
+  static auto* s = new CallSchedule();
+  return *s;
+}
 
- private:
-  std::unique_ptr<AlignedBuffer> buffer_;
+OwnedReads& owned() {
+  static auto* o = new OwnedReads();
+  return *o;
+}
+
+void Pin(void* p, size_t bytes) {
+  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) != cudaSuccess)
+    cudaGetLastError();  // unpinned still works, as a staged (slower) copy
+}
+
+void Unpin(void* p) {
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
+// Buffers whose copies are done, waiting to go back to their store.
+struct Returned {
+  std::shared_ptr<SwapStore> store;
+  std::unique_ptr<AlignedBuffer> buffer;
 };
 
-Staging& staging() {
-  static auto* s = new Staging();
-  return *s;
+class Returns {
+ public:
+  void Put(Returned r) {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_.push_back(std::move(r));
+  }
+  void Drain() {  // on the launch thread: giving back may free, and so unpin, a buffer
+    std::vector<Returned> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done.swap(done_);
+    }
+    for (Returned& r : done) r.store->GiveBack(std::move(r.buffer));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<Returned> done_;
+};
+
+Returns& returns() {
+  static auto* r = new Returns();
+  return *r;
+}
+
+void CUDART_CB ReturnBuffer(void* data) {
+  std::unique_ptr<Returned> r(static_cast<Returned*>(data));
+  returns().Put(std::move(*r));
+}
+
+struct PendingWrite {
+  std::shared_ptr<SwapStore> store;
+  SwapStore::DetachedWrite write;
+};
+
+void CUDART_CB CommitWrite(void* data) {
+  std::unique_ptr<PendingWrite> w(static_cast<PendingWrite*>(data));
+  w->store->FinishDetached(std::move(w->write));  // queues the disk write; never throws
 }
 
 ffi::Error Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
+  return ffi::Error::Internal(std::string("zinfjax CUDA swap: ") + what + ": " + cudaGetErrorString(err));
 }
 
-int32_t DeviceScalar(cudaStream_t stream, const ffi::Buffer<ffi::S32>& b) {
-  int32_t value = 0;
-  cudaMemcpyAsync(&value, b.typed_data(), sizeof(value), cudaMemcpyDeviceToHost, stream);
-  cudaStreamSynchronize(stream);
-  return value;
+std::shared_ptr<SwapStore> Prepared(const SwapSite& at) {
+  returns().Drain();
+  std::shared_ptr<SwapStore> store = StoreLookup()(at.store);
+  if (store) store->SetPinHooks(&Pin, &Unpin);
+  return store;
 }
 
-ffi::Error WriteImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> token, int64_t store,
-                     std::string_view key) {
-  return WithStore(store, [&](SwapStore& s) {
-    std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
-    std::lock_guard<std::mutex> lock(staging().mu);
-    uint8_t* host = staging().Get(x.size_bytes());
-    if (auto e = Check(cudaMemcpyAsync(host, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream), "copy to host"); e.failure()) return e;
-    if (auto e = Check(cudaStreamSynchronize(stream), "sync"); e.failure()) return e;
-    s.Wait(s.WriteAsync(k, host, x.size_bytes(), DtypeName(x.element_type()), Dims(x)));
-    int32_t one = 1;
-    return Check(cudaMemcpyAsync(token->typed_data(), &one, sizeof(one), cudaMemcpyHostToDevice, stream), "token");
-  });
-}
-
-ffi::Error ReadImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
-                    ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y, int64_t store,
-                    std::string_view key) {
-  (void)token;
-  return WithStore(store, [&](SwapStore& s) {
-    std::string k = ShardKey(key, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
-    std::lock_guard<std::mutex> lock(staging().mu);
-    uint8_t* host = staging().Get(y->size_bytes());
-    s.Wait(s.ReadAsync(k, host, y->size_bytes(), DtypeName(y->element_type()), Dims(*y),
-                       /*urgent=*/true));
-    if (auto e = Check(cudaMemcpyAsync(y->untyped_data(), host, y->size_bytes(), cudaMemcpyHostToDevice, stream), "copy to device"); e.failure()) return e;
-    return Check(cudaStreamSynchronize(stream), "sync");
-  });
-}
-
-// A layer's shards of several leaves in one call each (see the CPU handlers),
-// staged at 4 KiB-aligned offsets of the staging buffer.
-ffi::Error WriteManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
-                         ffi::RemainingArgs xs, ffi::ResultBuffer<ffi::S32> token, int64_t store,
-                         std::string_view keys) {
-  return WithStore(store, [&](SwapStore& s) {
-    std::vector<std::string> names = ShardKeys(keys, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
-    if (names.size() != xs.size())
-      return ffi::Error::InvalidArgument("zinfjax_swap_write_many: arrays and keys differ in number");
-    size_t total = 0;
-    for (size_t i = 0; i < xs.size(); ++i) total += AlignUp(xs.get<ffi::AnyBuffer>(i).value().size_bytes());
-    std::lock_guard<std::mutex> lock(staging().mu);
-    uint8_t* host = staging().Get(total);
+ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
+                         ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::RemainingArgs xs,
+                         ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
+  std::shared_ptr<SwapStore> store = Prepared(at);
+  return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
+    std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id);
+    if (keys.size() != xs.size())
+      throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
+                        std::to_string(keys.size()) + " keys");
     std::vector<ShardIo> shards;
-    size_t at = 0;
     for (size_t i = 0; i < xs.size(); ++i) {
       ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
-      if (auto e = Check(cudaMemcpyAsync(host + at, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream), "copy to host"); e.failure()) return e;
-      shards.push_back({names[i], host + at, x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
-      at += AlignUp(x.size_bytes());
+      shards.push_back({keys[i], nullptr, x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
     }
-    if (auto e = Check(cudaStreamSynchronize(stream), "sync"); e.failure()) return e;
-    s.Wait(s.WriteManyAsync(shards));
-    int32_t one = 1;
-    return Check(cudaMemcpyAsync(token->typed_data(), &one, sizeof(one), cudaMemcpyHostToDevice, stream), "token");
+    auto pending = std::make_unique<PendingWrite>(PendingWrite{store, s.BeginDetached(shards)});
+    cudaError_t err = cudaSuccess;
+    for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i) {
+      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
+      err = cudaMemcpyAsync(pending->write.buffer->data() + pending->write.at[i], x.untyped_data(),
+                            x.size_bytes(), cudaMemcpyDeviceToHost, stream);
+    }
+    if (err == cudaSuccess) err = cudaLaunchHostFunc(stream, CommitWrite, pending.get());
+    if (err != cudaSuccess) {  // release the keys (the step fails with this error)
+      store->FinishDetached(std::move(pending->write));
+      return Check(err, "enqueue grad copy to host");
+    }
+    pending.release();  // owned by CommitWrite now
+    return Check(cudaMemsetAsync(token->typed_data(), 0, sizeof(int32_t), stream), "token");
   });
 }
 
-ffi::Error ReadStartManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
-                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
-                             int64_t store, std::string_view keys) {
-  (void)token;
-  return WithStore(store, [&](SwapStore& s) {
-    std::vector<std::string> names = ShardKeys(keys, DeviceScalar(stream, rank), DeviceScalar(stream, layer));
-    int32_t value = static_cast<int32_t>(s.ReadOwnedAsync(names, /*urgent=*/true));
-    return Check(cudaMemcpyAsync(ticket->typed_data(), &value, sizeof(value), cudaMemcpyHostToDevice, stream), "ticket");
+ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
+                             ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                             ffi::ResultBuffer<ffi::S32> ticket, SwapSite at) {
+  Prepared(at);
+  return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
+    std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id);
+    owned().Put(at.store, keys.front(), s.ReadOwnedAsync(keys, /*urgent=*/true));
+    return Check(cudaMemsetAsync(ticket->typed_data(), 0, sizeof(int32_t), stream), "ticket");
   });
 }
 
-ffi::Error ReadWaitManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, ffi::RemainingRets ys,
-                            int64_t store) {
-  return WithStore(store, [&](SwapStore& s) {
-    uint64_t t = static_cast<uint64_t>(DeviceScalar(stream, ticket));
-    size_t total = 0;
-    for (size_t i = 0; i < ys.size(); ++i) total += AlignUp(ys.get<ffi::AnyBuffer>(i).value()->size_bytes());
-    std::lock_guard<std::mutex> lock(staging().mu);
-    uint8_t* host = staging().Get(total);
+ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
+                            ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
+                            ffi::RemainingRets ys, SwapSite at) {
+  std::shared_ptr<SwapStore> store = Prepared(at);
+  return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
+    std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id);
+    auto ticket = owned().Take(at.store, keys.front());
+    if (!ticket)
+      throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + keys.front() +
+                        "' was started (the start and wait calls' schedules disagree)");
     std::vector<ShardIo> outs;
-    size_t at = 0;
     for (size_t i = 0; i < ys.size(); ++i) {
       ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-      outs.push_back({"", host + at, y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
-      at += AlignUp(y->size_bytes());
+      outs.push_back({"", nullptr, y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
     }
-    s.TakeResults(t, outs);
-    at = 0;
-    for (size_t i = 0; i < ys.size(); ++i) {
+    std::vector<size_t> offsets;
+    auto back = std::make_unique<Returned>(Returned{store, s.TakeOwned(*ticket, outs, &offsets)});
+    cudaError_t err = cudaSuccess;
+    for (size_t i = 0; i < ys.size() && err == cudaSuccess; ++i) {
       ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-      if (auto e = Check(cudaMemcpyAsync(y->untyped_data(), host + at, y->size_bytes(), cudaMemcpyHostToDevice, stream), "copy to device"); e.failure()) return e;
-      at += AlignUp(y->size_bytes());
+      err = cudaMemcpyAsync(y->untyped_data(), back->buffer->data() + offsets[i], y->size_bytes(),
+                            cudaMemcpyHostToDevice, stream);
     }
-    return Check(cudaStreamSynchronize(stream), "sync");
+    if (err == cudaSuccess) err = cudaLaunchHostFunc(stream, ReturnBuffer, back.get());
+    if (err != cudaSuccess) return Check(err, "enqueue param copy to device");
+    back.release();  // owned by ReturnBuffer now
+    return ffi::Error::Success();
   });
 }
 
@@ -162,59 +201,49 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ticket, f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteManyCuda, zinfjax::WriteManyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("keys"));
+                                  .Attrs<zinfjax::SwapSite>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartManyCuda, zinfjax::ReadStartManyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("keys"));
+                                  .Attrs<zinfjax::SwapSite>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitManyCuda, zinfjax::ReadWaitManyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingRets()
-                                  .Attr<int64_t>("store"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteCuda, zinfjax::WriteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("key"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadCuda, zinfjax::ReadImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("key"));
+                                  .Attrs<zinfjax::SwapSite>());
 
 PYBIND11_MODULE(_engine_cuda, m) {
-  m.doc() = "zinfjax CUDA FFI handlers (swap store <-> device memory through pinned staging)";
-  m.def("registrations", []() {
+  m.doc() = "zinfjax CUDA FFI handlers (swap store <-> device memory, asynchronous on XLA's stream)";
+  m.def("registrations", [](py::capsule store_lookup) {
+    zinfjax::StoreLookup() = reinterpret_cast<zinfjax::StoreLookupFn>(store_lookup.get_pointer());
     py::dict d;
-    d["zinfjax_swap_write"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapWriteCuda));
-    d["zinfjax_swap_read"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadCuda));
     d["zinfjax_swap_write_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapWriteManyCuda));
     d["zinfjax_swap_read_start_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadStartManyCuda));
     d["zinfjax_swap_read_wait_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadWaitManyCuda));
     return d;
-  });
+  }, py::arg("store_lookup"),
+     "XLA FFI handler capsules (CUDA platform); `store_lookup` is zinfjax._engine.store_lookup().");
+  m.def("device_count", []() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  }, "CUDA devices visible to this process (0 where there is no driver or GPU).");
 }

@@ -246,12 +246,12 @@ PYBIND11_MODULE(_engine, m) {
 
   m.def("registrations", []() {
     py::dict d;
-    d["zinfjax_swap_write"] = EncapsulateFfiHandler(ZinfjaxSwapWrite);
-    d["zinfjax_swap_read"] = EncapsulateFfiHandler(ZinfjaxSwapRead);
     d["zinfjax_swap_write_many"] = EncapsulateFfiHandler(ZinfjaxSwapWriteMany);
     d["zinfjax_swap_read_start_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadStartMany);
     d["zinfjax_swap_read_wait_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadWaitMany);
     d["zinfjax_adamw"] = EncapsulateFfiHandler(ZinfjaxAdamW);
     return d;
   }, "XLA FFI handler capsules (CPU platform), by target name.");
+  m.def("store_lookup", []() { return py::capsule(reinterpret_cast<void*>(&LookupStore)); },
+        "The store table's lookup function, for handler modules that link their own core.");
 }

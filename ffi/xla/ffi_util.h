@@ -1,6 +1,7 @@
 // Helpers shared by the CPU and CUDA FFI handlers: dtype names and shapes as
-// the swap store's manifest records them, and the guard every handler runs its
-// store work in (shard keys: core/keys.h).
+// the swap store's manifest records them, the guard every handler runs its
+// store work in, and a call's shard keys from the host's copy of the static
+// schedule (core/keys.h, core/schedule.h).
 #ifndef ZINFJAX_XLA_FFI_UTIL_H_
 #define ZINFJAX_XLA_FFI_UTIL_H_
 
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "core/keys.h"
+#include "core/schedule.h"
 #include "core/store.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,9 +49,18 @@ inline std::vector<int64_t> Dims(const xla::ffi::AnyBuffer& b) {
 // an ffi::Error. Handlers never throw: an exception becomes an ffi::Error or,
 // for a store in deferred-error mode, is recorded for the caller to raise once
 // the program is done (so the other ranks never wait on a failed one).
+// How handlers find a store by handle. A module that links its own copy of the
+// core (the CUDA handlers) points this at the table of the module that opened
+// the stores (zinfjax._engine), which is the only one Python registers into.
+using StoreLookupFn = std::shared_ptr<SwapStore> (*)(int64_t);
+inline StoreLookupFn& StoreLookup() {
+  static StoreLookupFn fn = &LookupStore;
+  return fn;
+}
+
 template <typename F>
 xla::ffi::Error WithStore(int64_t handle, F&& body) {
-  std::shared_ptr<SwapStore> store = LookupStore(handle);
+  std::shared_ptr<SwapStore> store = StoreLookup()(handle);
   if (!store)
     return xla::ffi::Error::InvalidArgument("no zinfjax swap store with handle " +
                                             std::to_string(handle) + " (was it closed?)");
@@ -67,6 +78,37 @@ xla::ffi::Error WithStore(int64_t handle, F&& body) {
   }
 }
 
+// The attributes every swap call carries: its store, its leaves' base keys
+// (newline-separated), and where it is in the static schedule.
+struct SwapSite {
+  int64_t store;
+  std::string_view keys;
+  int64_t site;
+  xla::ffi::Span<const int32_t> ranks;   // (device ordinal, data-axis rank) pairs
+  xla::ffi::Span<const int32_t> layers;  // layer of the k-th execution in a run (mod size)
+};
+
+// The shard keys of this execution of a swap call, from the schedule alone
+// (no device memory is read): its rank from the device ordinal, its layer
+// from the count of its executions in this run.
+inline std::vector<std::string> HostKeys(CallSchedule& schedule, const SwapSite& at,
+                                         int32_t ordinal, int64_t run, int32_t* rank = nullptr,
+                                         int32_t* layer = nullptr) {
+  int32_t r = RankOf(ordinal, at.ranks.begin(), at.ranks.size());
+  int32_t l = schedule.Layer(at.site, ordinal, run, at.layers.begin(), at.layers.size());
+  if (rank) *rank = r;
+  if (layer) *layer = l;
+  return ShardKeys(at.keys, r, l);
+}
+
 }  // namespace zinfjax
+
+// Every swap handler takes its attributes as one SwapSite: `.Attrs<SwapSite>()`.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(zinfjax::SwapSite,
+                                      xla::ffi::StructMember<int64_t>("store"),
+                                      xla::ffi::StructMember<std::string_view>("keys"),
+                                      xla::ffi::StructMember<int64_t>("site"),
+                                      xla::ffi::StructMember<xla::ffi::Span<const int32_t>>("ranks"),
+                                      xla::ffi::StructMember<xla::ffi::Span<const int32_t>>("layers"));
 
 #endif  // ZINFJAX_XLA_FFI_UTIL_H_

@@ -1,17 +1,22 @@
 // XLA FFI handlers for the swap store, CPU platform.
 //
-// The store is an attribute (a handle into the engine's table); the shard's
-// rank and layer are int32 operands, so one compiled call serves every device
-// of a shard_map and every iteration of a scan. Reads take the token of the
-// write they depend on as an operand: XLA orders FFI calls only by data.
-// Handlers return ffi::Error and never throw; a store in deferred-error mode
-// records the error instead, for the caller to raise once the program is done.
+// Three calls move one layer's shards of several leaves as one store job:
+// write_many, read_start_many (starts the reads into engine-owned buffers)
+// and read_wait_many (takes their results). A call finds its shards from the
+// host's copy of the static schedule (SwapSite: the rank by device ordinal,
+// the layer by count of executions), as the CUDA handlers must; here the
+// program's own rank, layer and ticket operands are in host memory too, and
+// every call checks that the schedule agrees with them, so the CPU suite
+// proves the schedule the GPU path relies on. Reads take the token of the
+// write they depend on: XLA orders FFI calls only by data. Handlers return
+// ffi::Error and never throw; a store in deferred-error mode records the
+// error instead, for the caller to raise once the program is done.
 #include "xla/swap_ffi.h"
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "core/errors.h"
@@ -26,38 +31,37 @@ namespace {
 
 std::atomic<int32_t> write_tokens{1};
 
-std::string Key(std::string_view base, const ffi::Buffer<ffi::S32>& rank,
-                const ffi::Buffer<ffi::S32>& layer) {
-  return ShardKey(base, rank.typed_data()[0], layer.typed_data()[0]);
+CallSchedule& schedule() {
+  static auto* s = new CallSchedule();
+  return *s;
 }
 
-ffi::Error SwapWriteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
-                         ffi::ResultBuffer<ffi::S32> token, int64_t store, std::string_view key) {
-  return WithStore(store, [&](SwapStore& s) {
-    // returns once copied: the disk write overlaps the rest of the program
-    s.WriteDetached(Key(key, rank, layer), x.untyped_data(), x.size_bytes(),
-                    DtypeName(x.element_type()), Dims(x));
-    token->typed_data()[0] = write_tokens.fetch_add(1);
-  });
+OwnedReads& owned() {
+  static auto* o = new OwnedReads();
+  return *o;
 }
 
-ffi::Error SwapReadImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
-                        ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::AnyBuffer> y,
-                        int64_t store, std::string_view key) {
-  (void)token;  // only orders this read after its write
-  return WithStore(store, [&](SwapStore& s) {
-    s.Wait(s.ReadAsync(Key(key, rank, layer), y->untyped_data(), y->size_bytes(),
-                       DtypeName(y->element_type()), Dims(*y), /*urgent=*/true));
-  });
+// The shard keys from the schedule, checked against the program's rank and layer.
+std::vector<std::string> Keys(const char* call, const SwapSite& at, int32_t ordinal,
+                              ffi::RunId run, const ffi::Buffer<ffi::S32>& rank,
+                              const ffi::Buffer<ffi::S32>& layer) {
+  int32_t r = 0, l = 0;
+  std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id, &r, &l);
+  if (r != rank.typed_data()[0] || l != layer.typed_data()[0])
+    throw EngineError(std::string(call) + " (site " + std::to_string(at.site) +
+                      "): the host schedule gives rank " + std::to_string(r) + ", layer " +
+                      std::to_string(l) + " but the program computed rank " +
+                      std::to_string(rank.typed_data()[0]) + ", layer " +
+                      std::to_string(layer.typed_data()[0]) + " (device ordinal " +
+                      std::to_string(ordinal) + "); the call's `ranks`/`layers` schedule is wrong");
+  return keys;
 }
 
-// A layer's shards of several leaves in one call each: one store job (one
-// driver wake-up, one submission stream) instead of one per leaf.
-ffi::Error SwapWriteManyImpl(ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
-                             ffi::RemainingArgs xs, ffi::ResultBuffer<ffi::S32> token,
-                             int64_t store, std::string_view keys) {
-  return WithStore(store, [&](SwapStore& s) {
-    std::vector<std::string> names = ShardKeys(keys, rank.typed_data()[0], layer.typed_data()[0]);
+ffi::Error WriteManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S32> rank,
+                         ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs xs,
+                         ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
+  return WithStore(at.store, [&](SwapStore& s) {
+    std::vector<std::string> names = Keys("zinfjax_swap_write_many", at, ordinal, run, rank, layer);
     if (names.size() != xs.size())
       throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
                         std::to_string(names.size()) + " keys");
@@ -66,73 +70,71 @@ ffi::Error SwapWriteManyImpl(ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> l
       ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
       shards.push_back({names[i], x.untyped_data(), x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
     }
-    s.WriteDetachedMany(shards);  // returns once copied
+    s.WriteDetachedMany(shards);  // returns once copied: the disk write overlaps the program
     token->typed_data()[0] = write_tokens.fetch_add(1);
   });
 }
 
-ffi::Error SwapReadStartManyImpl(ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> rank,
-                                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::S32> ticket,
-                                 int64_t store, std::string_view keys) {
-  (void)token;
-  return WithStore(store, [&](SwapStore& s) {
-    ticket->typed_data()[0] = static_cast<int32_t>(
-        s.ReadOwnedAsync(ShardKeys(keys, rank.typed_data()[0], layer.typed_data()[0]), /*urgent=*/true));
+ffi::Error ReadStartManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S32> token,
+                             ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::S32> ticket, SwapSite at) {
+  (void)token;  // only orders this read after its write
+  return WithStore(at.store, [&](SwapStore& s) {
+    std::vector<std::string> names = Keys("zinfjax_swap_read_start_many", at, ordinal, run, rank, layer);
+    uint64_t t = s.ReadOwnedAsync(names, /*urgent=*/true);
+    owned().Put(at.store, names.front(), t);
+    ticket->typed_data()[0] = static_cast<int32_t>(t);
   });
 }
 
-ffi::Error SwapReadWaitManyImpl(ffi::Buffer<ffi::S32> ticket, ffi::RemainingRets ys, int64_t store) {
-  return WithStore(store, [&](SwapStore& s) {
+ffi::Error ReadWaitManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S32> ticket,
+                            ffi::Buffer<ffi::S32> rank, ffi::Buffer<ffi::S32> layer,
+                            ffi::RemainingRets ys, SwapSite at) {
+  return WithStore(at.store, [&](SwapStore& s) {
+    std::vector<std::string> names = Keys("zinfjax_swap_read_wait_many", at, ordinal, run, rank, layer);
+    auto t = static_cast<uint64_t>(ticket.typed_data()[0]);
+    if (!owned().Take(at.store, names.front(), t))
+      throw EngineError("zinfjax_swap_read_wait_many (site " + std::to_string(at.site) +
+                        "): the schedule names shard " + names.front() + " but ticket " +
+                        std::to_string(t) + " read another");
     std::vector<ShardIo> outs;
     for (size_t i = 0; i < ys.size(); ++i) {
       ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
       outs.push_back({"", y->untyped_data(), y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
     }
-    s.TakeResults(static_cast<uint64_t>(ticket.typed_data()[0]), outs);
+    s.TakeResults(t, outs);
   });
 }
 
 }  // namespace
 }  // namespace zinfjax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWrite, zinfjax::SwapWriteImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteMany, zinfjax::WriteManyImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("key"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapRead, zinfjax::SwapReadImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("key"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteMany, zinfjax::SwapWriteManyImpl,
-                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("keys"));
+                                  .Attrs<zinfjax::SwapSite>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartMany, zinfjax::SwapReadStartManyImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadStartMany, zinfjax::ReadStartManyImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("store")
-                                  .Attr<std::string_view>("keys"));
+                                  .Attrs<zinfjax::SwapSite>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitMany, zinfjax::SwapReadWaitManyImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapReadWaitMany, zinfjax::ReadWaitManyImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingRets()
-                                  .Attr<int64_t>("store"));
+                                  .Attrs<zinfjax::SwapSite>());

@@ -5,8 +5,6 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
-XLA_FFI_Error* ZinfjaxSwapWrite(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* ZinfjaxSwapRead(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapWriteMany(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapReadStartMany(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* ZinfjaxSwapReadWaitMany(XLA_FFI_CallFrame* call_frame);

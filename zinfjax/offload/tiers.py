@@ -7,6 +7,8 @@ leaves live in the swap store: `NvmeLeaf` names one leaf's shards there
 writes them through the engine's XLA custom calls, so every rank moves only
 its own shard and all ranks' links work at once. `start_layer`, `wait_layer`
 and `write_layer` move one layer of many leaves in one call (one store job).
+Every call names its layer as a `swap.Layer` (the traced index and the
+schedule the host knows ahead) and carries the leaf's rank table.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import swap
@@ -43,23 +46,30 @@ class NvmeLeaf:
   dtype: Any
   layers: int | None = None   # stacked leaves: number of layers (of this segment)
   first: int = 0              # the leaf's layer that is this segment's layer 0
+  ranks: tuple[int, ...] = (0, 0)  # (device ordinal, rank) pairs (`swap.rank_table`)
 
   @property
   def like(self) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(self.shape, self.dtype)
 
-  def read(self, token, rank, layer=0) -> jax.Array:
-    return swap.read(self.store, self.key, self.like, token, rank=rank, layer=layer)
+  def read(self, token, rank, layer: int | swap.Layer = 0) -> jax.Array:
+    return swap.read(self.store, self.key, self.like, token, rank=rank, ranks=self.ranks,
+                     layer=layer)
 
-  def write(self, x: jax.Array, rank, layer=0) -> jax.Array:
+  def write(self, x: jax.Array, rank, layer: int | swap.Layer = 0) -> jax.Array:
     """Write one layer's shard; returns a token for the reads that need it."""
-    return swap.write(self.store, self.key, x.astype(self.dtype), rank=rank, layer=layer)
+    return swap.write(self.store, self.key, x.astype(self.dtype), rank=rank, ranks=self.ranks,
+                      layer=layer)
+
+  def _layers(self) -> np.ndarray:
+    return np.arange(self.layers) + self.first
 
   def read_all(self, token, rank) -> jax.Array:
     """The whole local shard of the segment (its layers, stacked, for a stacked leaf)."""
     if self.layers is None:
       return self.read(token, rank)
-    return lax.map(lambda i: self.read(token, rank, i), jnp.arange(self.layers) + self.first)
+    return lax.map(lambda i: self.read(token, rank, swap.layer_at(self._layers(), i)),
+                   jnp.arange(self.layers))
 
   def write_all(self, x: jax.Array, rank) -> jax.Array:
     """Write the segment's local shard, layer by layer; returns one token for all of it."""
@@ -68,9 +78,9 @@ class NvmeLeaf:
 
     def one(token, i_x):
       i, layer = i_x
-      return token + self.write(layer, rank, i), None
+      return token + self.write(layer, rank, swap.layer_at(self._layers(), i)), None
 
-    return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers) + self.first, x))[0]
+    return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers), x))[0]
 
 
 def _one_store(leaves: Sequence[NvmeLeaf]) -> int:
@@ -80,20 +90,26 @@ def _one_store(leaves: Sequence[NvmeLeaf]) -> int:
   return stores.pop()
 
 
-def start_layer(leaves: Sequence[NvmeLeaf], token, rank, layer) -> jax.Array:
+def start_layer(leaves: Sequence[NvmeLeaf], token, rank, layer: int | swap.Layer) -> jax.Array:
   """Start reading layer `layer` of every leaf (one store job); `wait_layer` the ticket."""
   return swap.read_start_many(_one_store(leaves), [l.key for l in leaves], token, rank=rank,
-                              layer=layer)
+                              ranks=leaves[0].ranks, layer=layer)
 
 
-def wait_layer(leaves: Sequence[NvmeLeaf], ticket: jax.Array) -> list[jax.Array]:
-  return swap.read_wait_many(_one_store(leaves), ticket, [l.like for l in leaves])
+def wait_layer(leaves: Sequence[NvmeLeaf], ticket: jax.Array, rank,
+               layer: int | swap.Layer) -> list[jax.Array]:
+  """The layer `start_layer` began reading with `ticket` (the same rank and layer)."""
+  return swap.read_wait_many(_one_store(leaves), [l.key for l in leaves], ticket,
+                             [l.like for l in leaves], rank=rank, ranks=leaves[0].ranks,
+                             layer=layer)
 
 
-def write_layer(leaves: Sequence[NvmeLeaf], xs: Sequence[jax.Array], rank, layer) -> jax.Array:
+def write_layer(leaves: Sequence[NvmeLeaf], xs: Sequence[jax.Array], rank,
+                layer: int | swap.Layer) -> jax.Array:
   """Write layer `layer` of every leaf (one store job); one token for all of them."""
   return swap.write_many(_one_store(leaves), [l.key for l in leaves],
-                         [x.astype(l.dtype) for x, l in zip(xs, leaves)], rank=rank, layer=layer)
+                         [x.astype(l.dtype) for x, l in zip(xs, leaves)], rank=rank,
+                         ranks=leaves[0].ranks, layer=layer)
 
 
 def rank(axis_name: str) -> jax.Array:

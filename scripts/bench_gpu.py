@@ -1,0 +1,299 @@
+"""zinfjax on a GPU against the hardware, all measured in one run.
+
+  python scripts/bench_gpu.py --out /tmp/bench            # on a GPU machine
+  python scripts/bench_gpu.py --out /tmp/bench --tiny     # the same code on CPU, tiny sizes
+
+One table (also written as JSON under --out):
+
+* host <-> device GB/s, both directions: plain pinned `cudaMemcpyAsync`
+  (torch, else cupy: the ceiling), `jax.device_put` across memory kinds
+  (outside and inside jit: how `pinned_host` states move), and zinfjax's CUDA
+  swap handlers (a jitted scan through the store, the store in /dev/shm so
+  the disk is not what is measured);
+* the GPU's bf16 matmul rate (8192^3, random inputs): the MFU denominator;
+* the disk under --nvme-path: fio (or dd) ceiling and the zinfjax store;
+* the GPT step (tokens/s, TFLOP/s, MFU) with states all on device (compute
+  alone), params + optimizer on pinned host, and on NVMe, at each --tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", required=True, help="folder for bench_gpu.json")
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--hidden", type=int, default=2048)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--tokens", default="4096,16384,65536", help="tokens per step, comma-separated")
+  p.add_argument("--nvme-tokens", default="16384", help="token counts also run on NVMe")
+  p.add_argument("--nvme-path", default=None, help="swap store folder (default: a temp folder)")
+  p.add_argument("--copy-mib", type=int, default=1024, help="bytes per host<->device copy")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
+  p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
+  args = p.parse_args(argv)
+  if args.tiny:
+    args.layers, args.hidden, args.heads, args.seq_len = 2, 64, 4, 32
+    args.tokens, args.nvme_tokens, args.copy_mib, args.steps = "64,128", "64", 8, 2
+  return args
+
+
+def median_time(fn, reps: int = 5) -> float:
+  """Median wall time of `fn()` (which blocks until its device work is done), after one warm-up."""
+  fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def ceiling_copy(nbytes: int) -> dict:
+  """Plain pinned host <-> device copies through torch (or cupy), timed with CUDA events."""
+  try:
+    import torch
+    if not torch.cuda.is_available():
+      return {"tool": "torch (no CUDA)"}
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).random_(0, 255)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def timed(copy):
+      start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      copy()
+      ms = []
+      for _ in range(5):
+        start.record()
+        copy()
+        stop.record()
+        stop.synchronize()
+        ms.append(start.elapsed_time(stop))
+      return nbytes / (statistics.median(ms) / 1e3) / 1e9
+
+    return {"tool": "torch pinned cudaMemcpyAsync",
+            "h2d": timed(lambda: dev.copy_(host, non_blocking=True)),
+            "d2h": timed(lambda: host.copy_(dev, non_blocking=True))}
+  except ImportError:
+    pass
+  try:
+    import cupy as cp
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    dev = cp.cuda.alloc(nbytes)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def timed(copy):
+      copy()
+      stream.synchronize()
+      return nbytes / median_time(lambda: (copy(), stream.synchronize())) / 1e9
+
+    return {"tool": "cupy pinned cudaMemcpyAsync",
+            "h2d": timed(lambda: dev.copy_from_host_async(host.ptr, nbytes, stream)),
+            "d2h": timed(lambda: dev.copy_to_host_async(host.ptr, nbytes, stream))}
+  except ImportError:
+    return {"tool": "none (neither torch nor cupy)"}
+
+
+def memory_kind_copies(jax, nbytes: int) -> dict:
+  """`jax.device_put` between the `device` and `pinned_host` memory kinds."""
+  import jax.numpy as jnp
+  from jax.sharding import SingleDeviceSharding
+  dev = jax.devices()[0]
+  on_dev, on_host = (SingleDeviceSharding(dev, memory_kind=k) for k in ("device", "pinned_host"))
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32), on_dev)
+  h = jax.device_put(x, on_host)
+  out = {"eager_d2h": nbytes / median_time(lambda: jax.device_put(x, on_host).block_until_ready()) / 1e9,
+         "eager_h2d": nbytes / median_time(lambda: jax.device_put(h, on_dev).block_until_ready()) / 1e9}
+  to_host = jax.jit(lambda x: x * 1, out_shardings=on_host)
+  to_dev = jax.jit(lambda h: h * 1, out_shardings=on_dev)  # the copy and one elementwise pass
+  out["jit_d2h"] = nbytes / median_time(lambda: to_host(x).block_until_ready()) / 1e9
+  out["jit_h2d"] = nbytes / median_time(lambda: to_dev(h).block_until_ready()) / 1e9
+  return out
+
+
+def swap_copies(jax, nbytes: int, folder: str) -> dict:
+  """zinfjax's swap handlers: 4 shards through the store (in `folder`) and back, in a scan."""
+  import jax.numpy as jnp
+  import numpy as np
+  from zinfjax.offload import AioStore, swap
+  store = AioStore(folder, pinned_budget=max(64 << 20, 2 * nbytes))
+  n, layers = nbytes // 4 // 4, 4
+  like = jax.ShapeDtypeStruct((n,), jnp.float32)
+  xs = jax.random.normal(jax.random.key(1), (layers, n), jnp.float32)
+  at = lambda i: swap.layer_at(range(layers), i)
+
+  @jax.jit
+  def put(xs):
+    return jax.lax.scan(lambda t, i: (t + swap.write(store.handle, "bench", xs[i], layer=at(i)), None),
+                        jnp.int32(0), jnp.arange(layers))[0]
+
+  @jax.jit
+  def get(token):
+    nxt = np.minimum(np.arange(layers) + 1, layers - 1)
+
+    def body(ticket, i):
+      (x,) = swap.read_wait_many(store.handle, ["bench"], ticket, [like], layer=at(i))
+      return swap.read_start_many(store.handle, ["bench"], token, layer=swap.layer_at(nxt, i)), x.sum()
+    last, sums = jax.lax.scan(body, swap.read_start_many(store.handle, ["bench"], token, layer=0),
+                              jnp.arange(layers))
+    swap.read_wait_many(store.handle, ["bench"], last, [like], layer=layers - 1)
+    return sums
+
+  def write():
+    put(xs).block_until_ready()  # the device-to-host copies are done; the store writes behind
+    store.sync()
+
+  out = {"d2h_then_store": 4 * n * 4 * layers / median_time(write) / 1e9,
+         "store_then_h2d": 4 * n * 4 * layers / median_time(lambda: get(0).block_until_ready()) / 1e9,
+         "store": store.backend}
+  store.close()
+  return out
+
+
+def matmul_rate(jax, n: int) -> float:
+  """bf16 n^3 matmul TFLOP/s on random inputs (10 products per timed call)."""
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+  b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
+  many = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, c: (a @ b + c).astype(jnp.bfloat16),
+                                                jnp.zeros((n, n), jnp.bfloat16)))
+  return 10 * 2 * n ** 3 / median_time(lambda: many(a, b).block_until_ready()) / 1e12
+
+
+def disk(folder: str, nbytes: int) -> dict:
+  import numpy as np
+  from _disk import disk_ceiling
+  from zinfjax.offload import AioStore
+  tool, w, r = disk_ceiling(folder, nbytes)
+  store = AioStore(os.path.join(folder, "store"))
+  chunk = 64 << 20
+  arrays = [np.random.default_rng(i).integers(0, 255, chunk, dtype=np.uint8) for i in range(2)]
+  keys = [f"d/{i}" for i in range(max(1, nbytes // chunk))]
+  t0 = time.perf_counter()
+  for t in [store.write(k, arrays[i % 2]) for i, k in enumerate(keys)]:
+    t.wait()
+  store.sync()
+  t1 = time.perf_counter()
+  for t in [store.read(k) for k in keys]:
+    t.wait()
+  t2 = time.perf_counter()
+  backend = store.backend
+  store.close()
+  total = len(keys) * chunk
+  return {"ceiling_tool": tool, "ceiling_write": w, "ceiling_read": r,
+          "store_write": total / (t1 - t0) / 1e9, "store_read": total / (t2 - t1) / 1e9,
+          "store_backend": backend}
+
+
+def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
+  import numpy as np
+  import zinfjax
+  from zinfjax.models import GPT, get_config, lm_loss
+  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                      seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
+  mesh = zinfjax.make_mesh(1)
+  n_params = config.num_params
+  rows = []
+  nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
+  for tokens in [int(t) for t in args.tokens.split(",")]:
+    batch_size = max(1, tokens // config.seq_len)
+    rng = np.random.default_rng(tokens)
+    batches = [{k: rng.integers(0, config.vocab_size, (batch_size, config.seq_len)).astype(np.int32)
+                for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
+    # 6 N T for the matmuls with params, 12 L T s d for attention (forward 1x, backward 2x)
+    flops = 6 * n_params * tokens + 12 * config.num_layers * tokens * config.seq_len * config.hidden
+    placements = [("device", "device", "all on device (compute alone)"),
+                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host")]
+    if tokens in nvme_tokens:
+      placements.append(("nvme", "nvme", "params + optimizer on nvme"))
+    for param, optimizer, name in placements:
+      zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
+                                nvme_path=os.path.join(root, f"steps-{tokens}-{param}"))
+      state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)
+      times = []
+      for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        state, metrics = zinfjax.train_step(state, batch, lm_loss)
+        jax.block_until_ready(metrics)
+        if i:
+          times.append(time.perf_counter() - t0)
+      step = statistics.median(times)
+      rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
+                   "tokens_per_s": batch_size * config.seq_len / step, "tflops": flops / step / 1e12,
+                   "mfu": flops / step / 1e12 / peak_tflops, "loss": float(metrics["loss"])})
+      print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)
+      if state.engine.store is not None:
+        state.engine.store.close()
+      del state
+      gc.collect()
+  for row in rows:
+    base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"].startswith("all")]
+    row["vs_compute"] = row["step_s"] / base[0]["step_s"]
+  return rows
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  import jax
+  import zinfjax  # noqa: F401  (registers the handlers)
+  device = jax.devices()[0]
+  root = args.nvme_path or tempfile.mkdtemp(prefix="zinfjax-bench-gpu-")
+  shm = tempfile.mkdtemp(prefix="zinfjax-bench-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+  nbytes = args.copy_mib << 20
+  print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
+  result = {"device": device.device_kind, "platform": device.platform}
+  result["ceiling"] = ceiling_copy(nbytes) if device.platform == "gpu" else {"tool": "n/a (no GPU)"}
+  print(f"copies: ceiling {result['ceiling']}", flush=True)
+  result["memory_kinds"] = memory_kind_copies(jax, nbytes)
+  result["swap"] = swap_copies(jax, nbytes, shm)
+  print(f"copies: memory kinds {result['memory_kinds']}, swap {result['swap']}", flush=True)
+  result["matmul_n"] = 256 if args.tiny else 8192
+  result["matmul_tflops"] = matmul_rate(jax, result["matmul_n"])
+  print(f"bf16 matmul: {result['matmul_tflops']:.1f} TFLOP/s", flush=True)
+  result["disk"] = disk(root, 64 << 20 if args.tiny else 4 << 30)
+  print(f"disk: {result['disk']}", flush=True)
+  result["steps"] = gpt_steps(jax, args, result["matmul_tflops"], root)
+  with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  print(table(result))
+  return 0
+
+
+def table(r: dict) -> str:
+  c, k, s, d = r["ceiling"], r["memory_kinds"], r["swap"], r["disk"]
+  ratio = lambda x, key: f"{x / c[key]:.2f}x" if key in c else "n/a"
+  lines = [f"\n{r['device']}: host <-> device GB/s (ratio to the pinned cudaMemcpyAsync ceiling)",
+           "| path | host->device | device->host |", "|---|---|---|"]
+  if "h2d" in c:
+    lines.append(f"| {c['tool']} (ceiling) | {c['h2d']:.1f} | {c['d2h']:.1f} |")
+  lines += [f"| jax.device_put memory kinds, eager | {k['eager_h2d']:.1f} ({ratio(k['eager_h2d'], 'h2d')}) "
+            f"| {k['eager_d2h']:.1f} ({ratio(k['eager_d2h'], 'd2h')}) |",
+            f"| memory kinds inside jit (+1 elementwise pass) | {k['jit_h2d']:.1f} ({ratio(k['jit_h2d'], 'h2d')}) "
+            f"| {k['jit_d2h']:.1f} ({ratio(k['jit_d2h'], 'd2h')}) |",
+            f"| zinfjax swap handlers, store in /dev/shm | {s['store_then_h2d']:.1f} "
+            f"({ratio(s['store_then_h2d'], 'h2d')}) | {s['d2h_then_store']:.1f} ({ratio(s['d2h_then_store'], 'd2h')}) |",
+            f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s; disk: {d['ceiling_tool']} write "
+            f"{d['ceiling_write']:.2f} / read {d['ceiling_read']:.2f} GB/s, zinfjax store "
+            f"({d['store_backend']}) write {d['store_write']:.2f} / read {d['store_read']:.2f} GB/s\n",
+            "| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU | vs all on device |",
+            "|---|---|---|---|---|---|---|"]
+  for row in r["steps"]:
+    lines.append(f"| {row['tokens']} | {row['placement']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
+                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {row['vs_compute']:.2f}x |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The whole GPU check of zinfjax on a bare GPU machine with no network, in one command:
+#
+#   scripts/gpu_check.sh OUT [STAGES]      STAGES: comma-separated, default all of
+#                                          env,build,gpu-tests,bench,cpu-suite
+#   scripts/gpu_check.sh OUT --dry-run     on a machine without a GPU: checks that every
+#                                          stage's commands exist and run (GPU tests skipped,
+#                                          benchmark at --tiny sizes), builds nothing
+#
+# Each stage writes its log under OUT (env.txt, build.log, gpu_tests.log, bench_gpu.log,
+# bench_gpu.json, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
+# check and prints the stage it reached and where its log is.
+set -Eeuo pipefail
+
+OUT=${1:?usage: scripts/gpu_check.sh OUT [STAGES|--dry-run]}
+STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
+DRY=0
+if [[ "$STAGES" == "--dry-run" ]]; then
+  DRY=1
+  STAGES=env,gpu-tests,bench
+fi
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+STAGE=start
+T0=$(date +%s)
+
+note() { echo "[gpu_check $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/progress.txt"; }
+trap 'rc=$?; if (( BASH_SUBSHELL == 0 )); then note "FAILED in stage \"$STAGE\" (exit $rc); its log is in $OUT"; fi; exit 1' ERR
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# runs a stage's command with a time limit, its output to the log and the console
+run() {
+  local log=$1 limit=$2
+  shift 2
+  set -o pipefail
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$log"
+}
+
+cd "$REPO"
+: > "$OUT/progress.txt"
+note "zinfjax GPU check: stages $STAGES$([[ $DRY == 1 ]] && echo ' (dry run)'), logs in $OUT"
+
+if want env; then
+  STAGE=env
+  {
+    date -u
+    uname -a
+    nvidia-smi || echo "nvidia-smi: not available"
+    nproc; free -g; df -h "$REPO" /dev/shm || true
+    $PY --version
+    (cd /tmp && $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())")
+    $PY -m pip list 2>/dev/null | grep -iE "^(jax|flax|optax|orbax|tensorstore|pybind11|scikit-build|torch|cupy|pytest)" || true
+    command -v nvcc && nvcc --version | tail -2 || echo "nvcc: not found"
+    command -v fio || echo "fio: not found (the disk ceiling falls back to dd)"
+  } > "$OUT/env.txt" 2>&1
+  note "env: $(grep -m1 -E '^\[|Cuda|cpu' "$OUT/env.txt" | head -c 200)"
+fi
+
+if want build; then
+  STAGE=build
+  run build.log 480 $PY -m pip install --no-deps --no-build-isolation -v "$REPO"
+  grep -q "building CUDA handlers" "$OUT/build.log" || { note "the CUDA toolkit was not found: no CUDA handlers built"; false; }
+  (cd /tmp && $PY -c "from zinfjax import _engine_cuda; n = _engine_cuda.device_count(); print('CUDA devices:', n); assert n >= 1")
+  note "build: zinfjax installed with its CUDA handlers"
+fi
+
+if want gpu-tests; then
+  STAGE=gpu-tests
+  if [[ $DRY == 0 ]]; then
+    (cd /tmp && $PY -c "import jax; assert jax.devices('gpu'), 'jax sees no GPU'")
+  fi
+  run gpu_tests.log 600 $PY -P -m pytest -q -p no:cacheprovider tests/gpu -ra
+  if [[ $DRY == 0 ]] && grep -qE "[0-9]+ skipped" "$OUT/gpu_tests.log"; then
+    note "GPU tests were skipped on a GPU machine: see gpu_tests.log"
+    false
+  fi
+  if [[ $DRY == 1 ]]; then
+    grep -q "needs a CUDA GPU" "$OUT/gpu_tests.log" || { note "GPU tests were not skipped with their reason"; false; }
+  fi
+  note "gpu-tests: $(tail -1 "$OUT/gpu_tests.log")"
+fi
+
+if want bench; then
+  STAGE=bench
+  if [[ $DRY == 1 ]]; then
+    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --tiny
+  else
+    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT"
+  fi
+  note "bench: table in bench_gpu.log, numbers in bench_gpu.json"
+fi
+
+if want cpu-suite; then
+  STAGE=cpu-suite
+  workers=()
+  if $PY -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) > 8 ? 8 : $(nproc) ))" --dist loadfile); fi
+  JAX_PLATFORMS=cpu run cpu_suite.log 900 $PY -P -m pytest -q -p no:cacheprovider --ignore=tests/gpu "${workers[@]}"
+  note "cpu-suite: $(tail -1 "$OUT/cpu_suite.log")"
+fi
+
+STAGE=done
+note "gpu_check: all stages passed ($STAGES)"
