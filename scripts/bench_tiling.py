@@ -27,8 +27,11 @@ def parse_args(argv=None):
   p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
   p.add_argument("--time-hidden", type=int, default=1024)
   p.add_argument("--time-steps", type=int, default=5)
-  p.add_argument("--time-tiles", type=int, nargs="+", default=[1, 4],
-                 help="tile factors to time for real (16 tiles deadlocked XLA's CPU collectives here)")
+  p.add_argument("--time-tiles", type=int, nargs="+", default=[1, 4, 16],
+                 help="tile factors to time for real")
+  p.add_argument("--unordered-tiles", type=int, nargs="*", default=[1, 4],
+                 help="tile factors also timed with ordered_collectives=False (what ordering costs; "
+                      "unordered runs can deadlock XLA's CPU collectives, 16 tiles did)")
   p.add_argument("--json", action="store_true")
   return p.parse_args(argv)
 
@@ -49,10 +52,11 @@ def main(argv=None) -> int:
   mesh = zinfjax.make_mesh(args.devices)
   batch, seq = args.devices, 64
 
-  def setup(hidden, tiles, abstract=True):
+  def setup(hidden, tiles, abstract=True, ordered=None):
     config = GPTConfig(vocab_size=256, seq_len=seq, num_layers=1, num_heads=max(1, hidden // 128),
                        hidden=hidden)
-    zero = zinfjax.ZeroConfig(stage=3, precision=args.precision, tiles=tiles)
+    zero = zinfjax.ZeroConfig(stage=3, precision=args.precision, tiles=tiles,
+                              ordered_collectives=ordered)
     make = zinfjax.abstract_init if abstract else zinfjax.init
     state = make(lambda r: GPT(config, rngs=r), optax.adam(1e-4), zero, mesh)
     return state, zinfjax.make_train_step(state, lm_loss)
@@ -78,20 +82,29 @@ def main(argv=None) -> int:
   timing = {}
   rng = np.random.default_rng(0)
   data = {k: rng.integers(0, 256, (batch, seq)).astype(np.int32) for k in ("inputs", "targets")}
-  for tiles in args.time_tiles:
-    state, step = setup(args.time_hidden, tiles, abstract=False)
+  unordered = {}
+
+  def timed(tiles, ordered=None):
+    state, step = setup(args.time_hidden, tiles, abstract=False, ordered=ordered)
     state, m = step(state, data)
     jax.block_until_ready(m["loss"])
     t = time.perf_counter()
     for _ in range(args.time_steps):
       state, m = step(state, data)
     jax.block_until_ready(m["loss"])
-    timing[tiles] = (time.perf_counter() - t) / args.time_steps
+    return (time.perf_counter() - t) / args.time_steps
+
+  for tiles in args.time_tiles:
+    timing[tiles] = timed(tiles)
+  for tiles in args.unordered_tiles:
+    unordered[tiles] = timed(tiles, ordered=False)
 
   report = {"devices": args.devices, "precision": args.precision, "cap_gib": args.cap_gib,
             "peak_gib": {str(h): {str(t): v for t, v in row.items()} for h, row in peaks.items()},
             "largest_hidden_under_cap": {str(t): largest(t) for t in args.tiles},
-            "step_time_s": {str(t): v for t, v in timing.items()}, "time_hidden": args.time_hidden}
+            "step_time_s": {str(t): v for t, v in timing.items()},
+            "unordered_step_time_s": {str(t): v for t, v in unordered.items()},
+            "time_hidden": args.time_hidden}
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
@@ -105,6 +118,10 @@ def main(argv=None) -> int:
   print(f"step time at hidden {args.time_hidden}: " +
         ", ".join(f"tiles {t}: {1e3 * v:.0f} ms ({v / timing[args.time_tiles[0]]:.2f}x)"
                   for t, v in timing.items()))
+  if unordered:
+    print("collectives in one order (default on CPU) vs unordered: " + ", ".join(
+        f"tiles {t}: {1e3 * timing[t]:.0f} vs {1e3 * v:.0f} ms ({timing[t] / v:.2f}x)"
+        for t, v in unordered.items() if t in timing))
   return 0
 
 

@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prefetch-depth", type=int, default=1)
   p.add_argument("--tiles", type=int, default=1,
                  help="memory-centric tiling of each block's matrix products (ZeRO-3)")
+  p.add_argument("--collectives", default="auto", choices=("auto", "ordered", "unordered"),
+                 help="issue the step's collectives in one program order on every device "
+                      "(auto: on CPU meshes, where XLA may otherwise deadlock)")
   p.add_argument("--offload-param", default="device", metavar="TIER[:N],...",
                  help=f"tier of the bf16 params (and their grads), one of {TIERS}, or a per-layer "
                       "split: 'device:2,pinned_host' puts the first 2 layers of each stack on the "
@@ -125,7 +128,8 @@ def main(argv=None) -> int:
         nvme_path=args.nvme_path[0] if args.nvme_path and len(args.nvme_path) == 1 else args.nvme_path,
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
         nvme_io_threads=args.nvme_io_threads,
-        offload_activations=args.offload_activations)
+        offload_activations=args.offload_activations,
+        ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives])
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   mesh = zinfjax.make_mesh()

@@ -112,6 +112,11 @@ class ZeroConfig:
     nvme_io_threads: shards the swap store moves at once. Each shard (one
       rank's piece of one layer) is often a single I/O block, so this is the
       drive's queue depth for the step's many small transfers.
+    ordered_collectives: issue the step's collectives one at a time in program
+      order, the same on every device (`zinfjax.ordering`). None (default):
+      on where devices run independent operations concurrently and share a
+      thread pool (XLA:CPU), where collectives reached in different orders
+      deadlock; off on GPUs, whose streams already give one order.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -132,6 +137,7 @@ class ZeroConfig:
   nvme_prefetch_depth: int = 1
   offload_activations: bool = False
   nvme_io_threads: int = 4
+  ordered_collectives: bool | None = None
   host_nice: int = 5
 
   def __post_init__(self):
@@ -189,6 +195,9 @@ class ZeroConfig:
     if not isinstance(self.nvme_io_threads, int) or not 1 <= self.nvme_io_threads <= 64:
       raise ValueError("ZeroConfig.nvme_io_threads must be an int from 1 to 64, got "
                        f"{self.nvme_io_threads!r}.")
+    if self.ordered_collectives not in (None, True, False):
+      raise ValueError("ZeroConfig.ordered_collectives must be None (auto), True or False, got "
+                       f"{self.ordered_collectives!r}.")
     if not isinstance(self.host_nice, int) or not 0 <= self.host_nice <= 19:
       raise ValueError(f"ZeroConfig.host_nice must be an int from 0 to 19, got {self.host_nice!r}.")
 

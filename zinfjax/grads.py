@@ -107,12 +107,14 @@ def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
 
 
 def sum_squares(plan: Plan, grads: Any) -> jax.Array:
-  """The squared global norm of grads in parts (global arrays, and NVMe anchors)."""
+  """The squared global norm of one rank's grads in parts (inside `shard_map`): its shards and
+  NVMe anchors summed locally (a whole leaf counts 1/dp on each rank), then one psum."""
   total = jnp.float32(0)
   for leaf, parts in zip(plan.leaves, plan.flatten(grads)):
+    whole = 1.0 if leaf.layout.axis is not None else 1.0 / plan.dp
     for seg, g in zip(leaf.params, parts):
       if seg.tier == "nvme":
         total = total + jnp.sum(g[:, 1])
       else:
-        total = total + jnp.sum(jnp.square(tiers.to_device(g, seg.tier).astype(jnp.float32)))
-  return total
+        total = total + whole * jnp.sum(jnp.square(tiers.to_device(g, seg.tier).astype(jnp.float32)))
+  return lax.psum(total, plan.axis)

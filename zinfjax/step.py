@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .grads import LossFn, local_loss_and_grads, nvme_leaf, sum_squares
+from .ordering import needs_order, ordered_collectives
 from .offload import tiers
 from .optim.host import UPDATES, HostAdamState
 from .optim.hyper import clip_scale
@@ -189,10 +190,15 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   host_grads = pipeline is not None and not pipeline.grads_all_on_nvme
 
   def step(state: TrainState, batch: Any):
-    fn = shard_map(lambda p, b: local_loss_and_grads(engine, loss_fn, p, b, record),
-                   (full_specs, P(axis)), (P(), full_specs))
-    loss, grads = fn(with_anchors(state.params), batch)
-    norm = jnp.sqrt(sum_squares(plan, grads))
+    def local(p, b):
+      loss, grads = local_loss_and_grads(engine, loss_fn, p, b, record)
+      return loss, grads, sum_squares(plan, grads)
+
+    if needs_order(mesh, engine.config.ordered_collectives):
+      local = ordered_collectives(local)
+    fn = shard_map(local, (full_specs, P(axis)), (P(), full_specs, P()))
+    loss, grads, squares = fn(with_anchors(state.params), batch)
+    norm = jnp.sqrt(squares)
     update = optax_update if hyper is None else adamw_update
     master, opt_state, new = update(state, grads, norm)
     if plan.stage == 3:

@@ -57,7 +57,7 @@ OwnedReads& owned() {
 }
 
 void Pin(void* p, size_t bytes) {
-  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) != cudaSuccess)
+  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess)  // every device's context
     cudaGetLastError();  // unpinned still works, as a staged (slower) copy
 }
 

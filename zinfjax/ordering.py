@@ -1,0 +1,150 @@
+"""One order of collectives on every device: a jaxpr transform.
+
+XLA:CPU runs the independent operations of a program concurrently, in
+whatever order their inputs become ready, on a thread pool the devices of a
+process share. Two collectives with no data path between them (a layer's
+prefetch all-gather and the previous layer's gradient reduce-scatter, the
+all-gathers of two tiled projections) may then start in different orders on
+different devices; each blocks a pool thread until every device joins it,
+and with more devices than threads none ever completes (XLA aborts after its
+collective timeout). GPUs issue collectives in one stream order and need none
+of this.
+
+`ordered_collectives(fn)` re-traces `fn` (inside `shard_map`, after autodiff)
+and chains every collective, and every loop, branch or remat region holding
+one, to the one before it in program order with `optimization_barrier`: each
+device then issues them one at a time, in the jaxpr's order. Compute is not
+ordered, so it still overlaps communication.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.extend.core as jcore
+from jax import lax
+
+COLLECTIVES = frozenset({
+    "all_gather", "all_gather_invariant", "reduce_scatter", "psum", "psum_invariant", "pmax",
+    "pmin", "ppermute", "all_to_all", "pbroadcast"})
+
+
+def needs_order(mesh: jax.sharding.Mesh, setting: bool | None = None) -> bool:
+  """Whether a step on `mesh` orders its collectives (`ZeroConfig.ordered_collectives`)."""
+  if setting is not None:
+    return setting
+  return mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
+
+
+def ordered_collectives(fn: Callable) -> Callable:
+  """`fn` with its collectives issued one at a time in program order (same on every device)."""
+
+  @functools.wraps(fn)
+  def ordered(*args):
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out, _ = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), ())
+    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+  return ordered
+
+
+def _subjaxprs(eqn) -> list:
+  found = []
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, jcore.ClosedJaxpr):
+        found.append(v.jaxpr)
+      elif isinstance(v, jcore.Jaxpr):
+        found.append(v)
+  return found
+
+
+def _has_collective(jaxpr) -> bool:
+  return any(eqn.primitive.name in COLLECTIVES or any(_has_collective(j) for j in _subjaxprs(eqn))
+             for eqn in jaxpr.eqns)
+
+
+def _after(values: list, last: tuple) -> list:
+  """`values` once `last` exist (arrays only; literals pass through)."""
+  if not last:
+    return values
+  arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array) or hasattr(v, "aval")]
+  if not arrays:
+    return values
+  tied, _ = lax.optimization_barrier(([values[i] for i in arrays], last))
+  values = list(values)
+  for i, v in zip(arrays, tied):
+    values[i] = v
+  return values
+
+
+def _eval(jaxpr, consts, args, last: tuple) -> tuple[list, tuple]:
+  """Evaluates `jaxpr`, chaining its collective regions after `last`; returns (outs, last)."""
+  env: dict = {}
+  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in COLLECTIVES:
+      outs = _bind(eqn, _after(invals, last))
+      last = tuple(outs)
+    elif _subjaxprs(eqn) and any(_has_collective(j) for j in _subjaxprs(eqn)):
+      outs = _region(eqn, _after(invals, last))
+      last = tuple(outs)
+    else:
+      outs = _bind(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
+  return [read(v) for v in jaxpr.outvars], last
+
+
+def _bind(eqn, invals) -> list:
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _inner(closed) -> Callable:
+  """A function running `closed` (a ClosedJaxpr) with its collectives ordered inside."""
+  return lambda *a: _eval(closed.jaxpr, closed.consts, list(a), ())[0]
+
+
+def _region(eqn, invals) -> list:
+  """A loop, branch, remat or call holding collectives, rebuilt with them ordered inside."""
+  p, name = eqn.params, eqn.primitive.name
+  if name in ("pjit", "jit", "closed_call", "core_call"):
+    inner = p["jaxpr"] if isinstance(p["jaxpr"], jcore.ClosedJaxpr) else jcore.ClosedJaxpr(p["jaxpr"], ())
+    return _inner(inner)(*invals)
+  if name == "scan":
+    nc, ncarry = p["num_consts"], p["num_carry"]
+    consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
+    run = _inner(p["jaxpr"])
+
+    def body(c, x):
+      out = run(*consts, *c, *x)
+      return out[:ncarry], out[ncarry:]
+
+    carry, ys = lax.scan(body, carry, xs, length=p["length"], reverse=p["reverse"],
+                         unroll=p["unroll"])
+    return list(carry) + list(ys)
+  if name == "while":
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    cond, run = _inner(p["cond_jaxpr"]), _inner(p["body_jaxpr"])
+    return list(lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: run(*bconsts, *c), init))
+  if name == "cond":
+    index, ops = invals[0], invals[1:]
+    branches = [lambda *o, b=b: _inner(b)(*o) for b in p["branches"]]
+    return list(lax.switch(index, branches, *ops))
+  if name in ("checkpoint", "remat", "remat2"):
+    inner = jcore.ClosedJaxpr(p["jaxpr"], ())
+    run = jax.checkpoint(_inner(inner), prevent_cse=p.get("prevent_cse", True),
+                         policy=p.get("policy"))
+    return list(run(*invals))
+  return _bind(eqn, invals)  # any other region: one unit in the order, its inside as it is
