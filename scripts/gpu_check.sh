@@ -24,6 +24,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+if [[ -z "${CUDAToolkit_ROOT:-}" && -d /usr/local/cuda ]]; then export CUDAToolkit_ROOT=/usr/local/cuda; fi
 STAGE=start
 T0=$(date +%s)
 

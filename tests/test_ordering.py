@@ -13,6 +13,7 @@ import pytest
 
 import zinfjax
 from zinfjax import ordering
+from zinfjax.interpret import subjaxprs
 from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.step import make_train_step, shard_batch
 
@@ -23,7 +24,7 @@ CONFIG = get_config("tiny", num_layers=2, hidden=128, num_heads=4, seq_len=32)
 
 def _regions(jaxpr) -> list:
   return [e for e in jaxpr.eqns if e.primitive.name in ordering.COLLECTIVES
-          or any(ordering._has_collective(j) for j in ordering._subjaxprs(e))]
+          or any(ordering._has_collective(j) for j in subjaxprs(e))]
 
 
 def unordered(jaxpr, path: str = "") -> list[tuple[str, str, str]]:
@@ -43,7 +44,7 @@ def unordered(jaxpr, path: str = "") -> list[tuple[str, str, str]]:
     for v in e.outvars:
       deps[v] = d
   for e in regions:
-    for j in ordering._subjaxprs(e):
+    for j in subjaxprs(e):
       found += unordered(j, f"{path}/{e.primitive.name}")
   return found
 
@@ -62,7 +63,7 @@ def step_bodies(tiles: int, order: bool | None, mesh) -> list:
         body = e.params["jaxpr"]
         yield body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
       else:
-        for j in ordering._subjaxprs(e):
+        for j in subjaxprs(e):
           yield from find(j)
 
   return list(find(closed.jaxpr))

@@ -20,11 +20,13 @@ ordered, so it still overlaps communication.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.extend.core as jcore
 from jax import lax
+
+from .interpret import bind, evaluate, subjaxprs
 
 COLLECTIVES = frozenset({
     "all_gather", "all_gather_invariant", "reduce_scatter", "psum", "psum_invariant", "pmax",
@@ -50,19 +52,8 @@ def ordered_collectives(fn: Callable) -> Callable:
   return ordered
 
 
-def _subjaxprs(eqn) -> list:
-  found = []
-  for value in eqn.params.values():
-    for v in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(v, jcore.ClosedJaxpr):
-        found.append(v.jaxpr)
-      elif isinstance(v, jcore.Jaxpr):
-        found.append(v)
-  return found
-
-
 def _has_collective(jaxpr) -> bool:
-  return any(eqn.primitive.name in COLLECTIVES or any(_has_collective(j) for j in _subjaxprs(eqn))
+  return any(eqn.primitive.name in COLLECTIVES or any(_has_collective(j) for j in subjaxprs(eqn))
              for eqn in jaxpr.eqns)
 
 
@@ -82,32 +73,20 @@ def _after(values: list, last: tuple) -> list:
 
 def _eval(jaxpr, consts, args, last: tuple) -> tuple[list, tuple]:
   """Evaluates `jaxpr`, chaining its collective regions after `last`; returns (outs, last)."""
-  env: dict = {}
-  read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if name in COLLECTIVES:
-      outs = _bind(eqn, _after(invals, last))
-      last = tuple(outs)
-    elif _subjaxprs(eqn) and any(_has_collective(j) for j in _subjaxprs(eqn)):
-      outs = _region(eqn, _after(invals, last))
-      last = tuple(outs)
+  chain = [last]
+
+  def rule(eqn, invals, read):
+    if eqn.primitive.name in COLLECTIVES:
+      outs = bind(eqn, _after(invals, chain[0]))
+    elif any(_has_collective(j) for j in subjaxprs(eqn)):
+      outs = _region(eqn, _after(invals, chain[0]))
     else:
-      outs = _bind(eqn, invals)
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
-  return [read(v) for v in jaxpr.outvars], last
+      return None
+    chain[0] = tuple(outs)
+    return outs
 
-
-def _bind(eqn, invals) -> list:
-  with eqn.ctx.manager:
-    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-  return list(outs) if eqn.primitive.multiple_results else [outs]
+  outs = evaluate(jaxpr, consts, args, rule)
+  return outs, chain[0]
 
 
 def _inner(closed) -> Callable:
@@ -147,4 +126,4 @@ def _region(eqn, invals) -> list:
     run = jax.checkpoint(_inner(inner), prevent_cse=p.get("prevent_cse", True),
                          policy=p.get("policy"))
     return list(run(*invals))
-  return _bind(eqn, invals)  # any other region: one unit in the order, its inside as it is
+  return bind(eqn, invals)  # any other region: one unit in the order, its inside as it is

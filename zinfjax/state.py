@@ -21,6 +21,7 @@ from . import gather as G
 from .config import ZeroConfig
 from .engine import Engine, ModelFactory, build_engine
 from .optim.host import HostAdamState
+from .ordering import needs_order, ordered_collectives
 from .placement import Plan
 from .shards import host_shards
 
@@ -77,14 +78,17 @@ def retuple(plan: Plan, tree: Any) -> Any:
   return plan.unflatten([(x,) for x in plan.flatten(tree)])
 
 
-def gather_params(plan: Plan, master: Any) -> Any:
-  """Stages 1 and 2: whole compute params on every rank (cast, all-gather, unpad)."""
+def gather_params(plan: Plan, master: Any, ordered: bool | None = None) -> Any:
+  """Stages 1 and 2: whole compute params on every rank (cast, all-gather, unpad); the
+  all-gathers one after another where `ordering.needs_order` says so."""
   dtype, leaves = plan.compute_dtype, plan.leaves
   storage = [leaf.layout.spec(plan.axis) for leaf in leaves]
 
   def body(*xs):
     return tuple(G.gather(x.astype(dtype), leaf.layout, plan.axis) for x, leaf in zip(xs, leaves))
 
+  if needs_order(plan.mesh, ordered):
+    body = ordered_collectives(body)
   out = jax.shard_map(body, mesh=plan.mesh, in_specs=tuple(storage),
                       out_specs=tuple(P() for _ in leaves), check_vma=False)(
                           *[p[0] for p in plan.flatten(master)])
@@ -172,7 +176,8 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
   if engine.store is not None:
     engine.store.sync()
   master = plan.unflatten(masters)
-  params = plan.unflatten(params) if plan.stage == 3 else gather_params(plan, master)
+  params = (plan.unflatten(params) if plan.stage == 3 else
+            gather_params(plan, master, engine.config.ordered_collectives))
   step = jax.device_put(jnp.zeros((), jnp.int32), rep)
   if engine.hyper is None:
     tree = untuple(plan, master)

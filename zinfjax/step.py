@@ -204,7 +204,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     if plan.stage == 3:
       params, token = place_params(state.params, new)
     else:
-      params, token = gather_params(plan, master), None
+      params, token = gather_params(plan, master, engine.config.ordered_collectives), None
     metrics = {"loss": loss, "grad_norm": norm}
     if token is not None:
       metrics["nvme_token"] = token

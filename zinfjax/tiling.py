@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 import jax.extend.core as jcore  # public: Literal, ClosedJaxpr
+
+from .interpret import evaluate
 
 _CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
 
@@ -64,33 +66,22 @@ def _tile_count(weight_bytes: int, tiles: int | None, max_tile_bytes: int | None
 
 
 def _eval(jaxpr, consts, args, tiles, max_tile_bytes):
-  env: dict = {}
   producers: dict = {}
 
-  def read(v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
-
-  for v, x in zip(jaxpr.constvars, consts):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  def rule(eqn, invals, read):
     name = eqn.primitive.name
+    outs = None
     if name == "dot_general":
       outs = [_maybe_tiled_dot(eqn, invals, producers, read, tiles, max_tile_bytes)]
     elif name in _CALL_PRIMITIVES and "jaxpr" in eqn.params:
       inner = eqn.params["jaxpr"]
       inner = inner if hasattr(inner, "consts") else jcore.ClosedJaxpr(inner, ())
       outs = _eval(inner.jaxpr, inner.consts, invals, tiles, max_tile_bytes)
-    else:
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
+    for v in eqn.outvars:
       producers[v] = eqn
-  return [read(v) for v in jaxpr.outvars]
+    return outs
+
+  return evaluate(jaxpr, consts, args, rule)
 
 
 def _maybe_tiled_dot(eqn, invals, producers, read, tiles, max_tile_bytes):

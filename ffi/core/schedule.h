@@ -89,6 +89,18 @@ class OwnedReads {
   std::map<std::pair<int64_t, std::string>, std::deque<uint64_t>> tickets_;
 };
 
+// The process's schedule and owned reads (one per module that links the core:
+// the CPU and the CUDA handlers each keep their own).
+inline CallSchedule& ProcessSchedule() {
+  static auto* s = new CallSchedule();
+  return *s;
+}
+
+inline OwnedReads& ProcessOwnedReads() {
+  static auto* o = new OwnedReads();
+  return *o;
+}
+
 }  // namespace zinfjax
 
 #endif  // ZINFJAX_CORE_SCHEDULE_H_

@@ -46,16 +46,6 @@ namespace py = pybind11;
 namespace zinfjax {
 namespace {
 
-CallSchedule& schedule() {
-  static auto* s = new CallSchedule();
-  return *s;
-}
-
-OwnedReads& owned() {
-  static auto* o = new OwnedReads();
-  return *o;
-}
-
 void Pin(void* p, size_t bytes) {
   if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess)  // every device's context
     cudaGetLastError();  // unpinned still works, as a staged (slower) copy
@@ -128,7 +118,7 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                          ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id);
+    std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
     if (keys.size() != xs.size())
       throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
                         std::to_string(keys.size()) + " keys");
@@ -159,8 +149,8 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId ru
                              ffi::ResultBuffer<ffi::S32> ticket, SwapSite at) {
   Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id);
-    owned().Put(at.store, keys.front(), s.ReadOwnedAsync(keys, /*urgent=*/true));
+    std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
+    ProcessOwnedReads().Put(at.store, keys.front(), s.ReadOwnedAsync(keys, /*urgent=*/true));
     return Check(cudaMemsetAsync(ticket->typed_data(), 0, sizeof(int32_t), stream), "ticket");
   });
 }
@@ -170,8 +160,8 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run
                             ffi::RemainingRets ys, SwapSite at) {
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id);
-    auto ticket = owned().Take(at.store, keys.front());
+    std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
+    auto ticket = ProcessOwnedReads().Take(at.store, keys.front());
     if (!ticket)
       throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + keys.front() +
                         "' was started (the start and wait calls' schedules disagree)");

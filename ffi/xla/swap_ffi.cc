@@ -31,22 +31,12 @@ namespace {
 
 std::atomic<int32_t> write_tokens{1};
 
-CallSchedule& schedule() {
-  static auto* s = new CallSchedule();
-  return *s;
-}
-
-OwnedReads& owned() {
-  static auto* o = new OwnedReads();
-  return *o;
-}
-
 // The shard keys from the schedule, checked against the program's rank and layer.
 std::vector<std::string> Keys(const char* call, const SwapSite& at, int32_t ordinal,
                               ffi::RunId run, const ffi::Buffer<ffi::S32>& rank,
                               const ffi::Buffer<ffi::S32>& layer) {
   int32_t r = 0, l = 0;
-  std::vector<std::string> keys = HostKeys(schedule(), at, ordinal, run.run_id, &r, &l);
+  std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id, &r, &l);
   if (r != rank.typed_data()[0] || l != layer.typed_data()[0])
     throw EngineError(std::string(call) + " (site " + std::to_string(at.site) +
                       "): the host schedule gives rank " + std::to_string(r) + ", layer " +
@@ -82,7 +72,7 @@ ffi::Error ReadStartManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S
   return WithStore(at.store, [&](SwapStore& s) {
     std::vector<std::string> names = Keys("zinfjax_swap_read_start_many", at, ordinal, run, rank, layer);
     uint64_t t = s.ReadOwnedAsync(names, /*urgent=*/true);
-    owned().Put(at.store, names.front(), t);
+    ProcessOwnedReads().Put(at.store, names.front(), t);
     ticket->typed_data()[0] = static_cast<int32_t>(t);
   });
 }
@@ -93,7 +83,7 @@ ffi::Error ReadWaitManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S3
   return WithStore(at.store, [&](SwapStore& s) {
     std::vector<std::string> names = Keys("zinfjax_swap_read_wait_many", at, ordinal, run, rank, layer);
     auto t = static_cast<uint64_t>(ticket.typed_data()[0]);
-    if (!owned().Take(at.store, names.front(), t))
+    if (!ProcessOwnedReads().Take(at.store, names.front(), t))
       throw EngineError("zinfjax_swap_read_wait_many (site " + std::to_string(at.site) +
                         "): the schedule names shard " + names.front() + " but ticket " +
                         std::to_string(t) + " read another");

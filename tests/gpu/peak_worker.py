@@ -10,7 +10,6 @@ import sys
 
 import jax
 import numpy as np
-import optax
 
 import zinfjax
 from zinfjax.models import GPT, get_config, lm_loss
