@@ -12,9 +12,12 @@ of this.
 
 `ordered_collectives(fn)` re-traces `fn` (inside `shard_map`, after autodiff)
 and chains every collective, and every loop, branch or remat region holding
-one, to the one before it in program order with `optimization_barrier`: each
-device then issues them one at a time, in the jaxpr's order. Compute is not
-ordered, so it still overlaps communication.
+one, to the one before it in program order: an input of each is rewritten by
+the custom call `zinfjax_after`, which reads an output of the one before
+(XLA drops `optimization_barrier` before its CPU runtime, which orders work
+only by the buffers it reads and writes). Each device then issues them one at
+a time, in the jaxpr's order. Compute is not ordered, so it still overlaps
+communication.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax
 import jax.extend.core as jcore
 from jax import lax
 
+from . import _ffi  # noqa: F401  (registers zinfjax_after)
 from .interpret import bind, evaluate, subjaxprs
 
 COLLECTIVES = frozenset({
@@ -57,17 +61,25 @@ def _has_collective(jaxpr) -> bool:
              for eqn in jaxpr.eqns)
 
 
+def _array(v) -> bool:
+  return isinstance(v, jax.Array) or hasattr(v, "aval")
+
+
 def _after(values: list, last: tuple) -> list:
-  """`values` once `last` exist (arrays only; literals pass through)."""
-  if not last:
+  """`values` once `last` exist: the smallest of them rewritten by `zinfjax_after`, which reads
+  the smallest of `last` (one operand suffices: an operation starts when all its inputs exist,
+  and a collective's or loop's outputs all exist when it ends)."""
+  arrays = [i for i, v in enumerate(values) if _array(v)]
+  deps = [v for v in last if _array(v)]
+  if not arrays or not deps:
     return values
-  arrays = [i for i, v in enumerate(values) if isinstance(v, jax.Array) or hasattr(v, "aval")]
-  if not arrays:
-    return values
-  tied, _ = lax.optimization_barrier(([values[i] for i in arrays], last))
+  i = min(arrays, key=lambda k: values[k].size)
+  dep = min(deps, key=lambda v: v.size)
+  x = values[i]
+  call = jax.ffi.ffi_call("zinfjax_after", jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          input_output_aliases={0: 0})
   values = list(values)
-  for i, v in zip(arrays, tied):
-    values[i] = v
+  values[i] = call(x, dep)
   return values
 
 

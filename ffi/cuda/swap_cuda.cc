@@ -185,8 +185,23 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run
   });
 }
 
+// zinfjax_after(x, dep) -> x once dep exists (see xla/order_ffi.cc): a device copy only
+// where XLA did not alias the output to `x`.
+ffi::Error AfterImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> y) {
+  if (y->untyped_data() == x.untyped_data()) return ffi::Error::Success();
+  return Check(cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), x.size_bytes(),
+                               cudaMemcpyDeviceToDevice, stream), "after");
+}
+
 }  // namespace
 }  // namespace zinfjax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxAfterCuda, zinfjax::AfterImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxSwapWriteManyCuda, zinfjax::WriteManyImpl,
                               ffi::Ffi::Bind()
@@ -229,6 +244,7 @@ PYBIND11_MODULE(_engine_cuda, m) {
     d["zinfjax_swap_write_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapWriteManyCuda));
     d["zinfjax_swap_read_start_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadStartManyCuda));
     d["zinfjax_swap_read_wait_many"] = py::capsule(reinterpret_cast<void*>(ZinfjaxSwapReadWaitManyCuda));
+    d["zinfjax_after"] = py::capsule(reinterpret_cast<void*>(ZinfjaxAfterCuda));
     return d;
   }, py::arg("store_lookup"),
      "XLA FFI handler capsules (CUDA platform); `store_lookup` is zinfjax._engine.store_lookup().");

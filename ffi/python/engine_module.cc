@@ -17,6 +17,7 @@
 #include "core/pool.h"
 #include "core/store.h"
 #include "xla/adam_ffi.h"
+#include "xla/order_ffi.h"
 #include "xla/swap_ffi.h"
 
 namespace py = pybind11;
@@ -250,6 +251,7 @@ PYBIND11_MODULE(_engine, m) {
     d["zinfjax_swap_read_start_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadStartMany);
     d["zinfjax_swap_read_wait_many"] = EncapsulateFfiHandler(ZinfjaxSwapReadWaitMany);
     d["zinfjax_adamw"] = EncapsulateFfiHandler(ZinfjaxAdamW);
+    d["zinfjax_after"] = EncapsulateFfiHandler(ZinfjaxAfter);
     return d;
   }, "XLA FFI handler capsules (CPU platform), by target name.");
   m.def("store_lookup", []() { return py::capsule(reinterpret_cast<void*>(&LookupStore)); },
