@@ -50,10 +50,25 @@ def ordered_collectives(fn: Callable) -> Callable:
   @functools.wraps(fn)
   def ordered(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    out, _ = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), ())
+    jaxpr, consts, args = _dce(closed, jax.tree.leaves(args))
+    out, _ = _eval(jaxpr, consts, args, ())
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
   return ordered
+
+
+def _dce(closed, args: list) -> tuple:
+  """`closed` without its dead code, inside loops and branches too: a dead collective (the
+  whole-weight all-gather a tiled product replaced) must not join the chain, which would keep it
+  alive. Uses JAX's own DCE (not public API); without it, only this level's dead code goes."""
+  try:
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr, used_consts, used_args = pe.dce_jaxpr_consts(
+        closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+  except (ImportError, AttributeError, TypeError):
+    return closed.jaxpr, closed.consts, args
+  return (jaxpr, [c for c, u in zip(closed.consts, used_consts) if u],
+          [a for a, u in zip(args, used_args) if u])
 
 
 def _has_collective(jaxpr) -> bool:
@@ -83,11 +98,26 @@ def _after(values: list, last: tuple) -> list:
   return values
 
 
+def _live(jaxpr) -> set[int]:
+  """Ids of the equations whose results `jaxpr` uses (or that have effects). A dead collective
+  (an all-gather a tiled product replaced) must not join the chain: that would keep it alive."""
+  used = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
+  live = set()
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in used for v in eqn.outvars):
+      live.add(id(eqn))
+      used.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
+  return live
+
+
 def _eval(jaxpr, consts, args, last: tuple) -> tuple[list, tuple]:
   """Evaluates `jaxpr`, chaining its collective regions after `last`; returns (outs, last)."""
   chain = [last]
+  live = _live(jaxpr)
 
   def rule(eqn, invals, read):
+    if id(eqn) not in live:
+      return [None] * len(eqn.outvars)
     if eqn.primitive.name in COLLECTIVES:
       outs = bind(eqn, _after(invals, chain[0]))
     elif any(_has_collective(j) for j in subjaxprs(eqn)):
