@@ -13,7 +13,9 @@ One table (also written as JSON under --out):
 * the GPU's bf16 matmul rate (8192^3, random inputs): the MFU denominator;
 * the disk under --nvme-path: fio (or dd) ceiling and the zinfjax store;
 * the GPT step (tokens/s, TFLOP/s, MFU) with states all on device (compute
-  alone), params + optimizer on pinned host, and on NVMe, at each --tokens.
+  alone), params + optimizer on pinned host, and on NVMe, at each --tokens;
+  the NVMe row also against max(compute alone, I/O alone), I/O alone being
+  the step's bytes moved through the store with nothing else running.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_step import io_alone  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -41,12 +44,16 @@ def parse_args(argv=None):
   p.add_argument("--nvme-tokens", default="16384", help="token counts also run on NVMe")
   p.add_argument("--nvme-path", default=None, help="swap store folder (default: a temp folder)")
   p.add_argument("--copy-mib", type=int, default=1024, help="bytes per host<->device copy")
+  p.add_argument("--pinned-budget", type=int, default=2048,
+                 help="MiB of page-locked buffers the store keeps (hold a few layers: buffers it "
+                      "cannot keep are unpinned and pinned again)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
   args = p.parse_args(argv)
   if args.tiny:
     args.layers, args.hidden, args.heads, args.seq_len = 2, 64, 4, 32
     args.tokens, args.nvme_tokens, args.copy_mib, args.steps = "64,128", "64", 8, 2
+    args.pinned_budget = 64
   return args
 
 
@@ -219,6 +226,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
       placements.append(("nvme", "nvme", "params + optimizer on nvme"))
     for param, optimizer, name in placements:
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
+                                pinned_budget=args.pinned_budget << 20,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}"))
       state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)
       times = []
@@ -232,6 +240,8 @@ def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
       rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
                    "tokens_per_s": batch_size * config.seq_len / step, "tflops": flops / step / 1e12,
                    "mfu": flops / step / 1e12 / peak_tflops, "loss": float(metrics["loss"])})
+      if param == "nvme":  # the same bytes through the store with nothing else running
+        rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
       print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)
       if state.engine.store is not None:
         state.engine.store.close()
@@ -240,6 +250,8 @@ def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
   for row in rows:
     base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"].startswith("all")]
     row["vs_compute"] = row["step_s"] / base[0]["step_s"]
+    if "io_alone_s" in row:
+      row["vs_bound"] = row["step_s"] / max(base[0]["step_s"], row["io_alone_s"])
   return rows
 
 
@@ -287,11 +299,13 @@ def table(r: dict) -> str:
             f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s; disk: {d['ceiling_tool']} write "
             f"{d['ceiling_write']:.2f} / read {d['ceiling_read']:.2f} GB/s, zinfjax store "
             f"({d['store_backend']}) write {d['store_write']:.2f} / read {d['store_read']:.2f} GB/s\n",
-            "| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU | vs all on device |",
-            "|---|---|---|---|---|---|---|"]
+            "| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU | vs all on device "
+            "| vs max(compute, I/O alone) |", "|---|---|---|---|---|---|---|---|"]
   for row in r["steps"]:
+    bound = (f"{row['vs_bound']:.2f}x (I/O alone {row['io_alone_s']:.2f} s)" if "vs_bound" in row
+             else "")
     lines.append(f"| {row['tokens']} | {row['placement']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {row['vs_compute']:.2f}x |")
+                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {row['vs_compute']:.2f}x | {bound} |")
   return "\n".join(lines)
 
 
