@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import io_alone  # noqa: E402
+from bench_step import io_alone, median_step  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -229,14 +229,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
                                 pinned_budget=args.pinned_budget << 20,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}"))
       state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)
-      times = []
-      for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        state, metrics = zinfjax.train_step(state, batch, lm_loss)
-        jax.block_until_ready(metrics)
-        if i:
-          times.append(time.perf_counter() - t0)
-      step = statistics.median(times)
+      step, state, metrics = median_step(state, batches, lm_loss)
       rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
                    "tokens_per_s": batch_size * config.seq_len / step, "tflops": flops / step / 1e12,
                    "mfu": flops / step / 1e12 / peak_tflops, "loss": float(metrics["loss"])})

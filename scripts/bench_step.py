@@ -80,14 +80,7 @@ def main(argv=None) -> int:
                               offload_optimizer=optimizer, pinned_budget=args.pinned_budget << 20,
                               nvme_path=os.path.join(root, tag))
     state = zinfjax.init(lambda r: GPT(config, rngs=r), tx, zero, mesh, 0)
-    times, metrics = [], {}
-    for i, batch in enumerate(batches):
-      t0 = time.perf_counter()
-      state, metrics = zinfjax.train_step(state, batch, lm_loss)
-      jax.block_until_ready(metrics)
-      if i:
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), state, metrics
+    return median_step(state, batches, lm_loss)
 
   results = {}
   step_device, state, _ = timed_steps("device", "device", "device")
@@ -146,6 +139,20 @@ def main(argv=None) -> int:
   print(f"| I/O alone | {io['seconds']:.3f} | {io['seconds'] / compute:.2f}x | {io['seconds'] / bound:.2f}x |")
   state.engine.store.close()
   return 0
+
+
+def median_step(state, batches, loss_fn) -> tuple:
+  """(median seconds of every step after the first, final state, last metrics)."""
+  import jax
+  import zinfjax
+  times, metrics = [], {}
+  for i, batch in enumerate(batches):
+    t0 = time.perf_counter()
+    state, metrics = zinfjax.train_step(state, batch, loss_fn)
+    jax.block_until_ready(metrics)
+    if i:
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times), state, metrics
 
 
 def io_alone(store) -> dict:
