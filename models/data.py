@@ -45,14 +45,30 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
   if not os.path.isfile(path):
     raise FileNotFoundError(
         f"no data file at {path!r}; pass --data with a text file or a uint16 .bin token file.")
+  size = os.path.getsize(path)
+  if size == 0:
+    raise ValueError(f"data file {path} is empty: give a text file or a uint16 .bin token file.")
   if path.endswith(".bin"):
+    if size % 2:
+      raise ValueError(
+          f"data file {path} has {size} bytes, not a whole number of uint16 token ids (2 bytes "
+          "each): it is truncated, or not a nanoGPT-style .bin token file.")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     vocab = vocab_size or 50257
     if len(tokens) and int(tokens.max()) >= vocab:
       raise ValueError(f"{path} holds token id {int(tokens.max())} >= vocab_size {vocab}.")
     return tokens, vocab
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise ValueError(
+        f"data file {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}): "
+        "convert it (e.g. `iconv -f latin1 -t utf-8`), or give a uint16 .bin token file with a "
+        "name ending in .bin.") from None
+  if "\x00" in text:
+    raise ValueError(f"data file {path} holds NUL bytes: it looks binary, not text. A token file "
+                     "must be uint16 ids with a name ending in .bin.")
   tokenizer = CharTokenizer.from_text(text)
   return tokenizer.encode(text), tokenizer.vocab_size
 

@@ -117,7 +117,10 @@ def main(argv=None) -> int:
   say = print if main_process else (lambda *a, **k: None)
   if (args.save_every or args.resume) and not args.checkpoint_dir:
     raise SystemExit("error: --save-every and --resume need --checkpoint-dir.")
-  tokens, vocab = load_tokens(args.data)
+  try:
+    tokens, vocab = load_tokens(args.data)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"error: {e}") from None
   config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
                       num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
   try:

@@ -94,6 +94,21 @@ def test_missing_data_file_names_the_flag(tmp_path):
     load_tokens(tmp_path / "nope.txt")
 
 
+@pytest.mark.parametrize("name,content,problem", [
+    ("empty.txt", b"", "is empty"),
+    ("empty.bin", b"", "is empty"),
+    ("odd.bin", b"\x01\x00\x02", "has 3 bytes, not a whole number of uint16"),
+    ("latin1.txt", "caf\u00e9 cr\u00e8me".encode("latin-1"), "is not UTF-8 text \\(byte 3"),
+    ("binary.txt", b"ab\x00\x00cd", "holds NUL bytes"),
+])
+def test_bad_data_files_name_the_file_and_the_problem(tmp_path, name, content, problem):
+  path = tmp_path / name
+  path.write_bytes(content)
+  with pytest.raises(ValueError, match=problem) as e:
+    load_tokens(path)
+  assert str(path) in str(e.value)
+
+
 def test_presets_cover_the_paper():
   for name, (layers, hidden) in {"10b": (50, 4096), "1t": (128, 25600), "gpt2-xl": (48, 1600)}.items():
     c = get_config(name)

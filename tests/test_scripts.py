@@ -115,3 +115,16 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
                            "gpu-tests"], capture_output=True, text=True, timeout=300, cwd=REPO)
   assert failed.returncode != 0
   assert 'FAILED in stage "gpu-tests"' in failed.stdout
+
+
+def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
+  """A Latin-1 text file stops the CLI before any compute with the file and the problem named,
+  not a UnicodeDecodeError traceback."""
+  path = tmp_path / "latin1.txt"
+  path.write_bytes("na\u00efve caf\u00e9\n".encode("latin-1") * 100)
+  done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny",
+                         "--steps", "1", "--data", str(path)], capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode != 0
+  assert f"error: data file {path} is not UTF-8 text" in done.stderr
+  assert "Traceback" not in done.stderr
