@@ -79,6 +79,30 @@ def test_striping_spreads_blocks_over_paths(tmp_path):
   assert all(size >= 4 * (16 << 10) for size in sizes), sizes  # every drive holds stripes
 
 
+def test_every_stripe_folder_is_locked(tmp_path):
+  """A second store sharing any stripe folder with a live one is refused (naming that folder),
+  and takes no lock on the folders it did get to."""
+  x, y, z = (tmp_path / n for n in "xyz")
+  first = AioStore([x, y], block_size=16 << 10)
+  with pytest.raises(StoreLockedError, match=f"swap folder {y}/rank0 is in use by another process "
+                                             f"\\(pid {os.getpid()}\\)"):
+    AioStore([z, y], block_size=16 << 10)
+  AioStore([z], block_size=16 << 10).close()  # z was released when the second store failed
+  first.close()
+  AioStore([x, y], block_size=16 << 10).close()  # and close() releases every folder
+
+
+def test_a_folder_named_twice_is_refused(tmp_path):
+  """The same folder twice (or through a link) would stripe over itself and corrupt the store."""
+  d = tmp_path / "d"
+  with pytest.raises(EngineError, match="names the folder .* twice"):
+    AioStore([d, d])
+  (tmp_path / "link").symlink_to(d)
+  with pytest.raises(EngineError, match="names the folder .* twice"):
+    AioStore([d, tmp_path / "link"])
+  AioStore([d]).close()  # nothing left locked
+
+
 def test_manifest_survives_reopen(tmp_path):
   a = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
   s = AioStore(tmp_path, rank=3)

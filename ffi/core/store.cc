@@ -9,6 +9,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <climits>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -100,21 +101,37 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
                                  " is not writable (choose a writable nvme_path)", errno));
     folders_.push_back(folder);
   }
-  std::string lock_path = folders_[0] + "/.lock";
-  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock_fd_ < 0) throw EngineError(SysError("cannot open lock file " + lock_path, errno));
-  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+  // every stripe folder is this store's alone: refuse one named twice, lock each
+  std::map<std::string, std::string> real;
+  for (const auto& folder : folders_) {
+    char buf[PATH_MAX];
+    std::string r = realpath(folder.c_str(), buf) ? std::string(buf) : folder;
+    auto [it, fresh] = real.emplace(r, folder);
+    if (!fresh)
+      throw EngineError("nvme_path names the folder " + r + " twice (as " + it->second + " and " +
+                        folder + "); give each stripe its own folder, ideally on its own drive");
+  }
+  for (const auto& folder : folders_) {
+    std::string lock_path = folder + "/.lock";
+    int fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    int err = errno;
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      std::string pid = std::to_string(getpid());
+      if (ftruncate(fd, 0) == 0 && pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+        // the pid is only informative
+      }
+      lock_fds_.push_back(fd);
+      continue;
+    }
     char owner[32] = {0};
-    ssize_t n = pread(lock_fd_, owner, sizeof(owner) - 1, 0);
-    close(lock_fd_);
-    lock_fd_ = -1;
-    throw StoreLocked("swap folder " + folders_[0] + " is in use by another process (pid " +
+    ssize_t n = fd >= 0 ? pread(fd, owner, sizeof(owner) - 1, 0) : -1;
+    if (fd >= 0) close(fd);
+    for (int held : lock_fds_) close(held);  // the constructor fails: release what it took
+    lock_fds_.clear();
+    if (fd < 0) throw EngineError(SysError("cannot open lock file " + lock_path, err));
+    throw StoreLocked("swap folder " + folder + " is in use by another process (pid " +
                       (n > 0 ? std::string(owner) : std::string("unknown")) +
                       "); give each process its own nvme_path or rank");
-  }
-  std::string pid = std::to_string(getpid());
-  if (ftruncate(lock_fd_, 0) == 0 && pwrite(lock_fd_, pid.data(), pid.size(), 0) < 0) {
-    // the pid is only informative
   }
 
   direct_ = config_.direct;
@@ -195,9 +212,9 @@ SwapStore::~SwapStore() {
   } catch (...) {
   }
   for (int fd : fds_) close(fd);
-  if (lock_fd_ >= 0) {
-    flock(lock_fd_, LOCK_UN);
-    close(lock_fd_);
+  for (int fd : lock_fds_) {
+    flock(fd, LOCK_UN);
+    close(fd);
   }
 }
 

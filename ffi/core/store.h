@@ -4,7 +4,8 @@
 // preallocated file swap.bin; the logical space is striped over those files
 // in units of `block_size` (RAID 0), so several drives add up. The first
 // folder also holds the manifest (key, dtype, shape, offset, bytes, checksum
-// per shard) and a lock file that keeps a second process out.
+// per shard); every folder holds a lock file that keeps a second process out,
+// and a folder named twice is refused.
 //
 // Writes and reads are jobs on I/O driver threads and return tickets; Wait
 // rethrows a job's error. Every read is checked against the manifest: a
@@ -199,7 +200,7 @@ class SwapStore {
   std::vector<std::string> folders_;
   std::vector<int> fds_;
   std::vector<uint64_t> file_sizes_;  // bytes allocated per stripe file
-  int lock_fd_ = -1;
+  std::vector<int> lock_fds_;  // one flock per stripe folder
   bool direct_ = true;
   std::string backend_name_;
   std::unique_ptr<PinnedPool> pool_;
