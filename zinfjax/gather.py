@@ -99,7 +99,7 @@ def _fetch_from_bwd(layout, axis_name, tier, nvme, anchor, g):
   if tier != "nvme":
     return (tiers.to_tier(g, tier),)
   token = nvme[1].write(g, tiers.rank(axis_name)).astype(jnp.float32)
-  return (jnp.stack([token, _sum_squares(g, layout, axis_name)]).reshape(anchor.shape),)
+  return (jnp.stack([token, sum_squares_share(g, layout, axis_name)]).reshape(anchor.shape),)
 
 
 fetch_from.defvjp(_fetch_from_fwd, _fetch_from_bwd)
@@ -288,7 +288,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
     token = tiers.write_layer(jax.tree.leaves(plan.grad_nvme), jax.tree.leaves(g_shard), rank,
                               layer).astype(jnp.float32)
     sums = jax.tree.map(
-        lambda s, x, lay: s + jnp.stack([token, _sum_squares(x, lay, plan.axis_name)]),
+        lambda s, x, lay: s + jnp.stack([token, sum_squares_share(x, lay, plan.axis_name)]),
         sums, g_shard, plan.layouts, is_leaf=is_layout)
     return (g_h, state, sums), None
 
@@ -301,7 +301,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
   return g_shards, g_x
 
 
-def _sum_squares(g: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:
+def sum_squares_share(g: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:
   """This rank's share of the squared gradient norm (whole leaves count 1/dp per rank)."""
   s = jnp.sum(jnp.square(g.astype(jnp.float32)))
   return s if layout.axis is not None else s / lax.axis_size(axis_name)

@@ -111,10 +111,9 @@ def sum_squares(plan: Plan, grads: Any) -> jax.Array:
   NVMe anchors summed locally (a whole leaf counts 1/dp on each rank), then one psum."""
   total = jnp.float32(0)
   for leaf, parts in zip(plan.leaves, plan.flatten(grads)):
-    whole = 1.0 if leaf.layout.axis is not None else 1.0 / plan.dp
     for seg, g in zip(leaf.params, parts):
       if seg.tier == "nvme":
         total = total + jnp.sum(g[:, 1])
       else:
-        total = total + whole * jnp.sum(jnp.square(tiers.to_device(g, seg.tier).astype(jnp.float32)))
+        total = total + G.sum_squares_share(tiers.to_device(g, seg.tier), leaf.layout, plan.axis)
   return lax.psum(total, plan.axis)

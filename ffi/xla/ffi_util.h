@@ -45,10 +45,6 @@ inline std::vector<int64_t> Dims(const xla::ffi::AnyBuffer& b) {
   return std::vector<int64_t>(d.begin(), d.end());
 }
 
-// Runs `body(store)` on the swap store behind `handle`; `body` returns void or
-// an ffi::Error. Handlers never throw: an exception becomes an ffi::Error or,
-// for a store in deferred-error mode, is recorded for the caller to raise once
-// the program is done (so the other ranks never wait on a failed one).
 // How handlers find a store by handle. A module that links its own copy of the
 // core (the CUDA handlers) points this at the table of the module that opened
 // the stores (zinfjax._engine), which is the only one Python registers into.
@@ -58,6 +54,10 @@ inline StoreLookupFn& StoreLookup() {
   return fn;
 }
 
+// Runs `body(store)` on the swap store behind `handle`; `body` returns void or
+// an ffi::Error. Handlers never throw: an exception becomes an ffi::Error or,
+// for a store in deferred-error mode, is recorded for the caller to raise once
+// the program is done (so the other ranks never wait on a failed one).
 template <typename F>
 xla::ffi::Error WithStore(int64_t handle, F&& body) {
   std::shared_ptr<SwapStore> store = StoreLookup()(handle);

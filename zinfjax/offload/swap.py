@@ -13,6 +13,7 @@ of the write they depend on: XLA orders custom calls only through data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any, Sequence
 
@@ -49,6 +50,7 @@ def layer_at(layers: Sequence[int], i, *, reverse: bool = False) -> Layer:
   return Layer(jnp.asarray(layers)[i], tuple(int(x) for x in order))
 
 
+@functools.lru_cache(maxsize=64)
 def rank_table(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
   """This process's devices' ranks on `axis`, as flat (device ordinal, rank) pairs.
 
