@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step import io_alone, median_step  # noqa: E402
@@ -48,6 +49,8 @@ def parse_args(argv=None):
                  help="MiB of page-locked buffers the store keeps (hold a few layers: buffers it "
                       "cannot keep are unpinned and pinned again)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
+  p.add_argument("--sections", default="copies,matmul,disk,steps",
+                 help="comma-separated parts to run (a failing part is recorded and the rest run)")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
   args = p.parse_args(argv)
   if args.tiny:
@@ -203,7 +206,8 @@ def disk(folder: str, nbytes: int) -> dict:
           "store_backend": backend}
 
 
-def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
+def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved) -> list[dict]:
+  """GPT steps at each placement and token count; `rows` grows and `saved()` runs after each."""
   import numpy as np
   import zinfjax
   from zinfjax.models import GPT, get_config, lm_loss
@@ -211,7 +215,6 @@ def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
                       seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
   mesh = zinfjax.make_mesh(1)
   n_params = config.num_params
-  rows = []
   nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
   for tokens in [int(t) for t in args.tokens.split(",")]:
     batch_size = max(1, tokens // config.seq_len)
@@ -228,20 +231,31 @@ def gpt_steps(jax, args, peak_tflops: float, root: str) -> list[dict]:
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}"))
-      state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)
-      step, state, metrics = median_step(state, batches, lm_loss)
-      rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
-                   "tokens_per_s": batch_size * config.seq_len / step, "tflops": flops / step / 1e12,
-                   "mfu": flops / step / 1e12 / peak_tflops, "loss": float(metrics["loss"])})
-      if param == "nvme":  # the same bytes through the store with nothing else running
-        rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
-      print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)
-      if state.engine.store is not None:
+      state = None
+      try:
+        state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)
+        step, state, metrics = median_step(state, batches, lm_loss)
+        rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
+                     "tokens_per_s": batch_size * config.seq_len / step,
+                     "tflops": flops / step / 1e12, "mfu": flops / step / 1e12 / peak_tflops,
+                     "loss": float(metrics["loss"])})
+        if param == "nvme":  # the same bytes through the store with nothing else running
+          rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
+        print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)
+      except Exception as e:  # noqa: BLE001  (the other rows still run)
+        traceback.print_exc()
+        rows.append({"tokens": batch_size * config.seq_len, "placement": name,
+                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
+      saved()
+      if state is not None and state.engine.store is not None:
         state.engine.store.close()
       del state
       gc.collect()
   for row in rows:
-    base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"].startswith("all")]
+    base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"].startswith("all")
+            and "step_s" in r]
+    if "step_s" not in row or not base:
+      continue
     row["vs_compute"] = row["step_s"] / base[0]["step_s"]
     if "io_alone_s" in row:
       row["vs_bound"] = row["step_s"] / max(base[0]["step_s"], row["io_alone_s"])
@@ -259,46 +273,79 @@ def main(argv=None) -> int:
   nbytes = args.copy_mib << 20
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
   result = {"device": device.device_kind, "platform": device.platform}
-  result["ceiling"] = ceiling_copy(nbytes) if device.platform == "gpu" else {"tool": "n/a (no GPU)"}
-  print(f"copies: ceiling {result['ceiling']}", flush=True)
-  result["memory_kinds"] = memory_kind_copies(jax, nbytes)
-  result["swap"] = swap_copies(jax, nbytes, shm)
-  print(f"copies: memory kinds {result['memory_kinds']}, swap {result['swap']}", flush=True)
+  path = os.path.join(args.out, "bench_gpu.json")
+  sections = set(args.sections.split(","))
+
+  def saved() -> None:
+    with open(path, "w") as f:
+      json.dump(result, f, indent=1)
+
+  def part(name: str, fn) -> None:
+    """Runs one part; a failure is recorded (with its traceback) and the next part runs."""
+    if name.split(".")[0] not in sections:
+      return
+    t0 = time.perf_counter()
+    try:
+      result[name.split(".")[-1]] = fn()
+    except Exception:  # noqa: BLE001  (the whole table is worth more than one part)
+      result.setdefault("errors", {})[name] = traceback.format_exc()
+      print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
+    print(f"[{name}: {time.perf_counter() - t0:.0f} s] {str(result.get(name.split('.')[-1], ''))[:300]}",
+          flush=True)
+    saved()  # after every part: a run cut short keeps what it measured
+
+  part("copies.ceiling", lambda: ceiling_copy(nbytes) if device.platform == "gpu"
+       else {"tool": "n/a (no GPU)"})
+  part("copies.memory_kinds", lambda: memory_kind_copies(jax, nbytes))
+  part("copies.swap", lambda: swap_copies(jax, nbytes, shm))
   result["matmul_n"] = 256 if args.tiny else 8192
-  result["matmul_tflops"] = matmul_rate(jax, result["matmul_n"])
-  print(f"bf16 matmul: {result['matmul_tflops']:.1f} TFLOP/s", flush=True)
-  result["disk"] = disk(root, 64 << 20 if args.tiny else 4 << 30)
-  print(f"disk: {result['disk']}", flush=True)
-  result["steps"] = gpt_steps(jax, args, result["matmul_tflops"], root)
-  with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  part("matmul.matmul_tflops", lambda: matmul_rate(jax, result["matmul_n"]))
+  part("disk.disk", lambda: disk(root, 64 << 20 if args.tiny else 4 << 30))
+
+  result["steps"] = []
+  part("steps.steps", lambda: gpt_steps(jax, args, result.get("matmul_tflops") or 1.0, root,
+                                         result["steps"], saved))
   print(table(result))
-  return 0
+  return 1 if result.get("errors") else 0
 
 
 def table(r: dict) -> str:
-  c, k, s, d = r["ceiling"], r["memory_kinds"], r["swap"], r["disk"]
+  """The run's table in Markdown; parts that failed or did not run are left out."""
+  c, k, s, d = (r.get(n, {}) for n in ("ceiling", "memory_kinds", "swap", "disk"))
   ratio = lambda x, key: f"{x / c[key]:.2f}x" if key in c else "n/a"
+  cell = lambda x, key: f"{x:.1f} ({ratio(x, key)})"
   lines = [f"\n{r['device']}: host <-> device GB/s (ratio to the pinned cudaMemcpyAsync ceiling)",
            "| path | host->device | device->host |", "|---|---|---|"]
   if "h2d" in c:
     lines.append(f"| {c['tool']} (ceiling) | {c['h2d']:.1f} | {c['d2h']:.1f} |")
-  lines += [f"| jax.device_put memory kinds, eager | {k['eager_h2d']:.1f} ({ratio(k['eager_h2d'], 'h2d')}) "
-            f"| {k['eager_d2h']:.1f} ({ratio(k['eager_d2h'], 'd2h')}) |",
-            f"| memory kinds inside jit (+1 elementwise pass) | {k['jit_h2d']:.1f} ({ratio(k['jit_h2d'], 'h2d')}) "
-            f"| {k['jit_d2h']:.1f} ({ratio(k['jit_d2h'], 'd2h')}) |",
-            f"| zinfjax swap handlers, store in /dev/shm | {s['store_then_h2d']:.1f} "
-            f"({ratio(s['store_then_h2d'], 'h2d')}) | {s['d2h_then_store']:.1f} ({ratio(s['d2h_then_store'], 'd2h')}) |",
-            f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s; disk: {d['ceiling_tool']} write "
-            f"{d['ceiling_write']:.2f} / read {d['ceiling_read']:.2f} GB/s, zinfjax store "
-            f"({d['store_backend']}) write {d['store_write']:.2f} / read {d['store_read']:.2f} GB/s\n",
-            "| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU | vs all on device "
-            "| vs max(compute, I/O alone) |", "|---|---|---|---|---|---|---|---|"]
-  for row in r["steps"]:
+  if k:
+    lines += [f"| jax.device_put memory kinds, eager | {cell(k['eager_h2d'], 'h2d')} "
+              f"| {cell(k['eager_d2h'], 'd2h')} |",
+              f"| memory kinds inside jit (+1 elementwise pass) | {cell(k['jit_h2d'], 'h2d')} "
+              f"| {cell(k['jit_d2h'], 'd2h')} |"]
+  if s:
+    lines.append(f"| zinfjax swap handlers, store in /dev/shm | {cell(s['store_then_h2d'], 'h2d')} "
+                 f"| {cell(s['d2h_then_store'], 'd2h')} |")
+  if "matmul_tflops" in r:
+    lines.append(f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s")
+  if d:
+    lines.append(f"\ndisk: {d['ceiling_tool']} write {d['ceiling_write']:.2f} / read "
+                 f"{d['ceiling_read']:.2f} GB/s, zinfjax store ({d['store_backend']}) write "
+                 f"{d['store_write']:.2f} / read {d['store_read']:.2f} GB/s")
+  if r.get("steps"):
+    lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU | vs all on device "
+              "| vs max(compute, I/O alone) |", "|---|---|---|---|---|---|---|---|"]
+  for row in r.get("steps", []):
+    if "error" in row:
+      lines.append(f"| {row['tokens']} | {row['placement']} | failed: {row['error']} |")
+      continue
     bound = (f"{row['vs_bound']:.2f}x (I/O alone {row['io_alone_s']:.2f} s)" if "vs_bound" in row
              else "")
+    vs = f"{row['vs_compute']:.2f}x" if "vs_compute" in row else ""
     lines.append(f"| {row['tokens']} | {row['placement']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {row['vs_compute']:.2f}x | {bound} |")
+                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {vs} | {bound} |")
+  for name, tb in r.get("errors", {}).items():
+    lines.append(f"\n{name} failed: {tb.strip().splitlines()[-1]}")
   return "\n".join(lines)
 
 

@@ -24,6 +24,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# grow GPU memory on demand: the tests start workers beside the pytest process, and peaks are read
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if [[ -z "${CUDAToolkit_ROOT:-}" && -d /usr/local/cuda ]]; then export CUDAToolkit_ROOT=/usr/local/cuda; fi
 STAGE=start
 T0=$(date +%s)
@@ -72,7 +75,9 @@ if want gpu-tests; then
   if [[ $DRY == 0 ]]; then
     (cd /tmp && $PY -c "import jax; assert jax.devices('gpu'), 'jax sees no GPU'")
   fi
-  run gpu_tests.log 600 $PY -P -m pytest -q -p no:cacheprovider tests/gpu -ra
+  per_test=()  # a hang fails its test, not the whole check
+  if $PY -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 240); fi
+  run gpu_tests.log 450 $PY -P -m pytest -q -p no:cacheprovider tests/gpu -ra "${per_test[@]}"
   if [[ $DRY == 0 ]] && grep -qE "[0-9]+ skipped" "$OUT/gpu_tests.log"; then
     note "GPU tests were skipped on a GPU machine: see gpu_tests.log"
     false

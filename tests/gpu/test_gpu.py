@@ -29,6 +29,59 @@ TIERS = ("device", "pinned_host", "nvme")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def test_cuda_handlers_are_registered():
+  from zinfjax import _engine_cuda
+  assert _engine_cuda.device_count() >= 1
+
+
+def test_cuda_swap_handlers_are_bit_exact_against_the_cpu_store(tmp_path, gpu_mesh):
+  """Shards written by the CUDA handlers read back bit-exactly through the host store API, and
+  shards the host wrote stream into the GPU (prefetching scan) bit-exactly."""
+  store = AioStore(tmp_path, block_size=64 << 10)
+  gpu = gpu_mesh.devices.flat[0]
+  rng = np.random.default_rng(0)
+  specs = [((5, 33), np.float32), ((1000,), jnp.bfloat16), ((7, 3), np.float16), ((4097,), np.int8)]
+  host = [(rng.normal(size=(4,) + s) * 20).astype(d) for s, d in specs]
+  keys = ["gpu/a", "gpu/b", "gpu/c", "gpu/d"]
+  layer = lambda i: swap.layer_at(range(4), i)
+
+  @jax.jit
+  def put(leaves):
+    def one(token, i):
+      return token + swap.write_many(store.handle, keys, [x[i] for x in leaves], layer=layer(i)), None
+    return jax.lax.scan(one, jnp.int32(0), jnp.arange(4))[0]
+
+  jax.block_until_ready(put(jax.device_put(host, gpu)))
+  for k, x in zip(keys, host):
+    for i in range(4):
+      got = store.read(f"{k}/r0/l{i}").wait()
+      assert np.asarray(got).tobytes() == x[i].tobytes(), (k, i)
+
+  fresh = [(rng.normal(size=(4,) + s) * 20).astype(d) for s, d in specs]
+  for k, x in zip(keys, fresh):
+    for i in range(4):
+      store.write(f"{k}/r0/l{i}", x[i]).wait()
+  likes = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
+  nxt = np.minimum(np.arange(4) + 1, 3)
+
+  @jax.jit
+  def stream(token):
+    def get(ticket, i):
+      xs = swap.read_wait_many(store.handle, keys, ticket, likes, layer=layer(i))
+      return swap.read_start_many(store.handle, keys, token, layer=swap.layer_at(nxt, i)), xs
+    last, ys = jax.lax.scan(get, swap.read_start_many(store.handle, keys, token, layer=0),
+                            jnp.arange(4))
+    swap.read_wait_many(store.handle, keys, last, likes, layer=3)
+    return ys
+
+  for _ in range(2):  # the second run reuses the pinned buffers the first gave back
+    ys = stream(jax.device_put(jnp.int32(0), gpu))
+    assert all(y.devices() == {gpu} for y in ys)
+    for y, x in zip(ys, fresh):
+      assert np.asarray(y).tobytes() == x.tobytes()
+  store.close()
+
+
 def schedule():
   return optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, STEPS)
 
@@ -84,56 +137,3 @@ def test_host_tiers_save_hbm(tmp_path):
   assert moved > 1 << 30
   assert saved > 0.7 * moved, (on_device, on_host)
   assert on_host["losses"][-1] < on_host["losses"][0]
-
-
-def test_cuda_swap_handlers_are_bit_exact_against_the_cpu_store(tmp_path, gpu_mesh):
-  """Shards written by the CUDA handlers read back bit-exactly through the host store API, and
-  shards the host wrote stream into the GPU (prefetching scan) bit-exactly."""
-  store = AioStore(tmp_path, block_size=64 << 10)
-  gpu = gpu_mesh.devices.flat[0]
-  rng = np.random.default_rng(0)
-  specs = [((5, 33), np.float32), ((1000,), jnp.bfloat16), ((7, 3), np.float16), ((4097,), np.int8)]
-  host = [(rng.normal(size=(4,) + s) * 20).astype(d) for s, d in specs]
-  keys = ["gpu/a", "gpu/b", "gpu/c", "gpu/d"]
-  layer = lambda i: swap.layer_at(range(4), i)
-
-  @jax.jit
-  def put(leaves):
-    def one(token, i):
-      return token + swap.write_many(store.handle, keys, [x[i] for x in leaves], layer=layer(i)), None
-    return jax.lax.scan(one, jnp.int32(0), jnp.arange(4))[0]
-
-  jax.block_until_ready(put(jax.device_put(host, gpu)))
-  for k, x in zip(keys, host):
-    for i in range(4):
-      got = store.read(f"{k}/r0/l{i}").wait()
-      assert np.asarray(got).tobytes() == x[i].tobytes(), (k, i)
-
-  fresh = [(rng.normal(size=(4,) + s) * 20).astype(d) for s, d in specs]
-  for k, x in zip(keys, fresh):
-    for i in range(4):
-      store.write(f"{k}/r0/l{i}", x[i]).wait()
-  likes = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
-  nxt = np.minimum(np.arange(4) + 1, 3)
-
-  @jax.jit
-  def stream(token):
-    def get(ticket, i):
-      xs = swap.read_wait_many(store.handle, keys, ticket, likes, layer=layer(i))
-      return swap.read_start_many(store.handle, keys, token, layer=swap.layer_at(nxt, i)), xs
-    last, ys = jax.lax.scan(get, swap.read_start_many(store.handle, keys, token, layer=0),
-                            jnp.arange(4))
-    swap.read_wait_many(store.handle, keys, last, likes, layer=3)
-    return ys
-
-  for _ in range(2):  # the second run reuses the pinned buffers the first gave back
-    ys = stream(jax.device_put(jnp.int32(0), gpu))
-    assert all(y.devices() == {gpu} for y in ys)
-    for y, x in zip(ys, fresh):
-      assert np.asarray(y).tobytes() == x.tobytes()
-  store.close()
-
-
-def test_cuda_handlers_are_registered():
-  from zinfjax import _engine_cuda
-  assert _engine_cuda.device_count() >= 1
