@@ -45,7 +45,7 @@ def parse_args(argv=None):
   p.add_argument("--nvme-tokens", default="16384", help="token counts also run on NVMe")
   p.add_argument("--nvme-path", default=None, help="swap store folder (default: a temp folder)")
   p.add_argument("--copy-mib", type=int, default=1024, help="bytes per host<->device copy")
-  p.add_argument("--pinned-budget", type=int, default=2048,
+  p.add_argument("--pinned-budget", type=int, default=8192,
                  help="MiB of page-locked buffers the store keeps (hold a few layers: buffers it "
                       "cannot keep are unpinned and pinned again)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")

@@ -7,7 +7,7 @@ back, past the page cache (O_DIRECT, or the cache dropped for buffered
 writers), and checks the bytes. The disk's ceiling is measured in the same
 run with fio (the best of io_uring 2 jobs x QD32 and psync 16 jobs, 1 MiB
 blocks, O_DIRECT) when it is installed,
-else with dd (O_DIRECT, 16 MiB blocks).
+else with O_DIRECT pwrite/pread from 8 threads (8 MiB blocks).
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -106,6 +108,18 @@ ffi::Error Check(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("zinfjax CUDA swap: ") + what + ": " + cudaGetErrorString(err));
 }
 
+// ZINFJAX_SWAP_TRACE=1: one stderr line per handler call (the schedule as the host sees it).
+std::vector<std::string> TracedKeys(const char* what, const SwapSite& at, int32_t ordinal,
+                                    ffi::RunId run) {
+  static const bool tracing = std::getenv("ZINFJAX_SWAP_TRACE") != nullptr;
+  std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
+  if (tracing)
+    std::fprintf(stderr, "zinfjax swap %s site=%lld ordinal=%d run=%lld key0=%s\n", what,
+                 static_cast<long long>(at.site), ordinal, static_cast<long long>(run.run_id),
+                 keys.empty() ? "" : keys.front().c_str());
+  return keys;
+}
+
 std::shared_ptr<SwapStore> Prepared(const SwapSite& at) {
   returns().Drain();
   std::shared_ptr<SwapStore> store = StoreLookup()(at.store);
@@ -118,7 +132,7 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                          ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
+    std::vector<std::string> keys = TracedKeys("write", at, ordinal, run);
     if (keys.size() != xs.size())
       throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
                         std::to_string(keys.size()) + " keys");
@@ -149,7 +163,7 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId ru
                              ffi::ResultBuffer<ffi::S32> ticket, SwapSite at) {
   Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
+    std::vector<std::string> keys = TracedKeys("start", at, ordinal, run);
     ProcessOwnedReads().Put(at.store, keys.front(), s.ReadOwnedAsync(keys, /*urgent=*/true));
     return Check(cudaMemsetAsync(ticket->typed_data(), 0, sizeof(int32_t), stream), "ticket");
   });
@@ -160,7 +174,7 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run
                             ffi::RemainingRets ys, SwapSite at) {
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
+    std::vector<std::string> keys = TracedKeys("wait", at, ordinal, run);
     auto ticket = ProcessOwnedReads().Take(at.store, keys.front());
     if (!ticket)
       throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + keys.front() +

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import jax
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 
 from ..offload import tiers
 from .hyper import AdamHyper
@@ -32,6 +32,16 @@ class HostAdamState(NamedTuple):
 
 
 Updated = tuple[list, list, list, list]  # new masters, moments, compute params
+
+
+def on_host(out_memory_spaces):
+  """`f` as one computation on the host CPU (XLA's `device_host`), outputs in host memory.
+
+  The API moved: jax 0.10 spells it `compute_on2(compute_type=, out_memory_spaces=)`; jax 0.11
+  renamed that `compute_on` (the older `compute_on("device_host")` context manager is gone).
+  """
+  fn = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
+  return fn(compute_type="device_host", out_memory_spaces=out_memory_spaces)
 
 
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
@@ -52,8 +62,7 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
   lr, bc1, bc2 = scalars
   grads = [tiers.to_tier(g, "pinned_host") for g in grads]
 
-  @compute_on("device_host")
-  @jax.jit
+  @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
   def update(masters, mus, nus, grads, lr, bc1, bc2):
     out = [adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
            for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
