@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .grads import LossFn, local_loss_and_grads, nvme_leaf, sum_squares
 from .ordering import needs_order, ordered_collectives
-from .offload import tiers
+from .offload import swap, tiers
 from .optim.host import UPDATES, HostAdamState
 from .optim.hyper import clip_scale
 from .optim.pipeline import GradGate
@@ -216,7 +216,8 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   grad_shardings = (None if not host_grads else
                     jax.tree.map(lambda x: x.sharding, state.params))
   jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, rep, grad_shardings),
-                   in_shardings=(shardings, NamedSharding(mesh, P(axis))))
+                   in_shardings=(shardings, NamedSharding(mesh, P(axis))),
+                   compiler_options=swap.compiler_options(mesh) if store is not None else None)
   if pipeline is None:
     def run(state, batch):
       new, metrics, _ = checked(engine, jitted(state, shard_batch(engine, batch)))

@@ -69,6 +69,19 @@ def rank_table(mesh: jax.sharding.Mesh, axis: str) -> tuple[int, ...]:
   return tuple(x for pair in sorted(ranks.items()) for x in pair)
 
 
+def compiler_options(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """XLA options for a program with swap calls on `mesh`'s devices (for `jax.jit`).
+
+  XLA:GPU's dynamic-slice fusion moves a custom call whose result feeds a
+  dynamic-update-slice (a scan's stacked output, e.g. `lax.map` over reads)
+  into a fusion that writes the slice in place, and keeps the original call
+  because it has side effects: the read would run twice per iteration.
+  """
+  if mesh.devices.flat[0].platform == "gpu":
+    return {"xla_gpu_enable_dynamic_slice_fusion": False}
+  return {}
+
+
 def _i32(x) -> jax.Array:
   return jnp.asarray(x, jnp.int32).reshape(())
 

@@ -12,6 +12,7 @@ The NVMe tier streams its states through the host instead: `pipeline.py`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -62,9 +63,15 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
   lr, bc1, bc2 = scalars
   grads = [tiers.to_tier(g, "pinned_host") for g in grads]
 
+  def kernel(m, mu, nu, g, lr, bc1, bc2, wd):
+    if os.environ.get("ZINFJAX_HOST_ADAM") == "jnp":
+      m, mu, nu = adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
+      return m, mu, nu, m.astype(params_dtype)
+    return adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
+
   @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
   def update(masters, mus, nus, grads, lr, bc1, bc2):
-    out = [adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
+    out = [kernel(m, mu, nu, g, lr, bc1, bc2, wd)
            for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
     return [list(x) for x in zip(*out)]
 
