@@ -166,7 +166,8 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
       for tier, update in UPDATES.items():
         idx = [k for k, job in enumerate(jobs) if job[2] == tier]
         res = update(hyper, [engine.decays[jobs[k][0]] for k in idx], scalars, *(
-            [arr[k] for k in idx] for arr in (ms, mus, nus, gs)), plan.compute_dtype)
+            [arr[k] for k in idx] for arr in (ms, mus, nus, gs)), plan.compute_dtype,
+            platform=mesh.devices.flat[0].platform)
         for r, k in enumerate(idx):
           outs[k] = tuple(x[r] for x in res)
       return tuple(tuple(o) for o in outs)

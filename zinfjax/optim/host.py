@@ -12,7 +12,6 @@ The NVMe tier streams its states through the host instead: `pipeline.py`.
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -46,7 +45,7 @@ def on_host(out_memory_spaces):
 
 
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
-                  mus: list, nus: list, grads: list, params_dtype) -> Updated:
+                  mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
   """AdamW on device-resident shards (jnp, bit-identical to optax.adamw)."""
   lr, bc1, bc2 = scalars
   out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
@@ -56,15 +55,20 @@ def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
 
 
 def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
-                  mus: list, nus: list, grads: list, params_dtype) -> Updated:
-  """AdamW on pinned-host shards by the C++ kernel on the CPU; params come back to the device."""
+                  mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
+  """AdamW on pinned-host shards on the CPU; params come back to the device.
+
+  On a CPU mesh the update is the fused C++ kernel. On GPU it is the same math in
+  jnp, compiled by XLA for the host: XLA:GPU compiles host computations in its
+  own plugin, whose FFI registry only takes handlers for the CUDA platform.
+  """
   if not masters:
     return [], [], [], []
   lr, bc1, bc2 = scalars
   grads = [tiers.to_tier(g, "pinned_host") for g in grads]
 
   def kernel(m, mu, nu, g, lr, bc1, bc2, wd):
-    if os.environ.get("ZINFJAX_HOST_ADAM") == "jnp":
+    if platform != "cpu":  # XLA:GPU compiles host code with its own registry: no zinfjax_adamw
       m, mu, nu = adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
       return m, mu, nu, m.astype(params_dtype)
     return adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
