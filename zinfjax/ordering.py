@@ -131,19 +131,43 @@ def _eval(jaxpr, consts, args, last: tuple) -> tuple[list, tuple]:
   return outs, chain[0]
 
 
-def _inner(closed) -> Callable:
-  """A function running `closed` (a ClosedJaxpr) with its collectives ordered inside."""
+def _closed(j) -> jcore.ClosedJaxpr:
+  """A region's jaxpr as a ClosedJaxpr (jax 0.11 keeps loop and call bodies as plain Jaxprs)."""
+  return j if isinstance(j, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(j, ())
+
+
+def _inner(region) -> Callable:
+  """A function running `region` (a Jaxpr or ClosedJaxpr) with its collectives ordered inside."""
+  closed = _closed(region)
   return lambda *a: _eval(closed.jaxpr, closed.consts, list(a), ())[0]
+
+
+def _scan_counts(eqn) -> tuple[int, int]:
+  """(consts, carry) operand counts of a scan equation.
+
+  jax <= 0.10 names them in the params; jax 0.11 does not (its `ft_in` groups
+  them only before differentiation). They follow from the shapes alone:
+  carries are the leading outputs whose shape is the body's (stacked ys gain
+  the `length` axis), and consts and carries are the leading operands whose
+  shape is the body's (stacked xs gain it too).
+  """
+  p = eqn.params
+  if "num_consts" in p:
+    return p["num_consts"], p["num_carry"]
+  body = p["jaxpr"].jaxpr if isinstance(p["jaxpr"], jcore.ClosedJaxpr) else p["jaxpr"]
+  same = lambda outer, inner: [v.aval.shape == w.aval.shape for v, w in zip(outer, inner)]
+  leading = lambda flags: next((k for k, f in enumerate(flags) if not f), len(flags))
+  ncarry = leading(same(eqn.outvars, body.outvars))
+  return leading(same(eqn.invars, body.invars)) - ncarry, ncarry
 
 
 def _region(eqn, invals) -> list:
   """A loop, branch, remat or call holding collectives, rebuilt with them ordered inside."""
   p, name = eqn.params, eqn.primitive.name
   if name in ("pjit", "jit", "closed_call", "core_call"):
-    inner = p["jaxpr"] if isinstance(p["jaxpr"], jcore.ClosedJaxpr) else jcore.ClosedJaxpr(p["jaxpr"], ())
-    return _inner(inner)(*invals)
+    return _inner(p["jaxpr"])(*invals)
   if name == "scan":
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = _scan_counts(eqn)
     consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
     run = _inner(p["jaxpr"])
 
@@ -164,8 +188,7 @@ def _region(eqn, invals) -> list:
     branches = [lambda *o, b=b: _inner(b)(*o) for b in p["branches"]]
     return list(lax.switch(index, branches, *ops))
   if name in ("checkpoint", "remat", "remat2"):
-    inner = jcore.ClosedJaxpr(p["jaxpr"], ())
-    run = jax.checkpoint(_inner(inner), prevent_cse=p.get("prevent_cse", True),
+    run = jax.checkpoint(_inner(p["jaxpr"]), prevent_cse=p.get("prevent_cse", True),
                          policy=p.get("policy"))
     return list(run(*invals))
   return bind(eqn, invals)  # any other region: one unit in the order, its inside as it is

@@ -1,4 +1,4 @@
-"""Trains a ~100M-parameter GPT for 2 steps on one GPU with the given placement and prints
+"""Trains a ~100M-parameter GPT for 2 steps on one batch on one GPU with the given placement and prints
 {"peak_bytes", "tier_bytes", "losses"} as JSON (a fresh process: the GPU's peak only grows).
 
   python tests/gpu/peak_worker.py PARAM_TIER OPTIMIZER_TIER NVME_PATH
@@ -22,10 +22,10 @@ def main(param: str, optimizer: str, nvme: str) -> None:
   state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
                        zinfjax.make_mesh(devices=[gpu]), 0)
   rng = np.random.default_rng(0)
+  batch = {k: rng.integers(0, config.vocab_size, (8, 256)).astype(np.int32)
+           for k in ("inputs", "targets")}
   losses = []
-  for _ in range(2):
-    batch = {k: rng.integers(0, config.vocab_size, (8, 256)).astype(np.int32)
-             for k in ("inputs", "targets")}
+  for _ in range(2):  # the same batch twice: its loss must fall (random tokens need not)
     state, metrics = zinfjax.train_step(state, batch, lm_loss)
     losses.append(float(metrics["loss"]))
   print(json.dumps({"peak_bytes": gpu.memory_stats()["peak_bytes_in_use"],

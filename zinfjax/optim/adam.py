@@ -8,7 +8,7 @@ Its state keeps an fp32 master copy of the params and both moments:
 
 * `offload="device"`: states on the device, updated by XLA (jnp).
 * `offload="pinned_host"`: states in pinned host memory, updated on the CPU by
-  the fused C++ kernel (an XLA custom call under `compute_on("device_host")`).
+  the fused C++ kernel (an XLA custom call on the host, `kernel.on_host`).
 * `offload="nvme"`: states in the swap store under `nvme_path`, streamed
   through the CPU in pipelined sub-groups (see `nvme.py`).
 
@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import io_callback
-from jax.experimental.compute_on import compute_on
 
-from .kernel import AdamConstants, adamw_ffi, adamw_jnp, bias_corrections
+from .kernel import AdamConstants, adamw_host, adamw_jnp, bias_corrections, on_host
 from .nvme import NvmeAdam
 from ..partition import key_name
 from .hyper import AdamHyper, clip_scale, weight_decays
@@ -160,10 +159,10 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
 
     masters, mus, nus = (jax.tree.leaves(getattr(state, k)) for k in ("master", "mu", "nu"))
     if offload == "pinned_host":
-      @compute_on("device_host")
-      @jax.jit
+      platform = jax.default_backend()  # the user's jit runs on the default backend
+      @on_host(out_memory_spaces=[[jax.memory.Space.Host] * len(masters)] * 4)
       def host_update(masters, mus, nus, grads, lr, bc1, bc2):
-        out = [adamw_ffi(*a, lr, bc1, bc2, constants, wd, jnp.result_type(p))
+        out = [adamw_host(*a, lr, bc1, bc2, constants, wd, jnp.result_type(p), platform)
                for *a, wd, p in zip(masters, mus, nus, grads, decays, p_leaves)]
         return [list(x) for x in zip(*out)]
 

@@ -4,7 +4,7 @@ Both run inside the step's `shard_map`, on each rank's local shards:
 
 * `device_update`: XLA on the device (the same math as optax.adamw, in jnp);
 * `pinned_update`: the fused C++ kernel on the CPU next to the states (an XLA
-  custom call under `compute_on("device_host")`); grads go to the host, the
+  custom call on the host, `kernel.on_host`); grads go to the host, the
   new compute params come back to the device.
 
 The NVMe tier streams its states through the host instead: `pipeline.py`.
@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import jax
-from jax.experimental import compute_on as _compute_on
 
 from ..offload import tiers
 from .hyper import AdamHyper
-from .kernel import adamw_ffi, adamw_jnp
+from .kernel import adamw_host, adamw_jnp, on_host
 
 
 class HostAdamState(NamedTuple):
@@ -32,16 +31,6 @@ class HostAdamState(NamedTuple):
 
 
 Updated = tuple[list, list, list, list]  # new masters, moments, compute params
-
-
-def on_host(out_memory_spaces):
-  """`f` as one computation on the host CPU (XLA's `device_host`), outputs in host memory.
-
-  The API moved: jax 0.10 spells it `compute_on2(compute_type=, out_memory_spaces=)`; jax 0.11
-  renamed that `compute_on` (the older `compute_on("device_host")` context manager is gone).
-  """
-  fn = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
-  return fn(compute_type="device_host", out_memory_spaces=out_memory_spaces)
 
 
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
@@ -58,24 +47,17 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
                   mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
   """AdamW on pinned-host shards on the CPU; params come back to the device.
 
-  On a CPU mesh the update is the fused C++ kernel. On GPU it is the same math in
-  jnp, compiled by XLA for the host: XLA:GPU compiles host computations in its
-  own plugin, whose FFI registry only takes handlers for the CUDA platform.
+  The fused C++ kernel on a CPU mesh, the same math in jnp compiled for the host on
+  GPU (`kernel.adamw_host`).
   """
   if not masters:
     return [], [], [], []
   lr, bc1, bc2 = scalars
   grads = [tiers.to_tier(g, "pinned_host") for g in grads]
 
-  def kernel(m, mu, nu, g, lr, bc1, bc2, wd):
-    if platform != "cpu":  # XLA:GPU compiles host code with its own registry: no zinfjax_adamw
-      m, mu, nu = adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
-      return m, mu, nu, m.astype(params_dtype)
-    return adamw_ffi(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype)
-
   @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
   def update(masters, mus, nus, grads, lr, bc1, bc2):
-    out = [kernel(m, mu, nu, g, lr, bc1, bc2, wd)
+    out = [adamw_host(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype, platform)
            for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
     return [list(x) for x in zip(*out)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.experimental import compute_on as _compute_on
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,6 +48,25 @@ def adamw_jnp(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: 
   if weight_decay:
     update = update + weight_decay * master
   return master + update * (-lr), m, v
+
+
+def adamw_host(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
+               params_dtype, platform: str) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """AdamW on one leaf in host memory, inside `on_host`: the fused C++ kernel on CPU
+  platforms; elsewhere the same math in jnp (XLA:GPU compiles host code in its own
+  plugin, whose FFI registry takes handlers for the CUDA platform alone)."""
+  if platform == "cpu":
+    return adamw_ffi(master, m, v, grad, lr, bc1, bc2, c, weight_decay, params_dtype)
+  master, m, v = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay)
+  return master, m, v, master.astype(params_dtype)
+
+
+def on_host(out_memory_spaces):
+  """A decorator: `f` as one computation on the host CPU (XLA's `device_host`), its outputs in
+  the given memory spaces. jax 0.10 spells it `compute_on2(compute_type=, out_memory_spaces=)`;
+  jax 0.11 renamed that `compute_on` (the older context manager is gone)."""
+  fn = getattr(_compute_on, "compute_on2", None) or _compute_on.compute_on
+  return fn(compute_type="device_host", out_memory_spaces=out_memory_spaces)
 
 
 def adamw_ffi(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
