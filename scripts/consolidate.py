@@ -31,6 +31,12 @@ def main(argv=None) -> int:
   import numpy as np
   from zinfjax.checkpoint import Checkpointer, CheckpointError, master_params
 
+  out_dir = os.path.dirname(os.path.abspath(args.output))
+  if os.path.isdir(args.output):
+    raise SystemExit(f"error: the output {args.output} is a directory; give a file name, e.g. "
+                     f"{os.path.join(args.output, 'params.safetensors')}.")
+  if not os.path.isdir(out_dir):
+    raise SystemExit(f"error: the output's folder {out_dir} does not exist; create it first.")
   np_dtype, st_dtype = DTYPES[args.dtype]
   np_dtype = np.dtype(getattr(ml_dtypes, np_dtype, np_dtype))
   try:
@@ -50,12 +56,20 @@ def main(argv=None) -> int:
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)
   tmp = f"{args.output}.tmp-{os.getpid()}"
-  with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)) + blob)
-    for name, array in master_params(args.checkpoint, step):
-      f.write(np.ascontiguousarray(array.astype(np_dtype)).tobytes())
-      print(f"{name.replace('/', '.')}: {list(array.shape)}", flush=True)
-  os.replace(tmp, args.output)  # never a half-written file under the output name
+  try:
+    with open(tmp, "wb") as f:
+      f.write(struct.pack("<Q", len(blob)) + blob)
+      for name, array in master_params(args.checkpoint, step):
+        f.write(np.ascontiguousarray(array.astype(np_dtype)).tobytes())
+        print(f"{name.replace('/', '.')}: {list(array.shape)}", flush=True)
+    os.replace(tmp, args.output)  # never a half-written file under the output name
+  except (CheckpointError, OSError) as e:
+    where = f" writing {args.output}" if isinstance(e, OSError) else ""
+    raise SystemExit(f"error{where}: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+                     f"{'' if isinstance(e, CheckpointError) else ' (nothing was written)'}") from None
+  finally:
+    if os.path.exists(tmp):  # any failure, Ctrl-C included: no temporary file left behind
+      os.remove(tmp)
   print(f"wrote {len(leaves)} tensors ({offset / 2**20:.1f} MiB, {args.dtype}) of step {step} "
         f"to {args.output}")
   return 0

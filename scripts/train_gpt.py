@@ -78,7 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps")
   p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
   p.add_argument("--resume", action="store_true",
-                 help="continue from the latest checkpoint in --checkpoint-dir (if there is one)")
+                 help="continue from the newest checkpoint in --checkpoint-dir that restores (a "
+                      "damaged newer one is skipped, with the reason); none yet: from scratch")
+  p.add_argument("--resume-step", type=int, default=None, metavar="N",
+                 help="continue from the checkpoint of step N (implies --resume)")
   p.add_argument("--distributed", action="store_true",
                  help="join a multi-process run found by JAX's cluster detection (SLURM, Open MPI, "
                       "...); scripts/launch.py sets this up by itself")
@@ -97,8 +100,22 @@ def peak_rss() -> int:
   return 0
 
 
+def check_args(args) -> None:
+  """Numbers that cannot work, refused before anything is loaded or compiled."""
+  import math
+  for name in ("steps", "batch_size", "seq_len", "devices", "layers", "hidden", "heads"):
+    value = getattr(args, name, None)
+    if value is not None and value < (0 if name == "steps" else 1):
+      flag = "--" + name.replace("_", "-")
+      raise SystemExit(f"error: {flag} {value}: give a positive number"
+                       + (" (leave it out to use every device)" if name == "devices" else "") + ".")
+  if not (math.isfinite(args.lr) and args.lr > 0):
+    raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number above 0.")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  check_args(args)
   if args.devices:  # must happen before jax is imported; ignored by GPU/TPU backends
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
@@ -115,8 +132,9 @@ def main(argv=None) -> int:
   distributed.initialize(auto=args.distributed)
   main_process = jax.process_index() == 0
   say = print if main_process else (lambda *a, **k: None)
+  args.resume = args.resume or args.resume_step is not None
   if (args.save_every or args.resume) and not args.checkpoint_dir:
-    raise SystemExit("error: --save-every and --resume need --checkpoint-dir.")
+    raise SystemExit("error: --save-every, --resume and --resume-step need --checkpoint-dir.")
   try:
     tokens, vocab = load_tokens(args.data)
   except (FileNotFoundError, ValueError) as e:
@@ -164,18 +182,29 @@ def main(argv=None) -> int:
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
   model_factory = lambda rngs: GPT(config, rngs=rngs)
-  ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
+  try:  # made, checked writable and locked against other runs before any compute
+    ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None
+  except CheckpointError as e:
+    raise SystemExit(f"error: {e}") from None
   t0 = time.perf_counter()
   state = None
   if ckpt is not None and ckpt.all_steps():
     if not args.resume:
       raise SystemExit(f"error: {ckpt.directory} already holds checkpoints (steps {ckpt.all_steps()}); "
-                       "pass --resume to continue from the latest, or choose another --checkpoint-dir.")
+                       "pass --resume (or --resume-step N) to continue, or choose another "
+                       "--checkpoint-dir.")
     try:
-      state, extra = ckpt.restore(model_factory, tx, zero, mesh)
+      if args.resume_step is not None:
+        state, extra = ckpt.restore(model_factory, tx, zero, mesh, step=args.resume_step)
+      else:
+        state, extra, skipped = ckpt.restore_newest(model_factory, tx, zero, mesh)
+        for step, why in skipped:
+          say(f"skipped checkpoint step {step}: it does not restore ({why})")
     except CheckpointError as e:
       raise SystemExit(f"error: {e}") from None
     say(f"resumed from step {int(state.step)} of {ckpt.directory} in {time.perf_counter() - t0:.1f} s")
+  elif args.resume_step is not None:
+    raise SystemExit(f"error: --resume-step {args.resume_step}: {ckpt.directory} holds no checkpoint.")
   elif args.resume:
     say(f"no checkpoint in {ckpt.directory} yet: starting from scratch")
   if state is None:

@@ -214,3 +214,73 @@ def test_damaged_checkpoint_names_the_array(damage, device_ckpt, mesh):
   with pytest.raises(CheckpointError, match="'master/blocks/block/fc/kernel'.*(damaged|truncated)"):
     restore(device_ckpt, mesh)
   assert snapshot(device_ckpt) == before
+
+
+# ------------------------------------------------------------------ one run per directory
+HOLD = """
+import sys, time
+from zinfjax.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], lock=True)
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_second_run_on_the_directory_is_refused_with_the_owner_pid(tmp_path):
+  folder = tmp_path / "ckpt"
+  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE,
+                            text=True, cwd=tmp_path)  # not the repository root: the installed zinfjax
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(CheckpointError, match=rf"in use by another run \(pid {holder.pid}\)"):
+      Checkpointer(folder, lock=True)
+  finally:
+    holder.kill()
+    holder.wait()
+  with Checkpointer(folder, lock=True), Checkpointer(folder, lock=True):  # nothing stale; one
+    pass                                                                    # process shares it
+
+
+def test_an_unwritable_directory_is_refused_when_the_checkpointer_is_made(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a folder")
+  with pytest.raises(CheckpointError, match=r"cannot write to checkpoint directory .*file/ckpt"):
+    Checkpointer(blocker / "ckpt", lock=True)
+
+
+def test_restore_newest_skips_a_damaged_step_and_names_it(device_ckpt, mesh):
+  """Steps 5 (sound) and 6 (a chunk deleted): the newest that restores is 5, and 6 is reported
+  with the array that is damaged; a checkpoint of another model is refused at once."""
+  state, _ = restore(device_ckpt, mesh)
+  with Checkpointer(device_ckpt) as ckpt:
+    ckpt.save(dataclasses.replace(state, step=jax.device_put(np.int32(6), state.step.sharding)))
+  leaf = device_ckpt / "6" / "state" / "master" / "blocks" / "block" / "fc" / "kernel"
+  os.remove(next(os.path.join(r, f) for r, _, fs in os.walk(leaf / "c") for f in fs))
+  zero = W.zero_config("device", "device", "bf16", None)
+  ckpt = Checkpointer(device_ckpt)
+  got, _, skipped = ckpt.restore_newest(W.model_factory, W.make_tx("device"), zero, mesh)
+  assert int(got.step) == 5
+  assert [s for s, _ in skipped] == [6] and "master/blocks/block/fc/kernel" in skipped[0][1]
+  from zinfjax.checkpoint import CheckpointMismatch
+  from zinfjax.models import GPT, get_config
+  with pytest.raises(CheckpointMismatch, match="another model"):
+    ckpt.restore_newest(lambda r: GPT(get_config("tiny", num_layers=3), rngs=r),
+                        W.make_tx("device"), zero, mesh)
+
+
+def test_consolidate_fails_cleanly(device_ckpt, tmp_path):
+  """An output that is a folder is refused before any work; a damaged chunk stops the export
+  with one line naming the array and leaves no temporary file."""
+  script = os.path.join(REPO, "scripts", "consolidate.py")
+  consolidate = lambda out: subprocess.run([sys.executable, script, str(device_ckpt), str(out)],
+                                           capture_output=True, text=True, timeout=300)
+  done = consolidate(tmp_path)
+  assert done.returncode != 0 and f"error: the output {tmp_path} is a directory" in done.stderr
+  leaf = device_ckpt / str(SAVE_AT) / "state" / "master" / "blocks" / "block" / "fc" / "kernel"
+  os.remove(next(os.path.join(r, f) for r, _, fs in os.walk(leaf / "c") for f in fs))
+  out = tmp_path / "out" / "params.safetensors"
+  out.parent.mkdir()
+  done = consolidate(out)
+  assert done.returncode != 0
+  assert "master/blocks/block/fc/kernel" in done.stderr and "Traceback" not in done.stderr
+  assert os.listdir(out.parent) == []

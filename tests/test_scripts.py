@@ -12,9 +12,12 @@ from helpers import REPO
 SCRIPTS = os.path.join(REPO, "scripts")
 
 
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the scripts pick devices
+
+
 def run(args, timeout=600):
   out = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                       timeout=timeout, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                       timeout=timeout, env=ENV)
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
 
@@ -128,3 +131,35 @@ def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
   assert done.returncode != 0
   assert f"error: data file {path} is not UTF-8 text" in done.stderr
   assert "Traceback" not in done.stderr
+
+
+def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
+  """An unwritable --checkpoint-dir is one error line before init; --resume-step of a step
+  that is not there names the steps that are."""
+  blocker = tmp_path / "file"
+  blocker.write_text("not a folder")
+  args = [sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny", "--steps", "2",
+          "--batch-size", "4", "--seq-len", "16", "--save-every", "1"]
+  done = subprocess.run(args + ["--checkpoint-dir", str(blocker / "ckpt")], capture_output=True,
+                        text=True, timeout=300, env=ENV)
+  assert done.returncode != 0
+  assert f"error: cannot write to checkpoint directory {blocker / 'ckpt'}" in done.stderr
+  assert "init " not in done.stdout and "Traceback" not in done.stderr
+  ckpt = tmp_path / "ckpt"
+  run(args[1:] + ["--checkpoint-dir", str(ckpt)])
+  done = subprocess.run(args + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "7"],
+                        capture_output=True, text=True, timeout=300, env=ENV)
+  assert done.returncode != 0
+  assert "error: no checkpoint for step 7" in done.stderr and "saved steps: [1, 2]" in done.stderr
+  out = run(args[1:] + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"])
+  assert "resumed from step 1 " in out
+
+
+def test_train_gpt_refuses_numbers_that_cannot_work():
+  for flags, message in ((["--devices", "0"], "--devices 0: give a positive number"),
+                         (["--batch-size", "0"], "--batch-size 0: give a positive number"),
+                         (["--lr", "nan"], "--lr nan: the learning rate must be a finite number")):
+    done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), *flags],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode != 0 and f"error: {message}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -332,3 +332,16 @@ def test_many_shards_in_one_transfer(tmp_path):
   with pytest.raises(CorruptShardError, match="checksum mismatch for shard 'm/2'"):
     store.read_many(list(outs.items())).wait()
   store.close()
+
+
+def test_a_closed_store_says_so(tmp_path):
+  store = AioStore(tmp_path)
+  store.write("a", np.arange(4, dtype=np.float32)).wait()
+  store.close()
+  store.close()  # a second close does nothing
+  for use in (lambda: store.read("a"), lambda: store.keys(), lambda: store.stats()):
+    with pytest.raises(ValueError, match=rf"swap store in .*{tmp_path.name}.* is closed"):
+      use()
+  reopened = AioStore(tmp_path)
+  np.testing.assert_array_equal(reopened.read("a").wait(), np.arange(4, dtype=np.float32))
+  reopened.close()

@@ -194,6 +194,9 @@ def test_host_optimizer_needs_zinfjax_adamw(mesh):
   zero = zinfjax.ZeroConfig(offload_optimizer="pinned_host")
   with pytest.raises(ValueError, match=r"needs tx=zinfjax.optim.adamw"):
     zinfjax.init(lambda r: GPT(TINY, rngs=r), optax.adamw(1e-3), zero, mesh, 0)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), zinfjax.optim.adamw(1e-3))
+  with pytest.raises(ValueError, match=r"adamw\(\.\.\., max_grad_norm=c\) instead of optax.chain"):
+    zinfjax.init(lambda r: GPT(TINY, rngs=r), clipped, zero, mesh, 0)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -79,8 +79,10 @@ def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConf
   if not isinstance(tx, OffloadedTransformation):
     raise ValueError(
         f"offload_optimizer={config.offload_optimizer!r} runs zinfjax's AdamW next to the states "
-        f"on each tier, so it needs tx=zinfjax.optim.adamw(...) (or adam), got {tx!r}. Use "
-        "offload_optimizer='device' to train with any optax transformation.")
+        f"on each tier, so it needs tx=zinfjax.optim.adamw(...) (or adam) itself, got "
+        f"{type(tx).__name__}. Gradient clipping is built in: adamw(..., max_grad_norm=c) "
+        "instead of optax.chain(optax.clip_by_global_norm(c), ...); other chains need "
+        "offload_optimizer='device', which trains with any optax transformation.")
   if tx.offload != "device":
     raise ValueError(
         f"the optimizer tier is set by ZeroConfig.offload_optimizer ({config.offload_optimizer!r});"

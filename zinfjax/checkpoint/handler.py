@@ -29,6 +29,10 @@ class CheckpointError(ValueError):
   """A checkpoint that cannot be restored here (missing, damaged, or from another run)."""
 
 
+class CheckpointMismatch(CheckpointError):
+  """A sound checkpoint of another model or optimizer: no other step of it restores here."""
+
+
 @dataclasses.dataclass
 class Run:
   """What the handler needs of the running engine."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import weakref
 from typing import Any, Callable, Iterator
 
 import jax
@@ -33,7 +34,8 @@ from ..engine import build_engine
 from ..optim.host import HostAdamState
 from ..partition import key_name
 from ..state import TrainState, make_states
-from .handler import CheckpointError, Run, StateHandler, StateRestore, StateSave, open_checked, read
+from . import lock as dirlock
+from .handler import CheckpointError, CheckpointMismatch, Run, StateHandler, StateRestore, StateSave, open_checked, read
 from .leaves import Leaf, state_leaves
 
 FORMAT = "zinfjax-checkpoint/1"
@@ -52,12 +54,19 @@ class Checkpointer:
   save is committed. Every process of a multi-process run calls both.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True):
+  def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True,
+               lock: bool = False):
+    """`lock`: make the directory, check it is writable and lock it against other runs now
+    (a run that will save here: its problems show before any compute). Otherwise the lock is
+    taken at the first `save`, and a Checkpointer that only reads never takes it."""
     if keep is not None and keep < 1:
       raise ValueError(f"keep={keep}: keep at least 1 checkpoint (or None for all).")
     self.directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise CheckpointError(f"checkpoint directory {self.directory} is a file; give a folder.")
+    self._unlock = None
+    if lock:
+      self.lock()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=False, enable_async_checkpointing=async_save,
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
@@ -73,6 +82,13 @@ class Checkpointer:
           item_handlers={"state": self._handler, "meta": ocp.JsonCheckpointHandler()})
     return self._manager
 
+  def lock(self) -> None:
+    """Take the directory's lock for this run (process 0 of a multi-process run), once."""
+    if self._unlock is None and jax.process_index() == 0:
+      dirlock.acquire(self.directory)
+      # released by close(), or when this object is collected
+      self._unlock = weakref.finalize(self, dirlock.release, self.directory)
+
   def all_steps(self) -> list[int]:
     """Committed steps, oldest first (folders of unfinished saves are not steps)."""
     if not os.path.isdir(self.directory):
@@ -87,6 +103,7 @@ class Checkpointer:
   def save(self, state, *, extra: dict | None = None) -> bool:
     """Save `state` as step `state.step`; False when that step is already saved."""
     step = int(jax.device_get(state.step.addressable_data(0)))
+    self.lock()
     os.makedirs(self.directory, exist_ok=True)
     if step in self.all_steps():
       return False
@@ -138,13 +155,18 @@ class Checkpointer:
     meta = self.metadata(step)
     step = meta["step"]
     engine = build_engine(model_factory, tx, config, mesh)
-    target = make_states(engine, model_factory, abstract=True)
-    leaves = _restore_targets(target)
-    _check_compatible(meta, leaves, self.directory, step)
-    run = Run(leaves, engine.plan, engine.store)
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=StateRestore(run)))["state"]
-    if engine.store is not None:
-      engine.store.sync()
+    try:
+      target = make_states(engine, model_factory, abstract=True)
+      leaves = _restore_targets(target)
+      _check_compatible(meta, leaves, self.directory, step)
+      run = Run(leaves, engine.plan, engine.store)
+      restored = self.manager.restore(step, args=ocp.args.Composite(state=StateRestore(run)))["state"]
+      if engine.store is not None:
+        engine.store.sync()
+    except BaseException:
+      if engine.store is not None:  # its folders stay locked until closed
+        engine.store.close()
+      raise
     plan = engine.plan
 
     def parts(prefix: str, derived: bool) -> Any:
@@ -167,11 +189,31 @@ class Checkpointer:
     state = TrainState(restored["step#0"], params, master, opt_state, engine)
     return state, meta.get("extra", {})
 
+  def restore_newest(self, model_factory: Callable, tx: optax.GradientTransformation, config,
+                     mesh) -> tuple[Any, dict, list[tuple[int, str]]]:
+    """`(state, extra, skipped)`: the newest step that restores (every chunk checked), and
+    the newer steps skipped, each with the reason. A checkpoint of another model or optimizer
+    is raised at once (an older step would not fit either)."""
+    skipped = []
+    for step in reversed(self.all_steps()):
+      try:
+        state, extra = self.restore(model_factory, tx, config, mesh, step=step)
+        return state, extra, skipped
+      except CheckpointMismatch:
+        raise
+      except Exception as e:  # noqa: BLE001  (damage shows as tensorstore, orbax or OS errors)
+        skipped.append((step, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"))
+    why = "; ".join(f"step {s}: {r}" for s, r in skipped) or "it holds no committed step"
+    raise CheckpointError(f"no checkpoint in {self.directory} restores ({why}).")
+
   def close(self) -> None:
     if self._manager is not None:
       self._manager.wait_until_finished()
       self._manager.close()
       self._manager = None
+    if self._unlock is not None:
+      self._unlock()
+      self._unlock = None
 
   def __enter__(self):
     return self
@@ -218,7 +260,7 @@ def _check_compatible(meta: dict, leaves: list[Leaf], directory: str, step: int)
     k, there, here = diff[0]
     there = there["shape"] if there else "absent"
     here = here[0] if here else "absent"
-    raise CheckpointError(
+    raise CheckpointMismatch(
         f"{where} was saved from another model: {len(diff)} params differ, e.g. {k!r} has shape "
         f"{there} there and {here} here. Build the model with the config it was trained with, "
         "or use another checkpoint directory.")
@@ -226,13 +268,13 @@ def _check_compatible(meta: dict, leaves: list[Leaf], directory: str, step: int)
   opt_wanted = {k for k in wanted if k.startswith("opt/")}
   if opt_saved != opt_wanted:
     missing = sorted(opt_wanted - opt_saved)[:3]
-    raise CheckpointError(
+    raise CheckpointMismatch(
         f"{where} holds another optimizer's state (this run needs {missing} ...). Restore with the "
         "optimizer it was saved with; zinfjax's host AdamW states restore across pinned_host and "
         "nvme, optax states only onto offload_optimizer='device' with the same optax chain.")
   for k in sorted(opt_wanted):
     if saved[k]["shape"] != wanted[k][0]:
-      raise CheckpointError(f"{where}: optimizer state {k!r} has shape {saved[k]['shape']} there and "
+      raise CheckpointMismatch(f"{where}: optimizer state {k!r} has shape {saved[k]['shape']} there and "
                             f"{wanted[k][0]} here.")
 
 

@@ -220,12 +220,25 @@ class AioStore:
             "spare_bytes": self._store.spare_bytes}
 
   def close(self) -> None:
+    """Flush and release the files and folder locks; a second close does nothing."""
     if self._handle is not None:
       _engine.unregister_store(self._handle)
       self._handle = None
-    if self._store is not None:
+    if not isinstance(self._store, _Closed):
+      folder = self._store.folder
       self._store.sync()
-      self._store = None  # releases files and the folder lock
+      self._store = _Closed(folder)  # releases files and the folder lock
+
+
+class _Closed:
+  """In place of a closed store's engine: any later use is one clear error."""
+
+  def __init__(self, folder: str):
+    self._folder = folder
+
+  def __getattr__(self, name: str):
+    raise ValueError(f"the swap store in {self._folder} is closed (used after close()): open a "
+                     "new AioStore on the folder to read what it holds.")
 
 
 class TensorstoreStore:

@@ -1,0 +1,67 @@
+"""One run per checkpoint directory: an exclusive `flock` on `.zinfjax-lock`, holding the pid.
+
+Two runs saving into one directory break each other's orbax steps (a half-made
+step folder of one is deleted or read by the other). The lock is taken when a
+writing `Checkpointer` is made, so an unwritable directory or one in use is
+reported before any compute; the kernel drops it when the process ends, so a
+killed run never leaves it stale. Checkpointers of one process share it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+
+from .handler import CheckpointError
+
+NAME = ".zinfjax-lock"
+_held: dict[str, list[int]] = {}  # directory -> [fd, users]
+_mu = threading.Lock()
+
+
+def acquire(directory: str) -> None:
+  """Lock `directory` (made if missing) for this process, or raise a CheckpointError naming
+  the pid that holds it, or why the directory cannot be written."""
+  with _mu:
+    if directory in _held:
+      _held[directory][1] += 1
+      return
+    try:
+      os.makedirs(directory, exist_ok=True)
+      fd = os.open(os.path.join(directory, NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise CheckpointError(
+          f"cannot write to checkpoint directory {directory}: {e.strerror or e}. Choose a "
+          "writable directory (checked before training, so no step is lost).") from e
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+      os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+        raise CheckpointError(f"cannot lock checkpoint directory {directory}: {e.strerror}.") from e
+      raise CheckpointError(
+          f"checkpoint directory {directory} is in use by another run (pid {owner}). Wait for it "
+          "to finish, or give this run another directory.") from None
+    try:
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+      os.close(fd)
+      raise CheckpointError(f"cannot write to checkpoint directory {directory}: {e.strerror}. "
+                            "Free space or choose another directory.") from e
+    _held[directory] = [fd, 1]
+
+
+def release(directory: str) -> None:
+  """Give back one use of this process's lock on `directory` (the last one unlocks it)."""
+  with _mu:
+    held = _held.get(directory)
+    if held is None:
+      return
+    held[1] -= 1
+    if held[1] == 0:
+      os.close(held[0])  # closing the descriptor drops the flock
+      del _held[directory]
