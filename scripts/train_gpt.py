@@ -11,6 +11,8 @@ scripts/train_gpt.py ...` (or `--distributed` under a cluster launcher).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import sys
 import time
@@ -102,7 +104,6 @@ def peak_rss() -> int:
 
 def check_args(args) -> None:
   """Numbers that cannot work, refused before anything is loaded or compiled."""
-  import math
   for name in ("steps", "batch_size", "seq_len", "devices", "layers", "hidden", "heads"):
     value = getattr(args, name, None)
     if value is not None and value < (0 if name == "steps" else 1):
@@ -127,7 +128,14 @@ def main(argv=None) -> int:
   from zinfjax.checkpoint import CheckpointError, Checkpointer
   from zinfjax.memory import tier_bytes
   from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
+  from zinfjax.offload import CorruptShardError, EngineError, MissingShardError, NoSpaceError
   from zinfjax.progress import Progress, human_bytes
+
+  # the engine's errors already name the file and the fix: one line for the user, no traceback
+  engine_errors = (EngineError, NoSpaceError, CorruptShardError, MissingShardError, CheckpointError)
+  sys.excepthook = lambda kind, e, tb: (print(f"error: {e}", file=sys.stderr)
+                                        if issubclass(kind, engine_errors)
+                                        else sys.__excepthook__(kind, e, tb))
 
   distributed.initialize(auto=args.distributed)
   main_process = jax.process_index() == 0
@@ -202,6 +210,13 @@ def main(argv=None) -> int:
           say(f"skipped checkpoint step {step}: it does not restore ({why})")
     except CheckpointError as e:
       raise SystemExit(f"error: {e}") from None
+    saved = extra.get("model")
+    here = dataclasses.asdict(config)
+    if saved is not None and saved != here:
+      diff = ", ".join(f"{k} {saved.get(k)} there, {here.get(k)} here" for k in sorted(set(saved) | set(here))
+                       if saved.get(k) != here.get(k))
+      raise SystemExit(f"error: the checkpoint in {ckpt.directory} was trained with another model "
+                       f"({diff}); resume with the flags it was saved with.")
     say(f"resumed from step {int(state.step)} of {ckpt.directory} in {time.perf_counter() - t0:.1f} s")
   elif args.resume_step is not None:
     raise SystemExit(f"error: --resume-step {args.resume_step}: {ckpt.directory} holds no checkpoint.")
@@ -226,17 +241,22 @@ def main(argv=None) -> int:
     state, metrics = step_fn(state, batch)
     loss = float(metrics["loss"])  # blocks until the step is done
     dt = time.perf_counter() - t0
+    norm = float(metrics["grad_norm"])
+    if not (math.isfinite(loss) and math.isfinite(norm)):
+      saved = f"; the last checkpoint is step {ckpt.latest_step()}" if ckpt and ckpt.latest_step() else ""
+      raise SystemExit(f"error: step {step}: the loss is {loss} and the grad norm {norm}: training "
+                       f"diverged (try a lower --lr than {args.lr}){saved}.")
     first_loss = loss if first_loss is None else first_loss
     last_loss = loss
     tiers = tier_bytes(state)
     if state.engine.store is not None:
       tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
     breakdown = {k: float(v) for k, v in metrics.items() if k.endswith("_s") or "bytes" in k}
-    progress.update(step, {"loss": loss, "grad_norm": float(metrics["grad_norm"]),
+    progress.update(step, {"loss": loss, "grad_norm": norm,
                            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                            "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
     if ckpt is not None and args.save_every and (step % args.save_every == 0 or step == args.steps):
-      ckpt.save(state, extra={"args": vars(args)})
+      ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
   progress.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last save to commit

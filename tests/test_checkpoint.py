@@ -15,6 +15,7 @@ import pytest
 
 import zinfjax
 from zinfjax.checkpoint import CheckpointError, Checkpointer
+from zinfjax.checkpoint.lock import NAME as LOCK
 from zinfjax.models import lm_loss
 
 import resume_worker as W
@@ -40,10 +41,13 @@ def flat_params(state):
 
 
 def snapshot(folder):
-  """Every file under `folder` with its size and modification time."""
+  """Every file under `folder` with its size and modification time (not the run lock, which
+  each run that opens the folder rewrites with its pid)."""
   out = {}
   for root, _, files in os.walk(folder):
     for f in files:
+      if f == LOCK:
+        continue
       st = os.stat(os.path.join(root, f))
       out[os.path.relpath(os.path.join(root, f), folder)] = (st.st_size, st.st_mtime_ns)
   return out
@@ -284,3 +288,41 @@ def test_consolidate_fails_cleanly(device_ckpt, tmp_path):
   assert done.returncode != 0
   assert "master/blocks/block/fc/kernel" in done.stderr and "Traceback" not in done.stderr
   assert os.listdir(out.parent) == []
+
+
+@pytest.mark.parametrize("target", ["pinned_host", "nvme"])
+def test_zinfjax_adamw_checkpoints_move_between_optimizer_tiers(target, tmp_path, mesh):
+  """zinfjax.optim.adamw keeps one state layout on every tier: 3 steps with the optimizer on
+  the device, save, restore with it on `target`, 3 more steps equal 6 straight on the device
+  (fp32); and a checkpoint saved from `target` restores onto the device."""
+  batches = W.batches()[:6]
+
+  def train(state, steps):
+    losses = []
+    for batch in steps:
+      state, metrics = zinfjax.train_step(state, batch, lm_loss)
+      losses.append(float(metrics["loss"]))
+    return state, losses
+
+  zero = lambda tier: W.zero_config("device", tier, "fp32", str(tmp_path / f"nvme-{tier}"))
+  tx = W.make_tx("pinned_host")  # zinfjax.optim.adamw
+  state = zinfjax.init(W.model_factory, tx, zero("device"), mesh, 0)
+  state, straight = train(state, batches)
+  state = zinfjax.init(W.model_factory, tx, zero("device"), mesh, 0)
+  state, first = train(state, batches[:3])
+  with Checkpointer(tmp_path / "a") as ckpt:
+    ckpt.save(state)
+  moved, _ = Checkpointer(tmp_path / "a").restore(W.model_factory, tx, zero(target), mesh)
+  moved, rest = train(moved, batches[3:])
+  np.testing.assert_allclose(first + rest, straight, rtol=1e-5)
+  with Checkpointer(tmp_path / "b") as ckpt:
+    ckpt.save(moved)
+  want = flat_params(moved)
+  if moved.engine.store is not None:
+    moved.engine.store.close()
+  back, _ = Checkpointer(tmp_path / "b").restore(W.model_factory, tx, zero("device"), mesh)
+  assert int(back.step) == 6
+  got = flat_params(back)
+  assert set(got) == set(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)

@@ -153,6 +153,10 @@ def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
   assert "error: no checkpoint for step 7" in done.stderr and "saved steps: [1, 2]" in done.stderr
   out = run(args[1:] + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"])
   assert "resumed from step 1 " in out
+  done = subprocess.run(args + ["--checkpoint-dir", str(ckpt), "--steps", "4", "--resume",
+                                "--heads", "2"], capture_output=True, text=True, timeout=300, env=ENV)
+  assert done.returncode != 0
+  assert "trained with another model (num_heads 4 there, 2 here)" in done.stderr, done.stderr[-2000:]
 
 
 def test_train_gpt_refuses_numbers_that_cannot_work():
@@ -163,3 +167,21 @@ def test_train_gpt_refuses_numbers_that_cannot_work():
                           capture_output=True, text=True, timeout=120, env=ENV)
     assert done.returncode != 0 and f"error: {message}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_train_gpt_engine_errors_and_divergence_are_one_line(tmp_path):
+  """A model too big for the NVMe folder's disk is one `error:` line (no traceback) before any
+  step; a run that diverges stops at the step where the loss went non-finite."""
+  script = os.path.join(SCRIPTS, "train_gpt.py")
+  done = subprocess.run([sys.executable, script, "--preset", "tiny", "--layers", "96", "--hidden",
+                         "12288", "--heads", "96", "--offload-param", "nvme", "--offload-optimizer",
+                         "nvme", "--nvme-path", str(tmp_path / "nvme"), "--steps", "1"],
+                        capture_output=True, text=True, timeout=300, env=ENV)
+  assert done.returncode != 0
+  assert done.stderr.startswith("error: ") and "free space" in done.stderr, done.stderr[-2000:]
+  assert "Traceback" not in done.stderr
+  done = subprocess.run([sys.executable, script, "--preset", "tiny", "--steps", "30", "--lr", "1e9",
+                         "--batch-size", "8", "--seq-len", "16", "--devices", "1"],
+                        capture_output=True, text=True, timeout=300, env=ENV)
+  assert done.returncode != 0
+  assert "training diverged (try a lower --lr than 1000000000.0)" in done.stderr, done.stderr[-2000:]

@@ -73,8 +73,9 @@ def _check_params_only(model: nnx.Module) -> None:
 
 
 def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConfig) -> AdamHyper | None:
-  """The AdamW the engine runs itself, or None when the optimizer is `tx` on the device."""
-  if plan.optimizer_on_device:
+  """The AdamW the engine runs itself (every tier, the device too: one state layout, so
+  checkpoints move between tiers), or None when `tx` is another optax transformation."""
+  if plan.optimizer_on_device and not isinstance(tx, OffloadedTransformation):
     return None
   if not isinstance(tx, OffloadedTransformation):
     raise ValueError(
