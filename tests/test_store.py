@@ -345,3 +345,14 @@ def test_a_closed_store_says_so(tmp_path):
   reopened = AioStore(tmp_path)
   np.testing.assert_array_equal(reopened.read("a").wait(), np.arange(4, dtype=np.float32))
   reopened.close()
+
+
+def test_tensorstore_store_takes_a_relative_folder(tmp_path, monkeypatch):
+  from zinfjax.offload import TensorstoreStore
+  (tmp_path / "run").mkdir()
+  monkeypatch.chdir(tmp_path / "run")
+  store = TensorstoreStore("../ts")
+  x = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
+  store.write("a", x).wait()
+  np.testing.assert_array_equal(store.read("a").wait(), x)
+  assert store.folder.startswith(str(tmp_path / "ts"))

@@ -250,7 +250,8 @@ class TensorstoreStore:
 
   def __init__(self, path: PathLike, rank: int = 0):
     import tensorstore as ts
-    self.folder = os.path.join(os.fspath(path), f"rank{rank}", "tensorstore")
+    # absolute: tensorstore's file driver refuses a relative path such as "../x"
+    self.folder = os.path.join(os.path.abspath(os.fspath(path)), f"rank{rank}", "tensorstore")
     try:
       os.makedirs(self.folder, exist_ok=True)
     except OSError as e:
