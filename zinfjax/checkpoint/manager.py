@@ -83,11 +83,21 @@ class Checkpointer:
     return self._manager
 
   def lock(self) -> None:
-    """Take the directory's lock for this run (process 0 of a multi-process run), once."""
-    if self._unlock is None and jax.process_index() == 0:
-      dirlock.acquire(self.directory)
-      # released by close(), or when this object is collected
-      self._unlock = weakref.finalize(self, dirlock.release, self.directory)
+    """Take the directory's lock for this run (process 0 of a multi-process run), once. Every
+    process makes the directory: each then sees it, so all or none create orbax's manager
+    (a collective) in `all_steps`."""
+    if self._unlock is not None:
+      return
+    if jax.process_index() != 0:
+      try:
+        os.makedirs(self.directory, exist_ok=True)
+      except OSError as e:
+        raise CheckpointError(f"cannot write to checkpoint directory {self.directory}: "
+                              f"{e.strerror or e}. Choose a writable directory.") from e
+      return
+    dirlock.acquire(self.directory)
+    # released by close(), or when this object is collected
+    self._unlock = weakref.finalize(self, dirlock.release, self.directory)
 
   def all_steps(self) -> list[int]:
     """Committed steps, oldest first (folders of unfinished saves are not steps)."""
