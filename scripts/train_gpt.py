@@ -190,10 +190,8 @@ def main(argv=None) -> int:
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
   model_factory = lambda rngs: GPT(config, rngs=rngs)
-  try:  # made, checked writable and locked against other runs before any compute
-    ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None
-  except CheckpointError as e:
-    raise SystemExit(f"error: {e}") from None
+  # made, checked writable and locked against other runs before any compute
+  ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None
   t0 = time.perf_counter()
   state = None
   if ckpt is not None and ckpt.all_steps():
@@ -201,15 +199,12 @@ def main(argv=None) -> int:
       raise SystemExit(f"error: {ckpt.directory} already holds checkpoints (steps {ckpt.all_steps()}); "
                        "pass --resume (or --resume-step N) to continue, or choose another "
                        "--checkpoint-dir.")
-    try:
-      if args.resume_step is not None:
-        state, extra = ckpt.restore(model_factory, tx, zero, mesh, step=args.resume_step)
-      else:
-        state, extra, skipped = ckpt.restore_newest(model_factory, tx, zero, mesh)
-        for step, why in skipped:
-          say(f"skipped checkpoint step {step}: it does not restore ({why})")
-    except CheckpointError as e:
-      raise SystemExit(f"error: {e}") from None
+    if args.resume_step is not None:
+      state, extra = ckpt.restore(model_factory, tx, zero, mesh, step=args.resume_step)
+    else:
+      state, extra, skipped = ckpt.restore_newest(model_factory, tx, zero, mesh)
+      for step, why in skipped:
+        say(f"skipped checkpoint step {step}: it does not restore ({why})")
     saved = extra.get("model")
     here = dataclasses.asdict(config)
     if saved is not None and saved != here:

@@ -21,6 +21,19 @@ _held: dict[str, list[int]] = {}  # directory -> [fd, users]
 _mu = threading.Lock()
 
 
+def _unwritable(directory: str, e: OSError) -> CheckpointError:
+  return CheckpointError(f"cannot write to checkpoint directory {directory}: {e.strerror or e}. "
+                         "Choose a writable directory (checked before training, so no step is lost).")
+
+
+def make(directory: str) -> None:
+  """Make `directory` if missing, or raise a CheckpointError saying why it cannot be."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise _unwritable(directory, e) from e
+
+
 def acquire(directory: str) -> None:
   """Lock `directory` (made if missing) for this process, or raise a CheckpointError naming
   the pid that holds it, or why the directory cannot be written."""
@@ -28,13 +41,11 @@ def acquire(directory: str) -> None:
     if directory in _held:
       _held[directory][1] += 1
       return
+    make(directory)
     try:
-      os.makedirs(directory, exist_ok=True)
       fd = os.open(os.path.join(directory, NAME), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-      raise CheckpointError(
-          f"cannot write to checkpoint directory {directory}: {e.strerror or e}. Choose a "
-          "writable directory (checked before training, so no step is lost).") from e
+      raise _unwritable(directory, e) from e
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -89,11 +89,7 @@ class Checkpointer:
     if self._unlock is not None:
       return
     if jax.process_index() != 0:
-      try:
-        os.makedirs(self.directory, exist_ok=True)
-      except OSError as e:
-        raise CheckpointError(f"cannot write to checkpoint directory {self.directory}: "
-                              f"{e.strerror or e}. Choose a writable directory.") from e
+      dirlock.make(self.directory)
       return
     dirlock.acquire(self.directory)
     # released by close(), or when this object is collected
@@ -113,8 +109,7 @@ class Checkpointer:
   def save(self, state, *, extra: dict | None = None) -> bool:
     """Save `state` as step `state.step`; False when that step is already saved."""
     step = int(jax.device_get(state.step.addressable_data(0)))
-    self.lock()
-    os.makedirs(self.directory, exist_ok=True)
+    self.lock()  # makes the directory
     if step in self.all_steps():
       return False
     engine = state.engine
@@ -280,8 +275,8 @@ def _check_compatible(meta: dict, leaves: list[Leaf], directory: str, step: int)
     missing = sorted(opt_wanted - opt_saved)[:3]
     raise CheckpointMismatch(
         f"{where} holds another optimizer's state (this run needs {missing} ...). Restore with the "
-        "optimizer it was saved with; zinfjax's host AdamW states restore across pinned_host and "
-        "nvme, optax states only onto offload_optimizer='device' with the same optax chain.")
+        "optimizer it was saved with; zinfjax.optim.adamw states restore across device, "
+        "pinned_host and nvme, optax states only onto offload_optimizer='device' with the same optax chain.")
   for k in sorted(opt_wanted):
     if saved[k]["shape"] != wanted[k][0]:
       raise CheckpointMismatch(f"{where}: optimizer state {k!r} has shape {saved[k]['shape']} there and "
