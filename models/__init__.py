@@ -1,8 +1,10 @@
-"""GPT models for zinfjax (installed as `zinfjax.models`)."""
+"""Models for zinfjax (installed as `zinfjax.models`): GPT, the Llama family, Hugging Face I/O."""
 
 from .config import PRESETS, GPTConfig, get_config
 from .data import CharTokenizer, TokenDataset, load_tokens
 from .gpt import GPT, Block, lm_loss
+from .llama import Llama, LlamaConfig
+from . import hf
 
-__all__ = ["GPT", "Block", "GPTConfig", "PRESETS", "get_config", "lm_loss",
+__all__ = ["GPT", "Block", "GPTConfig", "Llama", "LlamaConfig", "hf", "PRESETS", "get_config", "lm_loss",
            "CharTokenizer", "TokenDataset", "load_tokens"]

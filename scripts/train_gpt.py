@@ -1,6 +1,8 @@
-"""Train a GPT with zinfjax ZeRO on a text file or a uint16 .bin token file.
+"""Train a GPT with zinfjax ZeRO on a text file or a uint16 .bin token file, or fine-tune a
+Hugging Face checkpoint (Llama, Mistral, Qwen2, GPT-2).
 
   python scripts/train_gpt.py --preset tiny --zero-stage 3 --steps 200 --devices 8
+  python scripts/train_gpt.py --init-from HF_FOLDER --data tokens.bin --export OUT_FOLDER
 
 With no accelerator, `--devices N` runs on N host (CPU) devices (per process).
 Checkpoints: `--checkpoint-dir D --save-every N`, and `--resume` to continue
@@ -25,6 +27,13 @@ TIERS = ("device", "pinned_host", "nvme")
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--preset", default="tiny", help="model preset (see zinfjax.models.PRESETS)")
+  p.add_argument("--init-from", default=None, metavar="HF_FOLDER",
+                 help="fine-tune this Hugging Face checkpoint folder (config.json + safetensors): "
+                      "its weights are streamed into the placement's tiers")
+  p.add_argument("--export", default=None, metavar="FOLDER",
+                 help="at the end, write the model as a Hugging Face checkpoint folder")
+  p.add_argument("--eval-every", type=int, default=0,
+                 help="every N steps, the loss on held-out data (the last 10%% of the tokens)")
   p.add_argument("--layers", type=int, help="override the preset's number of layers")
   p.add_argument("--hidden", type=int, help="override the preset's width")
   p.add_argument("--heads", type=int, help="override the preset's attention heads")
@@ -114,6 +123,26 @@ def check_args(args) -> None:
     raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number above 0.")
 
 
+def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
+  """Token ids of `data` for a pretrained model: a uint16 .bin as is, or text through the
+  checkpoint's tokenizer.json (needs the `tokenizers` package)."""
+  if data.endswith(".bin"):
+    return load_tokens(data, vocab)[0]
+  path = os.path.join(folder, "tokenizer.json")
+  try:
+    from tokenizers import Tokenizer
+  except ImportError:
+    Tokenizer = None
+  if not os.path.exists(path) or Tokenizer is None:
+    raise ValueError(f"--data {data} is text, which needs the model's tokenizer: "
+                     + ("install the `tokenizers` package" if os.path.exists(path) else
+                        f"{folder} has no tokenizer.json")
+                     + ", or give a uint16 .bin of token ids made with it.")
+  with open(data, encoding="utf-8") as f:
+    import numpy as np
+    return np.asarray(Tokenizer.from_file(path).encode(f.read()).ids, np.int32)
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   check_args(args)
@@ -127,7 +156,7 @@ def main(argv=None) -> int:
   from zinfjax import distributed
   from zinfjax.checkpoint import CheckpointError, Checkpointer
   from zinfjax.memory import tier_bytes
-  from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
+  from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
   from zinfjax.offload import CorruptShardError, EngineError, MissingShardError, NoSpaceError
   from zinfjax.progress import Progress, human_bytes
 
@@ -143,12 +172,24 @@ def main(argv=None) -> int:
   args.resume = args.resume or args.resume_step is not None
   if (args.save_every or args.resume) and not args.checkpoint_dir:
     raise SystemExit("error: --save-every, --resume and --resume-step need --checkpoint-dir.")
+  weights = None
   try:
-    tokens, vocab = load_tokens(args.data)
+    if args.init_from:
+      config, model_factory, weights = hf.load(args.init_from)
+      tokens = finetune_tokens(args.data, args.init_from, config.vocab_size, load_tokens)
+      seq_len = args.seq_len or min(config.seq_len, 1024)
+      if seq_len > config.seq_len:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's {config.seq_len}.")
+      name = f"{type(config).__name__[:-6]} from {args.init_from}"
+    else:
+      tokens, vocab = load_tokens(args.data)
+      config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
+                          num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
+      model_factory = lambda rngs: GPT(config, rngs=rngs)
+      seq_len, name = config.seq_len, f"GPT {args.preset}"
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
-  config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,
-                      num_heads=args.heads, seq_len=args.seq_len, vocab_size=vocab)
+  vocab = config.vocab_size
   try:
     zero = zinfjax.ZeroConfig(
         stage=args.zero_stage, precision=args.precision, prefetch_depth=args.prefetch_depth,
@@ -182,14 +223,13 @@ def main(argv=None) -> int:
     tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
                              max_grad_norm=clip)
   processes = f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""
-  say(f"zinfjax: GPT {args.preset} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
+  say(f"zinfjax: {name} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
         f"{jax.devices()[0].platform} devices{processes} | data {args.data} ({len(tokens):,} "
         f"tokens, vocab {vocab})")
   say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
-  model_factory = lambda rngs: GPT(config, rngs=rngs)
   # made, checked writable and locked against other runs before any compute
   ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None
   t0 = time.perf_counter()
@@ -218,17 +258,22 @@ def main(argv=None) -> int:
   elif args.resume:
     say(f"no checkpoint in {ckpt.directory} yet: starting from scratch")
   if state is None:
-    state = zinfjax.init(model_factory, tx, zero, mesh, args.seed)
-    say(f"init {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
+    state = zinfjax.init(model_factory, tx, zero, mesh, args.seed, params=weights)
+    say(f"{'loaded' if weights else 'init'} {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
   planned = state.engine.plan.tier_bytes()
   say("model states per device (plan): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in planned.items()))
   step_fn = zinfjax.make_train_step(state, lm_loss)
-  data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=args.seed, step=start)
+  held_out = None
+  if args.eval_every:
+    cut = len(tokens) - max(len(tokens) // 10, args.batch_size * (seq_len + 1) + 1)
+    held_out = TokenDataset(tokens[cut:], seq_len, args.batch_size, seed=args.seed + 1).at(0)
+    tokens = tokens[:cut]
+  data = TokenDataset(tokens, seq_len, args.batch_size, seed=args.seed, step=start)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,
                       log_every=args.log_every,
                       stream=sys.stdout if main_process else open(os.devnull, "w"))
-  tokens_per_step = args.batch_size * config.seq_len
+  tokens_per_step = args.batch_size * seq_len
   first_loss = last_loss = None
   for step in range(start + 1, args.steps + 1):
     batch = data.at(0) if args.same_batch else next(data)
@@ -246,7 +291,10 @@ def main(argv=None) -> int:
     tiers = tier_bytes(state)
     if state.engine.store is not None:
       tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
-    breakdown = {k: float(v) for k, v in metrics.items() if k.endswith("_s") or "bytes" in k}
+    breakdown = {k: float(v) for k, v in metrics.items()
+                 if k.endswith("_s") or "bytes" in k or k == "lr"}
+    if held_out is not None and (step % args.eval_every == 0 or step == args.steps):
+      breakdown["eval_loss"] = float(zinfjax.eval_step(state, held_out, lm_loss)["loss"])
     progress.update(step, {"loss": loss, "grad_norm": norm,
                            "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                            "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
@@ -255,6 +303,11 @@ def main(argv=None) -> int:
   progress.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last save to commit
+  if args.export and main_process:
+    t0 = time.perf_counter()
+    base = hf.read_config(args.init_from) if args.init_from else None
+    hf.save(args.export, config, state, base_config=base)
+    say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
   if first_loss is None:
     say(f"nothing to do: the run is at step {start} of {args.steps}")
   else:

@@ -17,6 +17,9 @@ from .tiling import TiledLinear, tile_matmuls
 from .placement import Plan
 from .state import TrainState, abstract_init, init
 from .step import make_train_step, train_step
+from .evaluate import eval_step, make_eval_step
+from . import weights  # noqa: F401
 
-__all__ = ["ZeroConfig", "Plan", "Stack", "TiledLinear", "tile_matmuls", "TrainState", "abstract_init", "init", "make_mesh", "make_train_step",
-           "train_step"]
+__all__ = ["ZeroConfig", "Plan", "Stack", "TiledLinear", "tile_matmuls", "TrainState",
+           "abstract_init", "eval_step", "init", "make_eval_step", "make_mesh", "make_train_step",
+           "train_step", "weights"]

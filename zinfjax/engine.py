@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -121,6 +122,12 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   graphdef, abstract_state = nnx.split(abstract_model)
   _check_params_only(abstract_model)
   stack_paths = _stack_paths(abstract_model)
+  if config.stage == 3 and not stack_paths:
+    warnings.warn(
+        "the model has no zinfjax.Stack: under ZeRO-3 each step gathers all of its params at "
+        "once (the whole model in compute precision on every device), not layer by layer. "
+        "Build its repeated blocks with zinfjax.Stack; zinfjax.weights.stack_layers converts "
+        "per-layer weights (layers.0.*, layers.1.* ...) to the stacked layout.", stacklevel=3)
   layouts = plan_layouts(nnx.to_pure_dict(abstract_state), {p + ("block",) for p in stack_paths},
                          mesh.shape[config.axis], config.persistence_threshold)
   plan = make_plan(config, layouts, stack_paths, mesh)

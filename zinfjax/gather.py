@@ -132,13 +132,14 @@ class ScanPlan:
   offload_activations: bool = False
   first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
 
-  def apply(self, params: Any, x: jax.Array) -> jax.Array:
-    """One block on `x`: `params` are gathered, or (tiles > 1) this layer's local shards."""
+  def apply(self, params: Any, x: jax.Array, args: tuple = ()) -> jax.Array:
+    """One block on `x` (and the per-call `args`): `params` are gathered, or (tiles > 1) this
+    layer's local shards."""
     if self.tiles == 1:
-      return nnx.merge(self.graphdef, params)(x)
-    run = lambda shards, x: nnx.merge(self.graphdef, _tree_gather(shards, self.layouts,
-                                                                  self.axis_name))(x)
-    return tile_matmuls(run, tiles=self.tiles)(params, x)
+      return nnx.merge(self.graphdef, params)(x, *args)
+    run = lambda shards, x, args: nnx.merge(self.graphdef, _tree_gather(
+        shards, self.layouts, self.axis_name))(x, *args)
+    return tile_matmuls(run, tiles=self.tiles)(params, x, args)
 
   def schedule(self, reverse: bool) -> LayerSchedule:
     depth = self.nvme_depth if self.param_tier == "nvme" else 0
@@ -238,14 +239,14 @@ class _Fetcher:
       self._wait(ticket, self._layer(layer))
 
 
-def _forward(plan: ScanPlan, shards, x):
+def _forward(plan: ScanPlan, shards, x, args):
   sched = plan.schedule(reverse=False)
   fetcher = _Fetcher(plan, shards, sched)
 
   def body(carry, i):
     h, state = carry
     full, state = fetcher.next(state, i)
-    return (plan.apply(full, h), state), plan.save_activation(h)
+    return (plan.apply(full, h, args), state), plan.save_activation(h)
 
   (y, state), inputs = lax.scan(body, (x, fetcher.prologue()), jnp.arange(plan.num_layers))
   fetcher.drain(state)
@@ -253,36 +254,53 @@ def _forward(plan: ScanPlan, shards, x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def layer_scan(plan: ScanPlan, shards: Any, x: jax.Array) -> jax.Array:
-  """Run all layers of a stack on `x`; `shards` are the stacked local shards.
+def layer_scan(plan: ScanPlan, shards: Any, x: jax.Array, args: tuple = ()) -> jax.Array:
+  """Run all layers of a stack on `x` (with the same extra `args` for each layer); `shards` are
+  the stacked local shards.
 
   With params on NVMe, `shards` is a tree of per-leaf anchors (float32[1, 2]):
   the data comes from the swap store, and each anchor's gradient is
   `[token, sum of squares]` of the gradients written back there.
   """
-  return _forward(plan, shards, x)[0]
+  return _forward(plan, shards, x, args)[0]
 
 
-def _layer_scan_fwd(plan, shards, x):
-  y, inputs = _forward(plan, shards, x)
-  return y, (shards, inputs)
+def _layer_scan_fwd(plan, shards, x, args):
+  y, inputs = _forward(plan, shards, x, args)
+  return y, (shards, inputs, args)
+
+
+def _inexact(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _layer_scan_bwd(plan, residuals, g_y):
-  shards, inputs = residuals
+  shards, inputs, args = residuals
+  # cotangents of the float per-call args add up over layers; integer ones have none
+  diff = [i for i, a in enumerate(jax.tree.leaves(args)) if _inexact(a)]
+  arg_leaves, arg_tree = jax.tree.flatten(args)
+
+  def with_args(full, h, diff_args):
+    leaves = list(arg_leaves)
+    for i, a in zip(diff, diff_args):
+      leaves[i] = a
+    return plan.apply(full, h, jax.tree.unflatten(arg_tree, leaves))
   sched = plan.schedule(reverse=True)
   fetcher = _Fetcher(plan, shards, sched)
   to_nvme = plan.param_tier == "nvme"
   rank = tiers.rank(plan.axis_name) if to_nvme else None
 
   def body(carry, i):
-    g, state, sums = carry
+    g, state, sums, g_args = carry
     full, state = fetcher.next(state, i)
-    _, vjp = jax.vjp(plan.apply, full, plan.load_activation(inputs, i))
-    g_full, g_h = vjp(g)
+    _, vjp = jax.vjp(with_args, full, plan.load_activation(inputs, i),
+                     [arg_leaves[k] for k in diff])
+    g_full, g_h, g_arg = vjp(g)
+    g_args = [a + b for a, b in zip(g_args, g_arg)]
     g_shard = plan.reduce_grads(g_full)
     if not to_nvme:
-      return (g_h, state, sums), jax.tree.map(lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
+      return (g_h, state, sums, g_args), jax.tree.map(
+          lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
     # the layer's grads of every leaf as one store job; each anchor gets its token
     layer = swap.layer_at(np.arange(plan.num_layers) + plan.first_layer, i, reverse=True)
     token = tiers.write_layer(jax.tree.leaves(plan.grad_nvme), jax.tree.leaves(g_shard), rank,
@@ -290,15 +308,19 @@ def _layer_scan_bwd(plan, residuals, g_y):
     sums = jax.tree.map(
         lambda s, x, lay: s + jnp.stack([token, sum_squares_share(x, lay, plan.axis_name)]),
         sums, g_shard, plan.layouts, is_leaf=is_layout)
-    return (g_h, state, sums), None
+    return (g_h, state, sums, g_args), None
 
   sums = jax.tree.map(lambda a: jnp.zeros((2,), jnp.float32), shards) if to_nvme else None
-  (g_x, state, sums), g_shards = lax.scan(
-      body, (g_y, fetcher.prologue(), sums), jnp.arange(plan.num_layers), reverse=True)
+  zeros = [jnp.zeros_like(arg_leaves[k]) for k in diff]
+  (g_x, state, sums, g_args), g_shards = lax.scan(
+      body, (g_y, fetcher.prologue(), sums, zeros), jnp.arange(plan.num_layers), reverse=True)
   fetcher.drain(state)
   if to_nvme:
     g_shards = jax.tree.map(lambda s, a: s.reshape(a.shape), sums, shards)
-  return g_shards, g_x
+  g_leaves = [None] * len(arg_leaves)
+  for k, g in zip(diff, g_args):
+    g_leaves[k] = g
+  return g_shards, g_x, jax.tree.unflatten(arg_tree, g_leaves)
 
 
 def sum_squares_share(g: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:
@@ -323,9 +345,9 @@ class ZeroStack:
                on_call: Callable[[int], None] | None = None):
     self.segments, self.index, self.on_call = segments, index, on_call
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, *args) -> jax.Array:
     if self.on_call is not None:
       self.on_call(self.index)
     for plan, shards in self.segments:
-      x = layer_scan(plan, shards, x)
+      x = layer_scan(plan, shards, x, tuple(args))
     return x

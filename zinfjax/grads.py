@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
 from .offload import swap, tiers
@@ -79,24 +80,48 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
   return G.ZeroStack(segments, index, on_call)
 
 
+def param_specs(plan: Plan) -> Any:
+  """PartitionSpecs of the params in parts (an NVMe segment's anchor is split over `data`)."""
+  anchor = P(plan.axis)
+  return plan.unflatten([tuple(anchor if s.tier == "nvme" else plan.spec(l, True) for s in l.params)
+                         for l in plan.leaves])
+
+
+def with_anchors(plan: Plan, params: Any) -> Any:
+  """The params' parts with an anchor (float32[dp, 2], split over `data`) in each NVMe slot."""
+  sharding = NamedSharding(plan.mesh, P(plan.axis))
+  anchor = lambda: jax.lax.with_sharding_constraint(jnp.zeros((plan.dp, 2), jnp.float32), sharding)
+  out = []
+  for leaf, parts in zip(plan.leaves, plan.flatten(params)):
+    it = iter(parts)
+    out.append(tuple(anchor() if s.tier == "nvme" else next(it) for s in leaf.params))
+  return plan.unflatten(out)
+
+
+def local_model(engine, params: Any, on_call: Callable[[int], None] | None = None) -> nnx.Module:
+  """The model one rank runs (inside `shard_map`): under ZeRO-3 its stacks gather layer by
+  layer and its other leaves are fetched from their tiers; else the whole params."""
+  plan = engine.plan
+  flat = plan.flatten(params)
+  if plan.stage != 3:
+    return nnx.merge(engine.graphdef, plan.unflatten([parts[0] for parts in flat]))
+  stacked = {i for s in plan.stacks for i in s.leaves}
+  view = [parts[0] if i in stacked else _fetch(plan, engine.store, plan.leaves[i], parts[0])
+          for i, parts in enumerate(flat)]
+  model = nnx.merge(engine.graphdef, plan.unflatten(view))
+  for index, stack in enumerate(plan.stacks):
+    graph = nnx.graphdef(_get(model, stack.path).block)
+    _set_attr(model, stack.path, zero_stack(engine, stack, index, flat, graph, on_call))
+  return model
+
+
 def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
                          on_call: Callable[[int], None] | None = None):
   """Per-rank loss and gradients (already reduced to this rank's storage shards), in parts."""
   plan, axis, dp = engine.plan, engine.plan.axis, engine.plan.dp
 
   def loss_of(params):
-    flat = plan.flatten(params)
-    if plan.stage == 3:
-      stacked = {i for s in plan.stacks for i in s.leaves}
-      view = [parts[0] if i in stacked else _fetch(plan, engine.store, plan.leaves[i], parts[0])
-              for i, parts in enumerate(flat)]
-      model = nnx.merge(engine.graphdef, plan.unflatten(view))
-      for index, stack in enumerate(plan.stacks):
-        graph = nnx.graphdef(_get(model, stack.path).block)
-        _set_attr(model, stack.path, zero_stack(engine, stack, index, flat, graph, on_call))
-    else:
-      model = nnx.merge(engine.graphdef, plan.unflatten([parts[0] for parts in flat]))
-    return loss_fn(model, batch) / dp
+    return loss_fn(local_model(engine, params, on_call), batch) / dp
 
   loss, grads = jax.value_and_grad(loss_of)(params)
   if plan.stage != 3:

@@ -19,8 +19,9 @@ class Stack(nnx.Module):
   """`num_layers` blocks made by `make_block`, stacked on axis 0 and scanned.
 
   Args:
-    make_block: `rngs -> nnx.Module`, one block; its `__call__(x) -> x` keeps
-      the shape of `x`.
+    make_block: `rngs -> nnx.Module`, one block; its `__call__(x, *args) -> x`
+      keeps the shape of `x` (the carried activation); `args` (attention mask,
+      positions, segment ids ...) are the same for every layer.
     num_layers: depth of the stack.
     rngs: randomness for the blocks' parameters (split once per layer).
     remat: recompute each block's activations in the backward pass, keeping
@@ -41,15 +42,15 @@ class Stack(nnx.Module):
     self.num_layers = num_layers
     self.remat = remat
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    def step(block: nnx.Module, x: jax.Array) -> jax.Array:
-      return block(x)
+  def __call__(self, x: jax.Array, *args) -> jax.Array:
+    def step(block: nnx.Module, x: jax.Array, args: tuple) -> jax.Array:
+      return block(x, *args)
 
     if self.remat:
       step = nnx.remat(step)
 
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-    def run(block: nnx.Module, x: jax.Array) -> jax.Array:
-      return step(block, x)
+    @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+    def run(block: nnx.Module, x: jax.Array, args: tuple) -> jax.Array:
+      return step(block, x, args)
 
-    return run(self.block, x)
+    return run(self.block, x, args)

@@ -36,7 +36,12 @@ class Progress:
     done = int(self.width * step / max(self.total, 1))
     bar = "#" * done + "." * (self.width - done)
     tiers = " ".join(f"{k} {human_bytes(v)}" for k, v in record.get("tiers", {}).items())
-    line = (f"step {step:>5}/{self.total} [{bar}] loss {record['loss']:.4f} | "
+    line = f"step {step:>5}/{self.total} [{bar}] loss {record['loss']:.4f}"
+    if "eval_loss" in record:
+      line += f" (eval {record['eval_loss']:.4f})"
+    if "lr" in record:
+      line += f", lr {record['lr']:.2e}"
+    line += (f" | "
             f"{record['tokens_per_s']:,.0f} tok/s | {1e3 * record['step_time_s']:.1f} ms/step | "
             f"per device: {tiers}")
     if "optimizer_s" in record:  # offloaded optimizer: where the step's time went

@@ -24,6 +24,8 @@ from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
 from .placement import Plan
 from .shards import host_shards
+from .weights.source import as_tree, match
+from .weights.stream import existing_weights, stream_states
 
 
 
@@ -45,6 +47,18 @@ class TrainState:
            for leaf, parts in zip(plan.leaves, plan.flatten(self.master))]
     return plan.unflatten(out)
 
+  def full_leaf(self, name: str, dtype=np.float32) -> np.ndarray:
+    """One leaf's fp32 master in its logical shape, by its path (e.g. "layers/block/q/kernel"),
+    as numpy: an export reads one leaf at a time."""
+    plan = self.engine.plan
+    found = [l for l in plan.leaves if l.name == name]
+    if not found:
+      raise KeyError(f"the model has no leaf {name!r}.")
+    leaf = found[0]
+    x = _whole(plan, leaf, plan.flatten(self.master)[leaf.index], self.engine.store)
+    index = tuple(slice(0, n) for n in leaf.layout.shape)
+    return np.asarray(x[index], dtype)
+
   def model(self) -> nnx.Module:
     """An ordinary NNX model holding the current master params (gathered whole)."""
     return nnx.merge(self.engine.graphdef, self.full_params())
@@ -56,7 +70,8 @@ def _whole(plan: Plan, leaf, parts: tuple, store) -> np.ndarray:
   pieces = []
   for seg in leaf.optimizer:
     if seg.tier != "nvme":
-      pieces.append(np.asarray(next(arrays)))
+      # a copy: numpy may view a CPU buffer that the next (donating) step reuses
+      pieces.append(np.array(next(arrays), copy=True))
       continue
     if jax.process_count() > 1:
       raise NotImplementedError("full_params gathers every rank's NVMe shards: one process only.")
@@ -100,8 +115,11 @@ def opt_state_shardings(engine: Engine, master: Any) -> Any:
   abstract = jax.eval_shape(engine.tx.init, master)
   storage = jax.tree.map(lambda x: x.sharding, master)
   whole = NamedSharding(engine.mesh, P())
-  return optax.tree_map_params(engine.tx, lambda _, sharding: sharding, abstract, storage,
-                               transform_non_params=lambda _: whole)
+  # masked params (optax.masked, multi_transform with set_to_zero) hold a MaskedNode: kept
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return optax.tree_map_params(
+      engine.tx, lambda x, sharding: x if masked(x) else sharding, abstract, storage,
+      transform_non_params=lambda x: x if masked(x) else whole, is_leaf=masked)
 
 
 def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None):
@@ -142,8 +160,10 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
   return tuple(parts)
 
 
-def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool) -> TrainState:
-  """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`)."""
+def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
+                weights: Any = None) -> TrainState:
+  """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`):
+  from `model_factory`'s random init, or streamed from existing `weights` when given."""
   plan, mesh = engine.plan, engine.mesh
   rep = NamedSharding(mesh, P())
   key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
@@ -157,6 +177,27 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
       opt = HostAdamState(step, master, master)
     return TrainState(step, plan.abstract("params"), master, opt, engine)
 
+  if weights is not None:
+    masters, params = stream_states(engine, match(plan, as_tree(weights)))
+  else:
+    masters, params = _random_states(engine, model_factory, key)
+  master = plan.unflatten(masters)
+  params = (plan.unflatten(params) if plan.stage == 3 else
+            gather_params(plan, master, engine.config.ordered_collectives))
+  step = jax.device_put(jnp.zeros((), jnp.int32), rep)
+  if engine.hyper is None:
+    tree = untuple(plan, master)
+    opt = jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree))(tree)
+  else:
+    zeros = jax.jit(lambda m: jax.tree.map(jnp.zeros_like, m),
+                    out_shardings=jax.tree.map(lambda x: x.sharding, master))
+    opt = HostAdamState(jax.device_put(jnp.zeros((), jnp.int32), rep), zeros(master), zeros(master))
+  return TrainState(step, params, master, opt, engine)
+
+
+def _random_states(engine: Engine, model_factory: ModelFactory, key) -> tuple[list, list]:
+  """(master parts, ZeRO-3 param parts) per leaf from the factory's initializers."""
+  plan = engine.plan
   # without NVMe the whole master is one program; with it one leaf at a time, so host memory
   # holds at most one leaf while the states stream to the swap store
   groups = ([list(range(len(plan.leaves)))] if engine.store is None
@@ -175,34 +216,36 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
       del x
   if engine.store is not None:
     engine.store.sync()
-  master = plan.unflatten(masters)
-  params = (plan.unflatten(params) if plan.stage == 3 else
-            gather_params(plan, master, engine.config.ordered_collectives))
-  step = jax.device_put(jnp.zeros((), jnp.int32), rep)
-  if engine.hyper is None:
-    tree = untuple(plan, master)
-    opt = jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree))(tree)
-  else:
-    zeros = jax.jit(lambda m: jax.tree.map(jnp.zeros_like, m),
-                    out_shardings=jax.tree.map(lambda x: x.sharding, master))
-    opt = HostAdamState(jax.device_put(jnp.zeros((), jnp.int32), rep), zeros(master), zeros(master))
-  return TrainState(step, params, master, opt, engine)
+  return masters, params
 
 
 def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: ZeroConfig,
-         mesh, rng: int | jax.Array = 0) -> TrainState:
+         mesh, rng: int | jax.Array = 0, *, params: Any = None) -> TrainState:
   """Create a sharded `TrainState` without ever holding the whole model on one device.
 
   Args:
-    model_factory: `rngs -> nnx.Module`, e.g. `lambda rngs: GPT(cfg, rngs=rngs)`.
+    model_factory: `rngs -> nnx.Module`, e.g. `lambda rngs: GPT(cfg, rngs=rngs)`; with
+      `params` it gives only the model's structure (nothing is initialized).
     tx: any optax transformation with the optimizer on the device; with it on
       a host tier (or split over tiers), `zinfjax.optim.adamw(...)`.
     config: the ZeRO settings (placement included).
     mesh: a mesh with a `config.axis` axis (see `make_mesh`).
     rng: seed or PRNG key for the parameters.
+    params: existing weights to start from instead of a random init: an nnx model or state,
+      a nested dict of arrays like `nnx.to_pure_dict(nnx.state(model))`, or of
+      `zinfjax.weights` Tensors (e.g. `zinfjax.models.hf.load_weights(folder, cfg)` over
+      safetensors). Each rank's shard is read and put straight into its tier, one leaf at
+      a time. A factory that returns an already built model is streamed the same way.
   """
+  if params is None:
+    params = existing_weights(model_factory)
   engine = build_engine(model_factory, tx, config, mesh)
-  return make_states(engine, model_factory, rng, abstract=False)
+  try:
+    return make_states(engine, model_factory, rng, abstract=False, weights=params)
+  except BaseException:
+    if engine.store is not None:
+      engine.store.close()
+    raise
 
 
 def abstract_init(model_factory: ModelFactory, tx: optax.GradientTransformation,

@@ -25,7 +25,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .grads import LossFn, local_loss_and_grads, nvme_leaf, sum_squares
+from .grads import (LossFn, local_loss_and_grads, nvme_leaf, param_specs, sum_squares,
+                    with_anchors)
 from .ordering import needs_order, ordered_collectives
 from .offload import swap, tiers
 from .optim.host import UPDATES, HostAdamState
@@ -57,23 +58,13 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   hyper, pipeline = engine.hyper, engine.pipeline
   rep, anchor_spec = NamedSharding(mesh, P()), P(axis)
   leaves = plan.leaves
-  full_specs = plan.unflatten([tuple(anchor_spec if s.tier == "nvme" else plan.spec(l, True)
-                                     for s in l.params) for l in leaves])
+  full_specs = param_specs(plan)
   storage = [plan.spec(l) for l in leaves]
   calls: list[int] = []   # the stacks in the order the forward pass runs them (seen at trace)
 
   def record(index: int) -> None:
     if index not in calls:
       calls.append(index)
-
-  def with_anchors(params):
-    anchor = lambda: jax.lax.with_sharding_constraint(
-        jnp.zeros((plan.dp, 2), jnp.float32), NamedSharding(mesh, anchor_spec))
-    out = []
-    for leaf, parts in zip(leaves, plan.flatten(params)):
-      it = iter(parts)
-      out.append(tuple(anchor() if s.tier == "nvme" else next(it) for s in leaf.params))
-    return plan.unflatten(out)
 
   def shard_map(body, in_specs, out_specs):
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
@@ -198,7 +189,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     if needs_order(mesh, engine.config.ordered_collectives):
       local = ordered_collectives(local)
     fn = shard_map(local, (full_specs, P(axis)), (P(), full_specs, P()))
-    loss, grads, squares = fn(with_anchors(state.params), batch)
+    loss, grads, squares = fn(with_anchors(plan, state.params), batch)
     norm = jnp.sqrt(squares)
     update = optax_update if hyper is None else adamw_update
     master, opt_state, new = update(state, grads, norm)
@@ -207,6 +198,11 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     else:
       params, token = gather_params(plan, master, engine.config.ordered_collectives), None
     metrics = {"loss": loss, "grad_norm": norm}
+    # zinfjax's AdamW: the schedule at the count before the step; optax's injected
+    # hyperparameters: those the update just used
+    lr = learning_rate(engine, state.opt_state if hyper is not None else opt_state)
+    if lr is not None:
+      metrics["lr"] = lr
     if token is not None:
       metrics["nvme_token"] = token
     kept = plan.unflatten([tuple(g for s, g in zip(l.params, parts) if s.tier != "nvme")
@@ -228,6 +224,17 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   run.jitted = jitted
   engine.steps[loss_fn] = run
   return run
+
+
+def learning_rate(engine, opt_state) -> jax.Array | None:
+  """The learning rate this step uses: zinfjax's AdamW schedule at the step's count, or an
+  optax `inject_hyperparams` state's `learning_rate` (None when the optimizer hides it)."""
+  if engine.hyper is not None:
+    return jnp.asarray(engine.hyper.schedule(opt_state.count), jnp.float32)
+  found = [s.hyperparams["learning_rate"] for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
+           if hasattr(s, "hyperparams") and "learning_rate" in s.hyperparams]
+  return jnp.asarray(found[0], jnp.float32) if found else None
 
 
 def _with_pipeline(engine, jitted, calls: list[int]) -> Step:

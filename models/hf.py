@@ -1,0 +1,252 @@
+"""Hugging Face checkpoints in and out: config.json, tensor names and layouts, safetensors.
+
+`load(folder)` reads a checkpoint folder (config.json plus safetensors, one file
+or sharded with an index) as `(config, model factory, weights)`: the weights are
+a tree of `zinfjax.weights` Tensors in our model's layout (per-layer
+`model.layers.N.*` tensors stacked on the `Stack`'s layer axis, `nn.Linear`
+weights transposed), memory-mapped and read shard by shard when passed to
+`zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
+same format back, one tensor at a time, so `transformers` loads it with
+`from_pretrained`. Families: Llama, Mistral, Qwen2 (`models/llama.py`) and
+GPT-2 (`models/gpt.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from flax import nnx
+
+from zinfjax.weights import Stacked, Transposed, safetensors
+from zinfjax.weights.source import Array
+
+from .config import GPTConfig
+from .gpt import GPT
+from .llama import Llama, LlamaConfig
+
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# HF buffers and copies that carry no weights of ours
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.bias|(^|\.)attn\.masked_bias)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """Our leaf `path` <- HF tensor `name` (`{i}`: one per layer, stacked), maybe transposed."""
+
+  path: str
+  name: str
+  transpose: bool = False
+
+
+def llama_rules(c: LlamaConfig) -> list[Rule]:
+  layer = "model.layers.{i}."
+  rules = [Rule("embed/embedding", "model.embed_tokens.weight"),
+           Rule("layers/block/ln1/scale", layer + "input_layernorm.weight"),
+           Rule("layers/block/ln2/scale", layer + "post_attention_layernorm.weight"),
+           Rule("norm/scale", "model.norm.weight")]
+  for ours, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"),
+                       ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
+                       ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
+                       ("down", "mlp.down_proj")):
+    rules.append(Rule(f"layers/block/{ours}/kernel", layer + theirs + ".weight", True))
+    if c.qkv_bias and ours in "qkv":
+      rules.append(Rule(f"layers/block/{ours}/bias", layer + theirs + ".bias"))
+  if not c.tie_embeddings:
+    rules.append(Rule("lm_head/kernel", "lm_head.weight", True))
+  return rules
+
+
+def gpt2_rules(c: GPTConfig, prefix: str = "transformer.") -> list[Rule]:
+  layer = prefix + "h.{i}."
+  rules = [Rule("wte/embedding", prefix + "wte.weight"), Rule("wpe/embedding", prefix + "wpe.weight"),
+           Rule("ln_f/scale", prefix + "ln_f.weight"), Rule("ln_f/bias", prefix + "ln_f.bias")]
+  for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+    rules += [Rule(f"blocks/block/{ours}/scale", layer + theirs + ".weight"),
+              Rule(f"blocks/block/{ours}/bias", layer + theirs + ".bias")]
+  # GPT-2's Conv1D stores [in, out] like nnx.Linear: no transpose
+  for ours, theirs in (("qkv", "attn.c_attn"), ("proj", "attn.c_proj"), ("fc", "mlp.c_fc"),
+                       ("out", "mlp.c_proj")):
+    rules += [Rule(f"blocks/block/{ours}/kernel", layer + theirs + ".weight"),
+              Rule(f"blocks/block/{ours}/bias", layer + theirs + ".bias")]
+  return rules
+
+
+# ---------------------------------------------------------------------------- config
+def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaConfig:
+  """Our config of a Hugging Face `config.json` dict; a clear error for what we do not run."""
+  kind = hf.get("model_type")
+  if kind in LLAMA_TYPES:
+    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", None):
+      raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (only the default "
+                       "rotary embedding).")
+    theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu).")
+    if hf.get("use_sliding_window"):
+      raise ValueError("use_sliding_window=true is not supported (full causal attention only).")
+    if kind == "llama" and hf.get("mlp_bias"):
+      raise ValueError("mlp_bias=true is not supported.")
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
+        intermediate=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim"), rope_theta=float(theta),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", kind == "qwen2")),
+        seq_len=hf.get("max_position_embeddings", 2048), remat=remat)
+  if kind == "gpt2":
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+      raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
+    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
+      raise ValueError("GPT-2 layer_norm_epsilon other than 1e-5 is not supported.")
+    return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
+                     num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
+                     remat=remat)
+  raise ValueError(f"model_type {kind!r} is not supported; zinfjax reads "
+                   f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
+
+
+def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
+  """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
+  out = dict(base or {})
+  if isinstance(c, LlamaConfig):
+    kind = out.get("model_type", "qwen2" if c.qkv_bias else "llama")
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}[kind]
+    out.update(model_type=kind, architectures=[arch], vocab_size=c.vocab_size,
+               hidden_size=c.hidden, intermediate_size=c.intermediate,
+               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+               num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
+               rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
+               max_position_embeddings=c.seq_len, hidden_act="silu")
+    if kind == "llama":
+      out["attention_bias"] = c.qkv_bias
+  else:
+    out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
+               n_positions=c.seq_len, n_layer=c.num_layers, n_head=c.num_heads, n_embd=c.hidden,
+               layer_norm_epsilon=1e-5, activation_function="gelu_new", tie_word_embeddings=True)
+  return out
+
+
+def factory(c: GPTConfig | LlamaConfig) -> Callable[[nnx.Rngs], nnx.Module]:
+  return (lambda rngs: Llama(c, rngs=rngs)) if isinstance(c, LlamaConfig) else (
+      lambda rngs: GPT(c, rngs=rngs))
+
+
+def rules_for(c: GPTConfig | LlamaConfig, names=()) -> list[Rule]:
+  if isinstance(c, LlamaConfig):
+    return llama_rules(c)
+  prefix = "transformer." if any(n.startswith("transformer.") for n in names) or not names else ""
+  return gpt2_rules(c, prefix)
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    *parents, last = path.split("/")
+    for p in parents:
+      node = node.setdefault(int(p) if p.isdigit() else p, {})
+    node[last] = value
+  return out
+
+
+# ---------------------------------------------------------------------------- in
+def load_weights(path: str, config: GPTConfig | LlamaConfig) -> dict:
+  """The checkpoint's tensors at `path` as our model's tree of lazily read Tensors."""
+  ckpt = safetensors.Checkpoint(path)
+  rules = rules_for(config, list(ckpt))
+  used, flat = set(), {}
+  for rule in rules:
+    names = ([rule.name.format(i=i) for i in range(config.num_layers)] if "{i}" in rule.name
+             else [rule.name])
+    missing = [n for n in names if n not in ckpt]
+    if missing:
+      raise ValueError(f"the checkpoint at {ckpt.path} has no {missing[0]!r} (for {rule.path}); "
+                       "does its config.json match its weights?")
+    used.update(names)
+    tensors = [Array(ckpt[n]) for n in names]
+    if rule.transpose:
+      tensors = [Transposed(t) for t in tensors]
+    flat[rule.path] = Stacked(tensors) if "{i}" in rule.name else tensors[0]
+  tied = getattr(config, "tie_embeddings", True)
+  extra = [n for n in ckpt if n not in used and not IGNORED.search(n)
+           and not (tied and n == "lm_head.weight")]
+  if extra:
+    raise ValueError(f"the checkpoint at {ckpt.path} has tensors the model does not use: "
+                     f"{', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}.")
+  return _nest(flat)
+
+
+def read_config(folder: str) -> dict[str, Any]:
+  """A checkpoint folder's `config.json` as a dict."""
+  path = os.path.join(folder, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face checkpoint folder.")
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def load(folder: str, remat: bool = True):
+  """`(config, model factory, weights)` of a Hugging Face checkpoint folder."""
+  config = config_from_hf(read_config(folder), remat=remat)
+  return config, factory(config), load_weights(folder, config)
+
+
+# ---------------------------------------------------------------------------- out
+def _tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple[str, Any]]:
+  """(HF name, (shape, dtype, produce)) of every tensor; `leaf(path)` gives one whole leaf."""
+  cache: dict[str, np.ndarray] = {}
+
+  def layer_of(rule: Rule, i: int | None) -> Callable[[], np.ndarray]:
+    def produce():
+      if rule.path not in cache:
+        cache.clear()  # one leaf in memory at a time (rules of one leaf are consecutive)
+        cache[rule.path] = np.asarray(leaf(rule.path))
+      x = cache[rule.path] if i is None else cache[rule.path][i]
+      return x.T if rule.transpose else x
+    return produce
+
+  abstract = nnx.eval_shape(lambda: factory(config)(nnx.Rngs(0)))
+  shapes = nnx.to_pure_dict(nnx.state(abstract))
+  for rule in rules_for(config):
+    shape = tuple(_get(shapes, rule.path).shape[1 if "{i}" in rule.name else 0:])
+    shape = shape[::-1] if rule.transpose else shape
+    if "{i}" in rule.name:
+      for i in range(config.num_layers):
+        yield rule.name.format(i=i), (shape, dtype, layer_of(rule, i))
+    else:
+      yield rule.name, (shape, dtype, layer_of(rule, None))
+
+
+def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.float32,
+         base_config: dict[str, Any] | None = None, max_shard_bytes: int = 5 << 30) -> list[str]:
+  """Write `params` (a `zinfjax.TrainState`, an nnx model, or its pure dict of arrays) as a
+  Hugging Face checkpoint folder that `transformers` loads with `from_pretrained`."""
+  if hasattr(params, "full_leaf"):
+    leaf = lambda path: params.full_leaf(path)
+  else:
+    tree = nnx.to_pure_dict(nnx.state(params)) if isinstance(params, nnx.Module) else params
+    leaf = lambda path: _get(tree, path)
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(config_to_hf(config, base_config), f, indent=2)
+  metadata = {"format": "pt"}
+  return safetensors.write_sharded(folder, _tensors(config, leaf, np.dtype(dtype)),
+                                   max_shard_bytes, metadata)
+
+
+def _get(tree: Any, path: str) -> Any:
+  for p in path.split("/"):
+    tree = tree[int(p)] if isinstance(tree, (list, tuple)) or (p.isdigit() and int(p) in tree) \
+        else tree[p]
+  return tree

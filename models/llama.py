@@ -1,0 +1,158 @@
+"""A Llama-family decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
+
+Covers Llama 2/3, Mistral-style and Qwen2 checkpoints (q/k/v biases), with
+tied or untied embeddings. Blocks are a `zinfjax.Stack`, so it trains on one
+device or layer by layer under ZeRO-3. Names and layouts follow Hugging Face's
+`LlamaForCausalLM` (see `models/hf.py` for the mapping); the math follows its
+forward: norms and softmax in fp32, rotary embedding with `rotate_half`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zinfjax.layers import Stack
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape of a Llama-family model (field names follow our GPTConfig; `hf.py` maps HF's).
+
+  Attributes:
+    num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
+    head_dim: width of one head (default hidden // num_heads).
+    rope_theta: base of the rotary frequencies.
+    tie_embeddings: the output projection is the token embedding transposed.
+    qkv_bias: q/k/v projections have biases (Qwen2).
+    seq_len: longest sequence (HF's max_position_embeddings).
+  """
+
+  vocab_size: int = 128
+  hidden: int = 64
+  intermediate: int = 172
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int | None = None
+  rope_theta: float = 10000.0
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  seq_len: int = 2048
+  remat: bool = True
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden", "intermediate", "num_layers", "num_heads",
+                 "num_kv_heads", "seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
+                       f"num_heads={self.num_heads}.")
+    if self.head_dim is None and self.hidden % self.num_heads:
+      raise ValueError(f"LlamaConfig.hidden={self.hidden} is not divisible by num_heads="
+                       f"{self.num_heads}; give head_dim.")
+
+  @property
+  def dim(self) -> int:
+    return self.head_dim or self.hidden // self.num_heads
+
+  @property
+  def num_params(self) -> int:
+    d, h, kv, f = self.hidden, self.num_heads * self.dim, self.num_kv_heads * self.dim, self.intermediate
+    block = d * h + 2 * d * kv + h * d + 3 * d * f + 2 * d + (h + 2 * kv if self.qkv_bias else 0)
+    head = 0 if self.tie_embeddings else d * self.vocab_size
+    return self.vocab_size * d + self.num_layers * block + d + head
+
+  def replace(self, **changes) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def _rms_norm(features: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
+  return nnx.RMSNorm(features, epsilon=eps, dtype=jnp.float32, rngs=rngs)
+
+
+def rotary(x_BxTxHxK: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding of positions 0..T-1 (HF's default rope, `rotate_half` layout)."""
+  t, k = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+  freqs_TxK = jnp.concatenate([jnp.outer(jnp.arange(t, dtype=jnp.float32), inv_freq)] * 2, -1)
+  cos, sin = jnp.cos(freqs_TxK)[:, None], jnp.sin(freqs_TxK)[:, None]
+  x = x_BxTxHxK.astype(jnp.float32)
+  half = k // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+  return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
+
+
+class Block(nnx.Module):
+  """x + attn(norm1(x)); x + mlp(norm2(x)), with SwiGLU and grouped-query attention."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    d, k = config.hidden, config.dim
+    init = nnx.initializers.normal(0.02)
+    linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, kernel_init=init, rngs=rngs)
+    self.ln1 = _rms_norm(d, config.rms_eps, rngs)
+    self.q = linear(d, config.num_heads * k, config.qkv_bias)
+    self.k = linear(d, config.num_kv_heads * k, config.qkv_bias)
+    self.v = linear(d, config.num_kv_heads * k, config.qkv_bias)
+    self.o = linear(config.num_heads * k, d)
+    self.ln2 = _rms_norm(d, config.rms_eps, rngs)
+    self.gate = linear(d, config.intermediate)
+    self.up = linear(d, config.intermediate)
+    self.down = linear(config.intermediate, d)
+    self.num_heads, self.num_kv_heads, self.dim = config.num_heads, config.num_kv_heads, k
+    self.rope_theta = config.rope_theta
+
+  def attention(self, x_BxTxD: jax.Array) -> jax.Array:
+    b, t, _ = x_BxTxD.shape
+    h, g, k = self.num_heads, self.num_kv_heads, self.dim
+    q_BxTxHxK = rotary(self.q(x_BxTxD).reshape(b, t, h, k), self.rope_theta)
+    k_BxTxGxK = rotary(self.k(x_BxTxD).reshape(b, t, g, k), self.rope_theta)
+    v_BxTxGxK = self.v(x_BxTxD).reshape(b, t, g, k)
+    q_BxTxGxRxK = q_BxTxHxK.reshape(b, t, g, h // g, k)  # head j uses kv head j // (h // g)
+    logits = jnp.einsum("bqgrk,btgk->bgrqt", q_BxTxGxRxK, k_BxTxGxK,
+                        preferred_element_type=jnp.float32) / math.sqrt(k)
+    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    logits = jnp.where(causal_TxT, logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxTxGxK.dtype)
+    y_BxTxGxRxK = jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxTxGxK)
+    return self.o(y_BxTxGxRxK.reshape(b, t, h * k))
+
+  def mlp(self, x_BxTxD: jax.Array) -> jax.Array:
+    return self.down(jax.nn.silu(self.gate(x_BxTxD)) * self.up(x_BxTxD))
+
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    dtype = x_BxTxD.dtype
+    x_BxTxD = x_BxTxD + self.attention(self.ln1(x_BxTxD).astype(dtype))
+    return x_BxTxD + self.mlp(self.ln2(x_BxTxD).astype(dtype))
+
+
+class Llama(nnx.Module):
+  """Token ids `[B, T]` -> next-token logits `[B, T, vocab]` (fp32)."""
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.hidden,
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = Stack(lambda r: Block(config, rngs=r), config.num_layers, rngs=rngs,
+                        remat=config.remat)
+    self.norm = _rms_norm(config.hidden, config.rms_eps, rngs)
+    if not config.tie_embeddings:
+      self.lm_head = nnx.Linear(config.hidden, config.vocab_size, use_bias=False,
+                                kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+    if tokens_BxT.shape[1] > self.config.seq_len:
+      raise ValueError(f"sequence of {tokens_BxT.shape[1]} tokens is longer than "
+                       f"seq_len={self.config.seq_len}.")
+    x_BxTxD = self.layers(self.embed(tokens_BxT))
+    x_BxTxD = self.norm(x_BxTxD).astype(x_BxTxD.dtype)
+    if self.config.tie_embeddings:
+      return self.embed.attend(x_BxTxD).astype(jnp.float32)
+    return self.lm_head(x_BxTxD).astype(jnp.float32)

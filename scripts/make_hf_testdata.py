@@ -1,0 +1,74 @@
+"""Build the tiny Hugging Face checkpoints and reference logits under tests/data/hf.
+
+Needs `transformers` and `torch` (the optional `hf` extra), which the tests do
+not: they read what this script committed. Each model is random (seeded), with
+every weight perturbed so a wrong transpose, name or norm shows in the logits:
+
+  llama   Llama, grouped-query attention, untied head, sharded safetensors + index
+  qwen2   Qwen2, q/k/v biases, tied embeddings, rope_theta 1e6
+  gpt2    GPT-2, odd vocabulary (101)
+
+For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
+and the fp32 `logits` of `transformers`' forward.
+
+  python scripts/make_hf_testdata.py [--out tests/data/hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+import numpy as np
+
+
+def models():
+  import transformers as T
+
+  common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-6)
+  return {
+      "llama": (T.LlamaForCausalLM, T.LlamaConfig(**common, num_key_value_heads=2,
+                                                  rope_theta=10000.0, tie_word_embeddings=False),
+                "40KB"),
+      "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config(**common, num_key_value_heads=2,
+                                                   rope_theta=1e6, tie_word_embeddings=True),
+                None),
+      "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(vocab_size=101, n_positions=32, n_embd=32,
+                                               n_layer=2, n_head=4), None),
+  }
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data",
+                                                "hf"))
+  args = ap.parse_args()
+  import torch
+
+  for k, (name, (cls, config, shard)) in enumerate(models().items()):
+    torch.manual_seed(k)
+    model = cls(config).eval()
+    with torch.no_grad():
+      for p in model.parameters():
+        p.add_(0.1 * torch.randn_like(p))
+    folder = os.path.join(args.out, name)
+    shutil.rmtree(folder, ignore_errors=True)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    tokens = np.random.RandomState(k).randint(0, config.vocab_size, (2, 12))
+    with torch.no_grad():
+      logits = model(torch.tensor(tokens)).logits.float().numpy()
+    np.savez(os.path.join(folder, "reference.npz"), tokens=tokens, logits=logits)
+    for extra in ("generation_config.json",):
+      path = os.path.join(folder, extra)
+      if os.path.exists(path):
+        os.remove(path)
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    print(f"{name:6s} {sum(p.numel() for p in model.parameters()):7d} params  "
+          f"{size / 1024:6.1f} KiB  {sorted(os.listdir(folder))}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,49 @@
+"""`train_gpt.py --init-from`: fine-tune a Hugging Face checkpoint on every tier, resume, export."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from helpers import DATA, REPO
+
+SCRIPT = os.path.join(REPO, "scripts", "train_gpt.py")
+LLAMA = os.path.join(REPO, "tests", "data", "hf", "llama")
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _run(args, ok=True):
+  done = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True,
+                        timeout=600, env=ENV)
+  if ok:
+    assert done.returncode == 0, done.stderr[-3000:]
+  return done
+
+
+def test_finetune_checkpoint_resume_and_export(tmp_path):
+  tokens = np.frombuffer(open(DATA, "rb").read()[:60000], np.uint8).astype(np.uint16) % 128
+  data = tmp_path / "tokens.bin"
+  tokens.tofile(data)
+  metrics = tmp_path / "m.jsonl"
+  common = ["--init-from", LLAMA, "--data", str(data), "--devices", "4", "--batch-size", "4",
+            "--seq-len", "32", "--precision", "fp32", "--lr", "3e-3",
+            "--offload-param", "pinned_host:1,nvme", "--offload-optimizer", "nvme",
+            "--nvme-path", str(tmp_path / "swap"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--save-every", "3", "--eval-every", "3", "--metrics-jsonl", str(metrics),
+            "--export", str(tmp_path / "out")]
+  out = _run(common + ["--steps", "6"]).stdout
+  assert "Llama from" in out and "loaded" in out and "exported" in out
+  records = [json.loads(l) for l in metrics.read_text().splitlines()]
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  assert len(evals) == 2 and all("lr" in r for r in records) and records[-1]["lr"] > 0
+  assert os.path.exists(tmp_path / "out" / "model.safetensors")
+  assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "llama"
+  out = _run(common + ["--steps", "9", "--resume"]).stdout
+  assert "resumed from step 6" in out
+  assert [json.loads(l)["step"] for l in metrics.read_text().splitlines()] == [7, 8, 9]
+
+  done = _run(["--init-from", LLAMA, "--data", DATA, "--devices", "2", "--steps", "1"], ok=False)
+  assert done.returncode != 0 and "needs the model's tokenizer" in done.stderr
+  assert "Traceback" not in done.stderr

@@ -1,0 +1,247 @@
+"""Existing weights into every tier, Hugging Face checkpoints in and out, eval and the model view.
+
+The tiny checkpoints and their `transformers` logits under tests/data/hf are
+made by scripts/make_hf_testdata.py (transformers is not a test dependency).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zinfjax
+from zinfjax.models import GPT, GPTConfig, hf, lm_loss
+from zinfjax.weights import safetensors, source
+
+from helpers import REPO, random_batches
+
+HF = os.path.join(REPO, "tests", "data", "hf")
+CFG = GPTConfig(vocab_size=67, seq_len=16, num_layers=3, num_heads=2, hidden=32)
+PLACEMENTS = {
+    "device": dict(),
+    "stage1": dict(stage=1),
+    "pinned": dict(offload_param="pinned_host", offload_optimizer="pinned_host"),
+    "nvme": dict(offload_param="nvme", offload_optimizer="nvme"),
+    "split": dict(offload_param="pinned_host:1,nvme:1,device", offload_optimizer="device:1,nvme"),
+}
+
+
+def _config(name, tmp_path, **extra):
+  kw = dict(PLACEMENTS[name])
+  if "nvme" in str(kw):
+    kw["nvme_path"] = str(tmp_path / "swap")
+  return zinfjax.ZeroConfig(precision="fp32", **kw, **extra)
+
+
+def _tx(name):
+  return optax.adamw(1e-3) if name in ("device", "stage1") else zinfjax.optim.adamw(1e-3)
+
+
+def _close(state):
+  if state.engine.store is not None:
+    state.engine.store.close()
+
+
+def _max_diff(a, b) -> float:
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _loss_of_logits(logits, tokens) -> float:
+  x = jnp.asarray(logits[:, :-1])
+  return float(optax.softmax_cross_entropy_with_integer_labels(x, tokens[:, 1:]).mean())
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_weights_stream_into_every_tier(name, mesh, tmp_path):
+  """A model in memory, its pure dict, and a factory returning it all start the run from exactly
+  those weights (fp32, bit-exact) on every placement; the first loss is the model's own."""
+  trained = GPT(CFG, rngs=nnx.Rngs(11))
+  want = nnx.to_pure_dict(nnx.state(trained))
+  batch = random_batches(1, 8, 16, CFG.vocab_size, seed=3)[0]
+  make = lambda rngs: GPT(CFG, rngs=rngs)
+  for params in (trained, want):
+    state = zinfjax.init(make, _tx(name), _config(name, tmp_path), mesh, params=params)
+    assert _max_diff(state.full_params(), want) == 0.0
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    np.testing.assert_allclose(float(metrics["loss"]), float(lm_loss(trained, batch)), rtol=1e-6)
+    _close(state)
+  assert zinfjax.weights.existing_weights(lambda rngs: trained) is not None
+  assert zinfjax.weights.existing_weights(make) is None
+  state = zinfjax.init(lambda rngs: trained, _tx(name), _config(name, tmp_path), mesh)
+  assert _max_diff(state.full_params(), want) == 0.0
+  _close(state)
+
+
+def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
+  want = nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(0))))
+  make = lambda rngs: GPT(CFG, rngs=rngs)
+  missing = {k: v for k, v in want.items() if k != "ln_f"}
+  with pytest.raises(ValueError, match="missing ln_f/bias, ln_f/scale"):
+    zinfjax.init(make, _tx("nvme"), _config("nvme", tmp_path), mesh, params=missing)
+  assert not os.path.exists(tmp_path / "swap" / "rank0" / "swap.bin") or \
+      os.path.getsize(tmp_path / "swap" / "rank0" / "swap.bin") == 0
+  wrong = jax.tree.map(lambda x: x, want)
+  wrong["wte"]["embedding"] = np.zeros((66, 32), np.float32)
+  with pytest.raises(ValueError, match=r"wte/embedding: model \(67, 32\), weights \(66, 32\)"):
+    zinfjax.init(make, _tx("device"), _config("device", tmp_path), mesh, params=wrong)
+  extra = {**want, "head": {"kernel": np.ones((2, 2), np.float32)}}
+  with pytest.raises(ValueError, match="unexpected head/kernel"):
+    zinfjax.init(make, _tx("device"), _config("device", tmp_path), mesh, params=extra)
+
+
+# ------------------------------------------------------------------ Hugging Face
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_logits_equal_transformers(family):
+  """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5)."""
+  config, make, weights = hf.load(os.path.join(HF, family))
+  ref = np.load(os.path.join(HF, family, "reference.npz"))
+  model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
+  nnx.update(model, jax.tree.map(lambda t: jnp.asarray(t.read(())), weights,
+                                 is_leaf=source.is_tensor))
+  logits = np.asarray(model(jnp.asarray(ref["tokens"])))
+  assert np.abs(ref["logits"]).max() > 1.0  # not a near-uniform model
+  np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
+                                              ("gpt2", "split")])
+def test_checkpoint_streams_into_zero3(family, placement, mesh, tmp_path):
+  """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
+  the ZeRO-3 eval loss equals the loss of transformers' logits, and training lowers it."""
+  folder = os.path.join(HF, family)
+  config, make, weights = hf.load(folder)
+  ref = np.load(os.path.join(folder, "reference.npz"))
+  tokens = np.tile(ref["tokens"], (4, 1))   # 8 rows for 8 devices
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  state = zinfjax.init(make, _tx(placement), _config(placement, tmp_path), mesh, params=weights)
+  loss = float(zinfjax.eval_step(state, batch, lm_loss)["loss"])
+  np.testing.assert_allclose(loss, _loss_of_logits(ref["logits"], ref["tokens"]), rtol=1e-5)
+  for _ in range(3):
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+  assert float(zinfjax.eval_step(state, batch, lm_loss)["loss"]) < loss - 0.01
+  _close(state)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_export_round_trip(family, mesh, tmp_path):
+  """`hf.save` from a training state (NVMe included) writes the checkpoint's names, shapes and
+  values back: reading it again is bit-exact, sharded with an index as well."""
+  folder = os.path.join(HF, family)
+  config, make, weights = hf.load(folder)
+  state = zinfjax.init(make, _tx("split"), _config("split", tmp_path), mesh, params=weights)
+  out = tmp_path / "export"
+  files = hf.save(str(out), config, state, base_config=hf.read_config(folder),
+                  max_shard_bytes=40_000)
+  assert safetensors.INDEX in files and len(files) > 2
+  theirs, ours = safetensors.Checkpoint(folder), safetensors.Checkpoint(str(out))
+  names = {n for n in theirs if not hf.IGNORED.search(n)}
+  assert set(ours) == names
+  for n in names:
+    np.testing.assert_array_equal(ours[n], theirs[n], err_msg=n)
+  again = hf.load(str(out))[2]
+  assert _max_diff(jax.tree.map(lambda t: t.read(()), again, is_leaf=source.is_tensor),
+                   state.full_params()) == 0.0
+  _close(state)
+
+
+def test_export_loads_in_transformers(mesh, tmp_path):
+  """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  folder = os.path.join(HF, "qwen2")
+  config, make, weights = hf.load(folder)
+  ref = np.load(os.path.join(folder, "reference.npz"))
+  tokens = np.tile(ref["tokens"], (4, 1))
+  state = zinfjax.init(make, _tx("pinned"), _config("pinned", tmp_path), mesh, params=weights)
+  state, _ = zinfjax.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                                lm_loss)
+  hf.save(str(tmp_path / "out"), config, state, base_config=hf.read_config(folder))
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+  with torch.no_grad():
+    theirs = model(torch.tensor(ref["tokens"])).logits.float().numpy()
+  ours = np.asarray(state.model()(jnp.asarray(ref["tokens"])))
+  assert np.abs(theirs - ref["logits"]).max() > 1e-4   # the export holds the trained weights
+  np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_safetensors_errors_name_the_file(tmp_path):
+  path = str(tmp_path / "x.safetensors")
+  safetensors.write(path, [("a", ((3, 4), np.float32, lambda: np.ones((3, 4), np.float32)))])
+  assert np.array_equal(safetensors.File(path)["a"], np.ones((3, 4)))
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) - 8)
+  with pytest.raises(safetensors.FormatError, match="x.safetensors.*truncated or damaged"):
+    safetensors.File(path)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+    safetensors.Checkpoint(str(tmp_path / "empty"))
+
+
+# ------------------------------------------------------------------ using the model
+@pytest.mark.parametrize("name", ["device", "stage1", "nvme"])
+def test_eval_step_and_model_view(name, mesh, tmp_path):
+  """eval_step is the forward loss of the current params on every tier and changes nothing; a
+  model from state.model() stays valid (same values) after later steps donate the state."""
+  batches = random_batches(3, 8, 16, CFG.vocab_size, seed=5)
+  make = lambda rngs: GPT(CFG, rngs=rngs)
+  state = zinfjax.init(make, _tx(name), _config(name, tmp_path), mesh, rng=2)
+  evaluate = jax.jit(lm_loss)
+  model = state.model()
+  before = float(evaluate(model, batches[1]))
+  np.testing.assert_allclose(float(zinfjax.eval_step(state, batches[1], lm_loss)["loss"]), before,
+                             rtol=1e-6)
+  for b in batches:
+    state, metrics = zinfjax.train_step(state, b, lm_loss)
+  assert float(evaluate(model, batches[1])) == before
+  now = float(zinfjax.eval_step(state, batches[1], lm_loss)["loss"])
+  assert float(zinfjax.eval_step(state, batches[1], lm_loss)["loss"]) == now
+  np.testing.assert_allclose(now, float(evaluate(state.model(), batches[1])), rtol=1e-6)
+  assert abs(now - before) > 1e-4
+  _close(state)
+
+
+def test_metrics_carry_the_learning_rate(mesh, tmp_path):
+  schedule = optax.linear_schedule(1e-3, 0.0, 10)
+  batch = random_batches(1, 8, 16, CFG.vocab_size)[0]
+  make = lambda rngs: GPT(CFG, rngs=rngs)
+  for tx, name in ((optax.inject_hyperparams(optax.adamw)(learning_rate=schedule), "device"),
+                   (zinfjax.optim.adamw(schedule), "nvme")):
+    state = zinfjax.init(make, tx, _config(name, tmp_path), mesh)
+    lrs = []
+    for _ in range(3):
+      state, metrics = zinfjax.train_step(state, batch, lm_loss)
+      lrs.append(float(metrics["lr"]))
+    np.testing.assert_allclose(lrs, [float(schedule(i)) for i in range(3)], rtol=1e-6)
+    _close(state)
+
+
+def test_masked_and_multi_transform_freeze(mesh, tmp_path):
+  """optax.multi_transform and optax.masked with set_to_zero train on ZeRO like on one device:
+  the frozen leaves do not move, the others match nnx.Optimizer (fp32: losses 1e-6, params 5e-6 at lr 1e-3)."""
+  batches = random_batches(3, 8, 16, CFG.vocab_size, seed=1)
+  labels = lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if "wte" in jax.tree_util.keystr(path) else "train", p)
+  txs = [optax.multi_transform({"train": optax.adam(1e-3), "frozen": optax.set_to_zero()}, labels),
+         optax.chain(optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(
+             lambda x: x.shape[0] == CFG.vocab_size, p)), optax.adam(1e-3))]
+  make = lambda rngs: GPT(CFG, rngs=rngs)
+  for tx in txs:
+    ref = make(nnx.Rngs(0))
+    start = nnx.to_pure_dict(nnx.state(ref))
+    opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+    state = zinfjax.init(make, tx, _config("device", tmp_path), mesh, params=start)
+    for b in batches:
+      state, metrics = zinfjax.train_step(state, b, lm_loss)
+      loss, grads = nnx.value_and_grad(lm_loss)(ref, b)
+      opt.update(ref, grads)
+      np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
+    got = state.full_params()
+    # Adam's step is ~lr wherever a grad is tiny, so summation order shows at ~1e-3 of lr
+    assert _max_diff(got, nnx.to_pure_dict(nnx.state(ref))) < 5e-6
+    assert _max_diff(got["wte"], start["wte"]) == 0.0
+    assert _max_diff(got["blocks"], start["blocks"]) > 1e-3

@@ -1,0 +1,138 @@
+"""Existing weights streamed into the plan's tiers, one rank's shard of one leaf at a time.
+
+For each leaf and state (fp32 master; compute params under ZeRO-3) the plan's
+segments are filled straight from the source `Tensor`: a `device` or
+`pinned_host` segment is made with `jax.make_array_from_callback` (each
+device reads only its own box), an `nvme` segment is read one (rank, layer)
+shard at a time and written to the swap store with a bounded number of bytes
+in flight. Nothing is traced, so no weight becomes a jit constant, and host
+memory holds at most a few shards of one leaf.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..placement import LeafPlan, Plan, Segment
+from .source import Index, Tensor
+
+IN_FLIGHT = 256 << 20   # bytes of NVMe writes in flight while streaming
+
+
+def read_storage(leaf: LeafPlan, tensor: Tensor, index: Index, dtype) -> np.ndarray:
+  """The box `index` of the leaf's storage form (padded on its split axis) read from its logical
+  `tensor`, as `dtype`: the padding is zeros, as `LeafLayout.pad` makes it."""
+  lay = leaf.layout
+  index = tuple(index) + (slice(None),) * (len(lay.storage_shape) - len(index))
+  box = [range(n)[s] for s, n in zip(index, lay.storage_shape)]
+  if lay.axis is None or box[lay.axis].stop <= lay.shape[lay.axis]:
+    return np.asarray(tensor.read(index), dtype=dtype)
+  out = np.zeros(tuple(len(r) for r in box), dtype)
+  real = range(box[lay.axis].start, min(box[lay.axis].stop, lay.shape[lay.axis]))
+  if len(real):
+    inner = list(index)
+    inner[lay.axis] = slice(real.start, real.stop)
+    at = [slice(None)] * len(box)
+    at[lay.axis] = slice(0, len(real))
+    out[tuple(at)] = tensor.read(tuple(inner))
+  return out
+
+
+def _shifted(index: Index, seg: Segment) -> Index:
+  """A box of a stacked segment's array in the whole leaf's layer coordinates."""
+  first = index[0] if index else slice(None)
+  lo, hi, _ = first.indices(seg.layers)
+  return (slice(lo + seg.start, hi + seg.start),) + tuple(index[1:])
+
+
+class _Writes:
+  """NVMe write tickets with a cap on the bytes they hold."""
+
+  def __init__(self, limit: int = IN_FLIGHT):
+    self.queue: collections.deque = collections.deque()
+    self.bytes, self.limit = 0, limit
+
+  def add(self, tickets: list, nbytes: int) -> None:
+    self.queue.append((tickets, nbytes))
+    self.bytes += nbytes
+    while self.bytes > self.limit and len(self.queue) > 1:
+      self._pop()
+
+  def _pop(self) -> None:
+    tickets, n = self.queue.popleft()
+    for t in tickets:
+      t.wait()
+    self.bytes -= n
+
+  def drain(self) -> None:
+    while self.queue:
+      self._pop()
+
+
+def place(plan: Plan, leaf: LeafPlan, tensor: Tensor, state: str, store, pipeline,
+          writes: _Writes) -> tuple:
+  """One leaf's `state` (master or params) from `tensor`, on every segment's tier."""
+  dtype = plan.dtype(state)
+  parts = []
+  for seg in leaf.segments(state):
+    if seg.tier != "nvme":
+      parts.append(_array(plan, leaf, tensor, seg, dtype))
+      continue
+    for rank in plan.ranks:
+      for layer in range(seg.start, seg.stop):
+        if state == "params" and leaf.tier("master", layer) == "nvme":
+          continue  # the master's writes made the NVMe params too
+        data = read_storage(leaf, tensor, plan.region(leaf, rank, layer), dtype)
+        data = data.reshape(leaf.local_shape)
+        if state == "master":
+          tickets = pipeline.write_layer(leaf.index, rank, layer, data)
+        else:
+          tickets = [store.write(leaf.key("params", rank, layer), data)]
+        writes.add(tickets, data.nbytes * (3 if state == "master" else 1))
+  return tuple(parts)
+
+
+def _array(plan: Plan, leaf: LeafPlan, tensor: Tensor, seg: Segment, dtype) -> jax.Array:
+  shift = leaf.stacked
+  read = lambda index: read_storage(leaf, tensor, _shifted(index, seg) if shift else index,
+                                    dtype)
+  return jax.make_array_from_callback(leaf.segment_shape(seg), plan.sharding(leaf, seg.tier),
+                                      read, dtype=dtype)
+
+
+def stream_states(engine, tensors: list[Tensor]) -> tuple[list, list]:
+  """(master parts, ZeRO-3 param parts) per leaf of `engine.plan`, filled from `tensors`."""
+  plan, store, pipeline = engine.plan, engine.store, engine.pipeline
+  masters, params = [], []
+  writes = _Writes()
+  for leaf, tensor in zip(plan.leaves, tensors):
+    masters.append(place(plan, leaf, tensor, "master", store, pipeline, writes))
+    params.append(place(plan, leaf, tensor, "params", store, pipeline, writes)
+                  if plan.stage == 3 else None)
+  writes.drain()
+  if store is not None:
+    store.sync()
+  return masters, params
+
+
+def existing_weights(model_factory) -> Any | None:
+  """The params of a factory that returns a model it did not create from `rngs` (a trained
+  model closed over), as a pure dict of arrays; None when it makes new ones."""
+  from flax import nnx
+
+  found: list = []
+
+  def make():
+    model = model_factory(nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    values = jax.tree.leaves(state)
+    if values and not any(isinstance(v, jax.core.Tracer) for v in values):
+      found.append(nnx.to_pure_dict(state))
+    return nnx.split(model)[1]
+
+  jax.eval_shape(make)
+  return found[0] if found else None
