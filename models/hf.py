@@ -203,7 +203,7 @@ def load(folder: str, remat: bool = True):
 
 
 # ---------------------------------------------------------------------------- out
-def _tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple[str, Any]]:
+def tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple[str, Any]]:
   """(HF name, (shape, dtype, produce)) of every tensor; `leaf(path)` gives one whole leaf."""
   cache: dict[str, np.ndarray] = {}
 
@@ -216,7 +216,7 @@ def _tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple
       return x.T if rule.transpose else x
     return produce
 
-  abstract = nnx.eval_shape(lambda: factory(config)(nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: factory(config)(nnx.Rngs(0)))   # shapes of the base weights
   shapes = nnx.to_pure_dict(nnx.state(abstract))
   for rule in rules_for(config):
     shape = tuple(_get(shapes, rule.path).shape[1 if "{i}" in rule.name else 0:])
@@ -231,17 +231,30 @@ def _tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple
 def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.float32,
          base_config: dict[str, Any] | None = None, max_shard_bytes: int = 5 << 30) -> list[str]:
   """Write `params` (a `zinfjax.TrainState`, an nnx model, or its pure dict of arrays) as a
-  Hugging Face checkpoint folder that `transformers` loads with `from_pretrained`."""
+  Hugging Face checkpoint folder that `transformers` loads with `from_pretrained` (LoRA
+  adapters merged into the weights they adapt)."""
   if hasattr(params, "full_leaf"):
-    leaf = lambda path: params.full_leaf(path)
+    read = lambda path: params.full_leaf(path)
   else:
     tree = nnx.to_pure_dict(nnx.state(params)) if isinstance(params, nnx.Module) else params
-    leaf = lambda path: _get(tree, path)
+    read = lambda path: _get(tree, path)
+
+  def leaf(path: str) -> np.ndarray:  # LoRA adapters merged into their kernel: W + A @ B
+    x = np.asarray(read(path))
+    if getattr(config, "lora_rank", 0) and path.endswith("/kernel"):
+      base = path[:-len("kernel")]
+      try:
+        a, b = np.asarray(read(base + "lora/lora_a")), np.asarray(read(base + "lora/lora_b"))
+      except KeyError:  # not an adapted projection (the output head)
+        return x
+      x = x + np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(x.dtype)
+    return x
+
   os.makedirs(folder, exist_ok=True)
   with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
     json.dump(config_to_hf(config, base_config), f, indent=2)
   metadata = {"format": "pt"}
-  return safetensors.write_sharded(folder, _tensors(config, leaf, np.dtype(dtype)),
+  return safetensors.write_sharded(folder, tensors(config, leaf, np.dtype(dtype)),
                                    max_shard_bytes, metadata)
 
 

@@ -30,6 +30,8 @@ class LlamaConfig:
     tie_embeddings: the output projection is the token embedding transposed.
     qkv_bias: q/k/v projections have biases (Qwen2).
     seq_len: longest sequence (HF's max_position_embeddings).
+    lora_rank: > 0 makes every projection an `nnx.LoRALinear` of this rank (adapters
+      `nnx.LoRAParam`, train them with `ZeroConfig(trainable=nnx.LoRAParam)`).
   """
 
   vocab_size: int = 128
@@ -45,6 +47,7 @@ class LlamaConfig:
   qkv_bias: bool = False
   seq_len: int = 2048
   remat: bool = True
+  lora_rank: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "intermediate", "num_layers", "num_heads",
@@ -96,7 +99,12 @@ class Block(nnx.Module):
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, k = config.hidden, config.dim
     init = nnx.initializers.normal(0.02)
-    linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, kernel_init=init, rngs=rngs)
+    if config.lora_rank:
+      linear = lambda i, o, bias=False: nnx.LoRALinear(
+          i, o, lora_rank=config.lora_rank, use_bias=bias, kernel_init=init, rngs=rngs)
+    else:
+      linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, kernel_init=init,
+                                                   rngs=rngs)
     self.ln1 = _rms_norm(d, config.rms_eps, rngs)
     self.q = linear(d, config.num_heads * k, config.qkv_bias)
     self.k = linear(d, config.num_kv_heads * k, config.qkv_bias)

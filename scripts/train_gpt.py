@@ -30,6 +30,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--init-from", default=None, metavar="HF_FOLDER",
                  help="fine-tune this Hugging Face checkpoint folder (config.json + safetensors): "
                       "its weights are streamed into the placement's tiers")
+  p.add_argument("--lora-rank", type=int, default=0,
+                 help="with --init-from a Llama-family checkpoint: train LoRA adapters of this "
+                      "rank on every projection, the pretrained weights frozen (no grads, master "
+                      "or optimizer state); --export merges them into the weights")
   p.add_argument("--export", default=None, metavar="FOLDER",
                  help="at the end, write the model as a Hugging Face checkpoint folder")
   p.add_argument("--eval-every", type=int, default=0,
@@ -119,6 +123,8 @@ def check_args(args) -> None:
       flag = "--" + name.replace("_", "-")
       raise SystemExit(f"error: {flag} {value}: give a positive number"
                        + (" (leave it out to use every device)" if name == "devices" else "") + ".")
+  if args.lora_rank < 0:
+    raise SystemExit(f"error: --lora-rank {args.lora_rank}: give a positive rank (0: no LoRA).")
   if not (math.isfinite(args.lr) and args.lr > 0):
     raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number above 0.")
 
@@ -153,6 +159,7 @@ def main(argv=None) -> int:
   import jax
   import optax
   import zinfjax
+  from flax import nnx
   from zinfjax import distributed
   from zinfjax.checkpoint import CheckpointError, Checkpointer
   from zinfjax.memory import tier_bytes
@@ -170,12 +177,19 @@ def main(argv=None) -> int:
   main_process = jax.process_index() == 0
   say = print if main_process else (lambda *a, **k: None)
   args.resume = args.resume or args.resume_step is not None
+  if args.lora_rank and not args.init_from:
+    raise SystemExit("error: --lora-rank adapts a pretrained model: give --init-from HF_FOLDER.")
   if (args.save_every or args.resume) and not args.checkpoint_dir:
     raise SystemExit("error: --save-every, --resume and --resume-step need --checkpoint-dir.")
   weights = None
   try:
     if args.init_from:
       config, model_factory, weights = hf.load(args.init_from)
+      if args.lora_rank:
+        if not hasattr(config, "lora_rank"):
+          raise ValueError("--lora-rank needs a Llama-family checkpoint (llama, mistral, qwen2).")
+        config = config.replace(lora_rank=args.lora_rank)
+        model_factory = hf.factory(config)
       tokens = finetune_tokens(args.data, args.init_from, config.vocab_size, load_tokens)
       seq_len = args.seq_len or min(config.seq_len, 1024)
       if seq_len > config.seq_len:
@@ -199,7 +213,8 @@ def main(argv=None) -> int:
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
         nvme_io_threads=args.nvme_io_threads,
         offload_activations=args.offload_activations,
-        ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives])
+        ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives],
+        trainable=nnx.LoRAParam if args.lora_rank else None)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   mesh = zinfjax.make_mesh()
@@ -229,7 +244,8 @@ def main(argv=None) -> int:
         f"tokens, vocab {vocab})")
   say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
-        + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else ""))
+        + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else "")
+        + (f" | training LoRA adapters of rank {args.lora_rank} only" if args.lora_rank else ""))
   # made, checked writable and locked against other runs before any compute
   ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None
   t0 = time.perf_counter()
@@ -258,7 +274,8 @@ def main(argv=None) -> int:
   elif args.resume:
     say(f"no checkpoint in {ckpt.directory} yet: starting from scratch")
   if state is None:
-    state = zinfjax.init(model_factory, tx, zero, mesh, args.seed, params=weights)
+    state = zinfjax.init(model_factory, tx, zero, mesh, args.seed, params=weights,
+                         init_missing=nnx.LoRAParam if args.lora_rank else None)
     say(f"{'loaded' if weights else 'init'} {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
   planned = state.engine.plan.tier_bytes()

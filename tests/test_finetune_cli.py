@@ -47,3 +47,23 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   done = _run(["--init-from", LLAMA, "--data", DATA, "--devices", "2", "--steps", "1"], ok=False)
   assert done.returncode != 0 and "needs the model's tokenizer" in done.stderr
   assert "Traceback" not in done.stderr
+
+
+def test_finetune_lora_exports_merged_weights(tmp_path):
+  tokens = np.frombuffer(open(DATA, "rb").read()[:40000], np.uint8).astype(np.uint16) % 128
+  data = tmp_path / "tokens.bin"
+  tokens.tofile(data)
+  out = _run(["--init-from", LLAMA, "--data", str(data), "--devices", "2", "--batch-size", "4",
+              "--seq-len", "32", "--steps", "4", "--lora-rank", "2", "--lr", "1e-2",
+              "--precision", "fp32",
+              "--offload-param", "nvme", "--offload-optimizer", "pinned_host",
+              "--nvme-path", str(tmp_path / "swap"), "--export", str(tmp_path / "out")]).stdout
+  assert "training LoRA adapters of rank 2 only" in out and "exported" in out
+  from zinfjax.weights import safetensors
+  theirs = safetensors.Checkpoint(LLAMA)
+  ours = safetensors.Checkpoint(str(tmp_path / "out"))
+  assert set(ours) == set(theirs)   # merged: the base names only, no adapters
+  changed = [n for n in ours if not np.array_equal(ours[n], theirs[n])]
+  assert changed and all("proj" in n for n in changed)   # only the adapted projections moved
+  done = _run(["--preset", "tiny", "--lora-rank", "2", "--steps", "1"], ok=False)
+  assert done.returncode != 0 and "--lora-rank adapts a pretrained model" in done.stderr

@@ -1,7 +1,6 @@
 """`Stack` blocks with per-call inputs besides the carried activation; per-layer <-> stacked
 weights; the warning for a model without a `Stack`."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

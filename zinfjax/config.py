@@ -117,6 +117,11 @@ class ZeroConfig:
       on where devices run independent operations concurrently and share a
       thread pool (XLA:CPU), where collectives reached in different orders
       deadlock; off on GPUs, whose streams already give one order.
+    trainable: which params train, as an nnx filter (like `nnx.Optimizer(...,
+      wrt=...)`): e.g. `nnx.LoRAParam` for LoRA adapters, or a function
+      `(path, variable) -> bool`. The others are frozen: they keep their
+      compute params on their tier and no grads, fp32 master or optimizer
+      state anywhere (stage 3). None (default): every `nnx.Param`.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -138,6 +143,7 @@ class ZeroConfig:
   offload_activations: bool = False
   nvme_io_threads: int = 4
   ordered_collectives: bool | None = None
+  trainable: Any = None
   host_nice: int = 5
 
   def __post_init__(self):

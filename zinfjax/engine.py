@@ -73,6 +73,24 @@ def _check_params_only(model: nnx.Module) -> None:
         "without dropout/rngs state or keep them outside the module.")
 
 
+def frozen_leaves(model: nnx.Module, config: ZeroConfig) -> frozenset[str]:
+  """Names of the params `config.trainable` leaves out (none when it is None)."""
+  if config.trainable is None:
+    return frozenset()
+  names = lambda state: {"/".join(str(k) for k in path)
+                         for path, _ in nnx.to_flat_state(state)}
+  every = names(nnx.state(model, nnx.Param))
+  trained = names(nnx.state(model, config.trainable))
+  if not trained:
+    raise ValueError(f"ZeroConfig.trainable={config.trainable!r} selects none of the model's "
+                     "params: nothing would train.")
+  frozen = frozenset(every - trained)
+  if frozen and config.stage != 3:
+    raise ValueError(f"frozen params (ZeroConfig.trainable) need stage=3, got stage="
+                     f"{config.stage}: stages 1 and 2 rebuild every param from its fp32 master.")
+  return frozen
+
+
 def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConfig) -> AdamHyper | None:
   """The AdamW the engine runs itself (every tier, the device too: one state layout, so
   checkpoints move between tiers), or None when `tx` is another optax transformation."""
@@ -130,7 +148,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
         "per-layer weights (layers.0.*, layers.1.* ...) to the stacked layout.", stacklevel=3)
   layouts = plan_layouts(nnx.to_pure_dict(abstract_state), {p + ("block",) for p in stack_paths},
                          mesh.shape[config.axis], config.persistence_threshold)
-  plan = make_plan(config, layouts, stack_paths, mesh)
+  plan = make_plan(config, layouts, stack_paths, mesh, frozen_leaves(abstract_model, config))
   hyper = _engine_adamw(tx, plan, config)
   decays = ()
   if hyper is not None:

@@ -110,11 +110,6 @@ def _tree_gather(shards, layouts, axis_name):
                       is_leaf=is_layout)
 
 
-def _tree_reduce_scatter(grads, layouts, axis_name):
-  return jax.tree.map(lambda g, lay: reduce_scatter(g, lay, axis_name), grads, layouts,
-                      is_leaf=is_layout)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ScanPlan:
   """Static description of one stack: the block's graph, per-layer layouts, tiers, depths."""
@@ -131,6 +126,7 @@ class ScanPlan:
   nvme_depth: int = 0     # NVMe reads run this many layers ahead of the device prefetch
   offload_activations: bool = False
   first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
+  trainable: Any = None   # tree of bools: False for a frozen leaf (no grads); None: all trained
 
   def apply(self, params: Any, x: jax.Array, args: tuple = ()) -> jax.Array:
     """One block on `x` (and the per-call `args`): `params` are gathered, or (tiles > 1) this
@@ -150,13 +146,12 @@ class ScanPlan:
       return local
     return _tree_gather(local, self.layouts, self.axis_name)
 
-  def reduce_grads(self, grads: Any) -> Any:
-    """Per-layer grads -> this rank's shards (reduce-scatter; already done when tiled)."""
+  def reduce_grad(self, g: jax.Array, layout: LeafLayout) -> jax.Array:
+    """One leaf's per-layer grad -> this rank's shard (reduce-scatter; already done when tiled,
+    where the block was differentiated through its all-gathers: only whole leaves need a sum)."""
     if self.tiles == 1:
-      return _tree_reduce_scatter(grads, self.layouts, self.axis_name)
-    # the tiled block differentiated through its all-gathers: only whole leaves need a sum
-    return jax.tree.map(lambda g, lay: lax.psum(g, self.axis_name) if lay.axis is None else g,
-                        grads, self.layouts, is_leaf=is_layout)
+      return reduce_scatter(g, layout, self.axis_name)
+    return lax.psum(g, self.axis_name) if layout.axis is None else g
 
   def save_activation(self, h: jax.Array) -> jax.Array:
     return tiers.to_tier(h, "pinned_host") if self.offload_activations else h
@@ -279,48 +274,58 @@ def _layer_scan_bwd(plan, residuals, g_y):
   # cotangents of the float per-call args add up over layers; integer ones have none
   diff = [i for i, a in enumerate(jax.tree.leaves(args)) if _inexact(a)]
   arg_leaves, arg_tree = jax.tree.flatten(args)
+  # only the trained leaves of a layer are differentiated, reduced and sent to their tier
+  layouts, treedef = jax.tree.flatten(plan.layouts, is_leaf=is_layout)
+  flags = [True] * len(layouts) if plan.trainable is None else jax.tree.leaves(plan.trainable)
+  trained = [k for k, f in enumerate(flags) if f]
 
-  def with_args(full, h, diff_args):
-    leaves = list(arg_leaves)
+  def with_args(trained_params, frozen_params, h, diff_args):
+    params, leaves = list(frozen_params), list(arg_leaves)
+    for k, p in zip(trained, trained_params):
+      params[k] = p
     for i, a in zip(diff, diff_args):
       leaves[i] = a
-    return plan.apply(full, h, jax.tree.unflatten(arg_tree, leaves))
+    return plan.apply(jax.tree.unflatten(treedef, params), h, jax.tree.unflatten(arg_tree, leaves))
+
   sched = plan.schedule(reverse=True)
   fetcher = _Fetcher(plan, shards, sched)
   to_nvme = plan.param_tier == "nvme"
   rank = tiers.rank(plan.axis_name) if to_nvme else None
+  grad_nvme = jax.tree.leaves(plan.grad_nvme) if to_nvme else None
 
   def body(carry, i):
     g, state, sums, g_args = carry
     full, state = fetcher.next(state, i)
-    _, vjp = jax.vjp(with_args, full, plan.load_activation(inputs, i),
-                     [arg_leaves[k] for k in diff])
-    g_full, g_h, g_arg = vjp(g)
+    full = jax.tree.leaves(full)
+    frozen = [None if f else x for x, f in zip(full, flags)]
+    _, vjp = jax.vjp(lambda t, h, a: with_args(t, frozen, h, a), [full[k] for k in trained],
+                     plan.load_activation(inputs, i), [arg_leaves[k] for k in diff])
+    g_trained, g_h, g_arg = vjp(g)
     g_args = [a + b for a, b in zip(g_args, g_arg)]
-    g_shard = plan.reduce_grads(g_full)
+    g_shard = [plan.reduce_grad(x, layouts[k]) for k, x in zip(trained, g_trained)]
     if not to_nvme:
-      return (g_h, state, sums, g_args), jax.tree.map(
-          lambda x: tiers.to_tier(x, plan.param_tier), g_shard)
-    # the layer's grads of every leaf as one store job; each anchor gets its token
+      return (g_h, state, sums, g_args), [tiers.to_tier(x, plan.param_tier) for x in g_shard]
+    # the layer's grads of every trained leaf as one store job; each anchor gets its token
     layer = swap.layer_at(np.arange(plan.num_layers) + plan.first_layer, i, reverse=True)
-    token = tiers.write_layer(jax.tree.leaves(plan.grad_nvme), jax.tree.leaves(g_shard), rank,
+    token = tiers.write_layer([grad_nvme[k] for k in trained], g_shard, rank,
                               layer).astype(jnp.float32)
-    sums = jax.tree.map(
-        lambda s, x, lay: s + jnp.stack([token, sum_squares_share(x, lay, plan.axis_name)]),
-        sums, g_shard, plan.layouts, is_leaf=is_layout)
+    sums = [s + jnp.stack([token, sum_squares_share(x, layouts[k], plan.axis_name)])
+            for s, x, k in zip(sums, g_shard, trained)]
     return (g_h, state, sums, g_args), None
 
-  sums = jax.tree.map(lambda a: jnp.zeros((2,), jnp.float32), shards) if to_nvme else None
+  sums = [jnp.zeros((2,), jnp.float32) for _ in trained] if to_nvme else None
   zeros = [jnp.zeros_like(arg_leaves[k]) for k in diff]
-  (g_x, state, sums, g_args), g_shards = lax.scan(
+  (g_x, state, sums, g_args), g_trained = lax.scan(
       body, (g_y, fetcher.prologue(), sums, zeros), jnp.arange(plan.num_layers), reverse=True)
   fetcher.drain(state)
-  if to_nvme:
-    g_shards = jax.tree.map(lambda s, a: s.reshape(a.shape), sums, shards)
+  anchors = jax.tree.leaves(shards)
+  g_shards = [None] * len(layouts)
+  for j, k in enumerate(trained):
+    g_shards[k] = sums[j].reshape(anchors[k].shape) if to_nvme else g_trained[j]
   g_leaves = [None] * len(arg_leaves)
   for k, g in zip(diff, g_args):
     g_leaves[k] = g
-  return g_shards, g_x, jax.tree.unflatten(arg_tree, g_leaves)
+  return jax.tree.unflatten(treedef, g_shards), g_x, jax.tree.unflatten(arg_tree, g_leaves)
 
 
 def sum_squares_share(g: jax.Array, layout: LeafLayout, axis_name: str) -> jax.Array:

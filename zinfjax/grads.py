@@ -75,16 +75,17 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
         nvme=block([nvme_leaf(plan, store, l, "params", seg) for l in leaves]) if nvme else None,
         grad_nvme=block([nvme_leaf(plan, store, l, "grads", seg) for l in leaves]) if nvme else None,
         nvme_depth=config.nvme_prefetch_depth, offload_activations=config.offload_activations,
-        first_layer=seg.start)
+        first_layer=seg.start, trainable=block([l.trainable for l in leaves]))
     segments.append((scan, block([flat[l.index][j] for l in leaves])))
   return G.ZeroStack(segments, index, on_call)
 
 
-def param_specs(plan: Plan) -> Any:
-  """PartitionSpecs of the params in parts (an NVMe segment's anchor is split over `data`)."""
+def param_specs(plan: Plan, state: str = "params") -> Any:
+  """PartitionSpecs of the params (or grads: none for a frozen leaf) in parts; an NVMe
+  segment's anchor is split over `data`."""
   anchor = P(plan.axis)
-  return plan.unflatten([tuple(anchor if s.tier == "nvme" else plan.spec(l, True) for s in l.params)
-                         for l in plan.leaves])
+  return plan.unflatten([tuple(anchor if s.tier == "nvme" else plan.spec(l, True)
+                               for s in l.segments(state)) for l in plan.leaves])
 
 
 def with_anchors(plan: Plan, params: Any) -> Any:
@@ -120,10 +121,20 @@ def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
   """Per-rank loss and gradients (already reduced to this rank's storage shards), in parts."""
   plan, axis, dp = engine.plan, engine.plan.axis, engine.plan.dp
 
-  def loss_of(params):
-    return loss_fn(local_model(engine, params, on_call), batch) / dp
+  flat = plan.flatten(params)
+  trained = [i for i, leaf in enumerate(plan.leaves) if leaf.trainable]
 
-  loss, grads = jax.value_and_grad(loss_of)(params)
+  def loss_of(parts):  # differentiated by the trained leaves only: frozen ones get no grads
+    merged = list(flat)
+    for i, p in zip(trained, parts):
+      merged[i] = p
+    return loss_fn(local_model(engine, plan.unflatten(merged), on_call), batch) / dp
+
+  loss, got = jax.value_and_grad(loss_of)([flat[i] for i in trained])
+  grads = [()] * len(flat)
+  for i, g in zip(trained, got):
+    grads[i] = g
+  grads = plan.unflatten(grads)
   if plan.stage != 3:
     reduce = G.all_reduce_keep_shard if plan.stage == 1 else G.reduce_scatter
     grads = plan.unflatten([(reduce(g[0], leaf.layout, axis),)

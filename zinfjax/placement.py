@@ -85,7 +85,8 @@ class LeafPlan:
   layout: LeafLayout
   local_shape: tuple[int, ...]     # one rank's shard of one layer: the unit every tier moves
   params: tuple[Segment, ...]      # grads follow the params
-  optimizer: tuple[Segment, ...]   # master, mu, nu
+  optimizer: tuple[Segment, ...]   # master, mu, nu (none for a frozen leaf)
+  trainable: bool = True           # frozen: params only (no grads, master or moments)
 
   @property
   def stacked(self) -> bool:
@@ -100,7 +101,13 @@ class LeafPlan:
     return math.prod(self.local_shape)
 
   def segments(self, state: str) -> tuple[Segment, ...]:
+    if state == "grads" and not self.trainable:
+      return ()
     return self.params if state in ("params", "grads") else self.optimizer
+
+  def params_with_master(self, layer: int) -> bool:
+    """Whether the NVMe master's writes make this layer's NVMe compute params too."""
+    return self.trainable and self.tier("master", layer) == "nvme"
 
   def array_segments(self, state: str) -> tuple[Segment, ...]:
     return tuple(s for s in self.segments(state) if s.tier in ARRAY_TIERS)
@@ -214,7 +221,7 @@ class Plan:
     for leaf in self.leaves:
       n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == "nvme")
       out["params"] += n("params") * leaf.local_size * item * ranks
-      out["grads"] += n("params") * leaf.local_size * item * ranks
+      out["grads"] += n("grads") * leaf.local_size * item * ranks
       out["optimizer"] += n("master") * leaf.local_size * 12 * ranks
     return out
 
@@ -224,7 +231,7 @@ class Plan:
     item = jnp.dtype(self.compute_dtype).itemsize
     for leaf in self.leaves:
       for seg in leaf.params:
-        out[seg.tier] += seg.layers * leaf.local_size * 2 * item
+        out[seg.tier] += seg.layers * leaf.local_size * (2 if leaf.trainable else 1) * item
       for seg in leaf.optimizer:
         out[seg.tier] += seg.layers * leaf.local_size * 12
     return out
@@ -251,8 +258,9 @@ def local_shape(layout: LeafLayout, dp: int) -> tuple[int, ...]:
 
 
 def make_plan(config: ZeroConfig, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
-              mesh: Mesh) -> Plan:
-  """The plan of a model whose leaves have `layouts` and whose `Stack`s sit at `stack_paths`."""
+              mesh: Mesh, frozen: frozenset[str] = frozenset()) -> Plan:
+  """The plan of a model whose leaves have `layouts` and whose `Stack`s sit at `stack_paths`;
+  the leaves named in `frozen` are not trained (params only)."""
   dp = mesh.shape[config.axis]
   flat, treedef = jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)
   leaves, stack_of = [], {}
@@ -261,9 +269,12 @@ def make_plan(config: ZeroConfig, layouts: Any, stack_paths: Sequence[tuple[Any,
     stack = next((j for j, p in enumerate(stack_paths)
                   if keys[:len(p) + 1] == tuple(map(str, p)) + ("block",)), None)
     layers = lay.shape[0] if lay.stacked else None
-    leaves.append(LeafPlan(i, "/".join(keys), lay, local_shape(lay, dp),
+    name = "/".join(keys)
+    trainable = name not in frozen
+    leaves.append(LeafPlan(i, name, lay, local_shape(lay, dp),
                            split_layers(config.param_split, layers),
-                           split_layers(config.optimizer_split, layers)))
+                           split_layers(config.optimizer_split, layers) if trainable else (),
+                           trainable))
     if stack is not None:
       stack_of.setdefault(stack, []).append(i)
   stacks = []

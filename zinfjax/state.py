@@ -41,21 +41,21 @@ class TrainState:
   engine: Engine = dataclasses.field(metadata=dict(static=True))
 
   def full_params(self, dtype=jnp.float32) -> Any:
-    """The fp32 master params in their logical shapes, from every tier (tests, export)."""
+    """The params in their logical shapes, from every tier (tests, export): the fp32 master of
+    each trained leaf, the compute params of each frozen one."""
     plan = self.engine.plan
-    out = [leaf.layout.unpad(jnp.asarray(_whole(plan, leaf, parts, self.engine.store))).astype(dtype)
-           for leaf, parts in zip(plan.leaves, plan.flatten(self.master))]
-    return plan.unflatten(out)
+    return plan.unflatten([jnp.asarray(self.full_leaf(leaf.name, dtype)) for leaf in plan.leaves])
 
   def full_leaf(self, name: str, dtype=np.float32) -> np.ndarray:
-    """One leaf's fp32 master in its logical shape, by its path (e.g. "layers/block/q/kernel"),
-    as numpy: an export reads one leaf at a time."""
+    """One leaf's fp32 master (a frozen leaf: its compute params) in its logical shape, by its
+    path (e.g. "layers/block/q/kernel"), as numpy: an export reads one leaf at a time."""
     plan = self.engine.plan
     found = [l for l in plan.leaves if l.name == name]
     if not found:
       raise KeyError(f"the model has no leaf {name!r}.")
     leaf = found[0]
-    x = _whole(plan, leaf, plan.flatten(self.master)[leaf.index], self.engine.store)
+    state = "master" if leaf.trainable else "params"
+    x = _whole(plan, leaf, plan.flatten(getattr(self, state))[leaf.index], self.engine.store, state)
     index = tuple(slice(0, n) for n in leaf.layout.shape)
     return np.asarray(x[index], dtype)
 
@@ -64,11 +64,12 @@ class TrainState:
     return nnx.merge(self.engine.graphdef, self.full_params())
 
 
-def _whole(plan: Plan, leaf, parts: tuple, store) -> np.ndarray:
-  """One leaf's fp32 master in storage shape, joined from its segments (one process)."""
+def _whole(plan: Plan, leaf, parts: tuple, store, state: str = "master") -> np.ndarray:
+  """One leaf's `state` (master, or ZeRO-3 params) in storage shape, joined from its segments
+  (one process)."""
   arrays = iter(parts)
   pieces = []
-  for seg in leaf.optimizer:
+  for seg in leaf.segments(state):
     if seg.tier != "nvme":
       # a copy: numpy may view a CPU buffer that the next (donating) step reuses
       pieces.append(np.array(next(arrays), copy=True))
@@ -77,7 +78,7 @@ def _whole(plan: Plan, leaf, parts: tuple, store) -> np.ndarray:
       raise NotImplementedError("full_params gathers every rank's NVMe shards: one process only.")
     ranks = []
     for r in range(plan.dp):
-      layers = [store.read(leaf.key("master", r, j)).wait() for j in range(seg.start, seg.stop)]
+      layers = [store.read(leaf.key(state, r, j)).wait() for j in range(seg.start, seg.stop)]
       ranks.append(np.stack(layers) if leaf.stacked else layers[0])
     lay = leaf.layout
     pieces.append(ranks[0] if lay.axis is None else np.concatenate(ranks, axis=lay.axis))
@@ -85,12 +86,13 @@ def _whole(plan: Plan, leaf, parts: tuple, store) -> np.ndarray:
 
 
 def untuple(plan: Plan, tree: Any) -> Any:
-  """A whole-leaf state (one array segment per leaf) as a plain tree of arrays."""
-  return plan.unflatten([parts[0] for parts in plan.flatten(tree)])
+  """A whole-leaf state (one array segment per leaf) as a plain tree of arrays (None for a
+  frozen leaf, which optax skips)."""
+  return plan.unflatten([parts[0] if parts else None for parts in plan.flatten(tree)])
 
 
 def retuple(plan: Plan, tree: Any) -> Any:
-  return plan.unflatten([(x,) for x in plan.flatten(tree)])
+  return plan.unflatten([() if x is None else (x,) for x in plan.flatten(tree)])
 
 
 def gather_params(plan: Plan, master: Any, ordered: bool | None = None) -> Any:
@@ -155,13 +157,13 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
         data = shard[layer] if leaf.stacked else shard
         if state == "master":
           tickets += pipeline.write_layer(leaf.index, rank, layer, data)
-        elif leaf.tier("master", layer) != "nvme":  # else the pipeline wrote the params too
+        elif not leaf.params_with_master(layer):  # else the pipeline wrote the params too
           tickets.append(store.write(leaf.key("params", rank, layer), np.asarray(data).astype(dtype)))
   return tuple(parts)
 
 
 def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
-                weights: Any = None) -> TrainState:
+                weights: Any = None, init_missing: Any = None) -> TrainState:
   """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`):
   from `model_factory`'s random init, or streamed from existing `weights` when given."""
   plan, mesh = engine.plan, engine.mesh
@@ -178,7 +180,13 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
     return TrainState(step, plan.abstract("params"), master, opt, engine)
 
   if weights is not None:
-    masters, params = stream_states(engine, match(plan, as_tree(weights)))
+    may_miss = frozenset()
+    if init_missing is not None:
+      abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+      may_miss = frozenset("/".join(str(k) for k in path)
+                           for path, _ in nnx.to_flat_state(nnx.state(abstract_model, init_missing)))
+    fresh = lambda i: tuple(x[0] for x in _random_states(engine, model_factory, key, [i]))
+    masters, params = stream_states(engine, match(plan, as_tree(weights), may_miss), fresh)
   else:
     masters, params = _random_states(engine, model_factory, key)
   master = plan.unflatten(masters)
@@ -195,13 +203,15 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
   return TrainState(step, params, master, opt, engine)
 
 
-def _random_states(engine: Engine, model_factory: ModelFactory, key) -> tuple[list, list]:
-  """(master parts, ZeRO-3 param parts) per leaf from the factory's initializers."""
+def _random_states(engine: Engine, model_factory: ModelFactory, key,
+                   only: list[int] | None = None) -> tuple[list, list]:
+  """(master parts, ZeRO-3 param parts) per leaf (all, or those in `only`, in that order) from
+  the factory's initializers."""
   plan = engine.plan
+  chosen = list(range(len(plan.leaves))) if only is None else list(only)
   # without NVMe the whole master is one program; with it one leaf at a time, so host memory
   # holds at most one leaf while the states stream to the swap store
-  groups = ([list(range(len(plan.leaves)))] if engine.store is None
-            else [[i] for i in range(len(plan.leaves))])
+  groups = [chosen] if engine.store is None else [[i] for i in chosen]
   masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
   for group in groups:
     values = master_initializer(engine, model_factory, group)(key)
@@ -216,11 +226,12 @@ def _random_states(engine: Engine, model_factory: ModelFactory, key) -> tuple[li
       del x
   if engine.store is not None:
     engine.store.sync()
-  return masters, params
+  return [masters[i] for i in chosen], [params[i] for i in chosen]
 
 
 def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: ZeroConfig,
-         mesh, rng: int | jax.Array = 0, *, params: Any = None) -> TrainState:
+         mesh, rng: int | jax.Array = 0, *, params: Any = None,
+         init_missing: Any = None) -> TrainState:
   """Create a sharded `TrainState` without ever holding the whole model on one device.
 
   Args:
@@ -236,12 +247,15 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
       `zinfjax.weights` Tensors (e.g. `zinfjax.models.hf.load_weights(folder, cfg)` over
       safetensors). Each rank's shard is read and put straight into its tier, one leaf at
       a time. A factory that returns an already built model is streamed the same way.
+    init_missing: an nnx filter (e.g. `nnx.LoRAParam`): leaves it selects that `params` lacks
+      (new adapters) come from the model's initializers (seeded by `rng`).
   """
   if params is None:
     params = existing_weights(model_factory)
   engine = build_engine(model_factory, tx, config, mesh)
   try:
-    return make_states(engine, model_factory, rng, abstract=False, weights=params)
+    return make_states(engine, model_factory, rng, abstract=False, weights=params,
+                       init_missing=init_missing)
   except BaseException:
     if engine.store is not None:
       engine.store.close()

@@ -58,7 +58,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   hyper, pipeline = engine.hyper, engine.pipeline
   rep, anchor_spec = NamedSharding(mesh, P()), P(axis)
   leaves = plan.leaves
-  full_specs = param_specs(plan)
+  full_specs, grad_specs = param_specs(plan), param_specs(plan, "grads")
   storage = [plan.spec(l) for l in leaves]
   calls: list[int] = []   # the stacks in the order the forward pass runs them (seen at trace)
 
@@ -90,7 +90,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
           got.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
         out.append(tuple(got))
       return out
-    return shard_map(body, (full_specs,), [tuple(s for _ in rs) for s, rs in zip(storage, ranges)])(grads)
+    return shard_map(body, (grad_specs,), [tuple(s for _ in rs) for s, rs in zip(storage, ranges)])(grads)
 
   def place_params(old_params, new: list) -> tuple[Any, jax.Array]:
     """New compute params (per leaf: [(start, stop, device array)]) onto their segments; layers
@@ -128,12 +128,13 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     return plan.unflatten(out), token
 
   def optax_update(state, grads, norm):
-    whole = grads_in(grads, [[(0, l.num_layers)] for l in leaves])
-    g32 = plan.unflatten([g[0].astype(jnp.float32) for g in whole])
+    whole = grads_in(grads, [[(0, l.num_layers)] if l.trainable else [] for l in leaves])
+    g32 = plan.unflatten([g[0].astype(jnp.float32) if g else None for g in whole])
     master = untuple(plan, state.master)
     updates, opt_state = engine.tx.update(g32, state.opt_state, master)
     master = optax.apply_updates(master, updates)
-    new = [[(0, l.num_layers, m.astype(plan.compute_dtype))] for l, m in zip(leaves, plan.flatten(master))]
+    new = [[(0, l.num_layers, m.astype(plan.compute_dtype))] if m is not None else []
+           for l, m in zip(leaves, plan.flatten(master))]
     return retuple(plan, master), opt_state, new
 
   def adamw_update(state, grads, norm):
@@ -188,7 +189,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
 
     if needs_order(mesh, engine.config.ordered_collectives):
       local = ordered_collectives(local)
-    fn = shard_map(local, (full_specs, P(axis)), (P(), full_specs, P()))
+    fn = shard_map(local, (full_specs, P(axis)), (P(), grad_specs, P()))
     loss, grads, squares = fn(with_anchors(plan, state.params), batch)
     norm = jnp.sqrt(squares)
     update = optax_update if hyper is None else adamw_update
@@ -210,8 +211,9 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     return TrainState(state.step + 1, params, master, opt_state, engine), metrics, kept
 
   shardings = jax.tree.map(lambda x: x.sharding, state)
-  grad_shardings = (None if not host_grads else
-                    jax.tree.map(lambda x: x.sharding, state.params))
+  grad_shardings = (None if not host_grads else plan.unflatten([
+      tuple(x.sharding for x in parts) if leaf.trainable else ()
+      for leaf, parts in zip(leaves, plan.flatten(state.params))]))
   jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(shardings, rep, grad_shardings),
                    in_shardings=(shardings, NamedSharding(mesh, P(axis))),
                    compiler_options=swap.compiler_options(mesh) if store is not None else None)

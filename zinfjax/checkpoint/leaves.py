@@ -1,6 +1,7 @@
 """What a checkpoint stores of a `TrainState`: its leaves, each with the sources the plan says.
 
-Leaf names: `step`, `master/{leaf}` (fp32 master params) and the optimizer's
+Leaf names: `step`, `master/{leaf}` (fp32 master params; `params/{leaf}`, the
+compute params, for a frozen leaf) and the optimizer's
 under `opt/` (zinfjax's AdamW: `opt/count`, `opt/mu/{leaf}`, `opt/nu/{leaf}`,
 whatever tiers its segments were on; an optax state: its own paths). Each
 leaf is stored whole in its logical shape; in the run it comes from (or goes
@@ -77,6 +78,10 @@ def state_leaves(state) -> list[Leaf]:
   f32, compute = np.dtype(np.float32), np.dtype(plan.compute_dtype)
   out = [Leaf("step", (), np.dtype(np.int32), None, [Source(0, 1, state.step)])]
   for leaf, m, p in zip(plan.leaves, plan.flatten(state.master), plan.flatten(state.params)):
+    if not leaf.trainable:  # frozen: its compute params are what is stored
+      out.append(Leaf(f"params/{leaf.name}", leaf.layout.shape, compute, leaf.layout,
+                      _segment_sources(leaf, "params", p, compute), leaf))
+      continue
     sources = _segment_sources(leaf, "master", m, f32)
     if plan.stage == 3:
       sources += _segment_sources(leaf, "params", p, compute, derived=True)
@@ -90,13 +95,16 @@ def state_leaves(state) -> list[Leaf]:
     out.append(Leaf("opt/count", (), np.dtype(np.int32), None, [Source(0, 1, opt.count)]))
     for moment, state_name in (("mu", "mu"), ("nu", "nu")):
       for leaf, parts in zip(plan.leaves, plan.flatten(getattr(opt, moment))):
+        if not leaf.trainable:
+          continue
         out.append(Leaf(f"opt/{moment}/{leaf.name}", leaf.layout.shape, f32, leaf.layout,
                         _segment_sources(leaf, state_name, parts, f32), leaf))
     return out
   # any optax state: param-shaped leaves are split like the master, the rest are stored whole
   not_param = object()
   labels = optax.tree_map_params(engine.tx, lambda _, i: i, opt,
-                                 plan.unflatten(list(range(len(plan.leaves)))),
+                                 plan.unflatten([l.index if l.trainable else None
+                                                 for l in plan.leaves]),
                                  transform_non_params=lambda _: not_param)
   flat_labels = jax.tree.leaves(labels, is_leaf=lambda x: x is not_param or isinstance(x, int))
   for (path, x), lab in zip(jax.tree_util.tree_flatten_with_path(opt)[0], flat_labels):

@@ -177,10 +177,18 @@ class Checkpointer:
     def parts(prefix: str, derived: bool) -> Any:
       out = []
       for leaf in plan.leaves:
-        name = f"{prefix}/{leaf.name}"
+        if not leaf.trainable:  # frozen: stored as its params, no master or moments
+          if prefix == "master" and derived:
+            prefix_, derived_ = "params", False
+          else:
+            out.append(())
+            continue
+        else:
+          prefix_, derived_ = prefix, derived
+        name = f"{prefix_}/{leaf.name}"
         srcs = next(l for l in leaves if l.name == name).sources
         out.append(tuple(restored[f"{name}#{k}"] for k, s in enumerate(srcs)
-                         if s.array is not None and s.derived == derived))
+                         if s.array is not None and s.derived == derived_))
       return plan.unflatten(out)
 
     master, params = parts("master", False), parts("master", True)

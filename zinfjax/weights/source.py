@@ -129,13 +129,14 @@ def as_tree(source: Any) -> Any:
   return jax.tree.map(as_tensor, source, is_leaf=lambda x: is_tensor(x) or isinstance(x, nnx.Variable))
 
 
-def match(plan, tree: Any) -> list[Tensor]:
-  """The source `Tensor` of every leaf of `plan`, in plan order; a clear error, before anything is
-  read, for a missing, unexpected or misshapen weight."""
+def match(plan, tree: Any, may_miss: frozenset[str] = frozenset()) -> list[Tensor | None]:
+  """The source `Tensor` of every leaf of `plan`, in plan order (None for a leaf named in
+  `may_miss` that `tree` lacks); a clear error, before anything is read, for a missing,
+  unexpected or misshapen weight."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)
   by_name = {"/".join(key_name(k) for k in path): t for path, t in flat}
   want = {leaf.name: leaf for leaf in plan.leaves}
-  missing = sorted(set(want) - set(by_name))
+  missing = sorted(set(want) - set(by_name) - set(may_miss))
   extra = sorted(set(by_name) - set(want))
   if missing or extra:
     raise ValueError(
@@ -143,13 +144,15 @@ def match(plan, tree: Any) -> list[Tensor]:
         + (f"missing {_some(missing)}" if missing else "")
         + ("; " if missing and extra else "")
         + (f"unexpected {_some(extra)}" if extra else "")
-        + ". Give a tree shaped like nnx.to_pure_dict(nnx.state(model)) (names joined by '/').")
+        + ". Give a tree shaped like nnx.to_pure_dict(nnx.state(model)) (names joined by '/'); "
+        "new leaves such as LoRA adapters come from the model's initializers with "
+        "init(..., init_missing=nnx.LoRAParam).")
   bad = [f"{n}: model {want[n].layout.shape}, weights {tuple(by_name[n].shape)}"
-         for n in want if tuple(by_name[n].shape) != tuple(want[n].layout.shape)]
+         for n in want if n in by_name and tuple(by_name[n].shape) != tuple(want[n].layout.shape)]
   if bad:
     raise ValueError("the weights' shapes differ from the model's: " + "; ".join(bad[:8])
                      + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "") + ".")
-  return [by_name[leaf.name] for leaf in plan.leaves]
+  return [by_name.get(leaf.name) for leaf in plan.leaves]
 
 
 def _some(names: list[str]) -> str:

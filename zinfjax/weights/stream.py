@@ -84,7 +84,7 @@ def place(plan: Plan, leaf: LeafPlan, tensor: Tensor, state: str, store, pipelin
       continue
     for rank in plan.ranks:
       for layer in range(seg.start, seg.stop):
-        if state == "params" and leaf.tier("master", layer) == "nvme":
+        if state == "params" and leaf.params_with_master(layer):
           continue  # the master's writes made the NVMe params too
         data = read_storage(leaf, tensor, plan.region(leaf, rank, layer), dtype)
         data = data.reshape(leaf.local_shape)
@@ -104,12 +104,18 @@ def _array(plan: Plan, leaf: LeafPlan, tensor: Tensor, seg: Segment, dtype) -> j
                                       read, dtype=dtype)
 
 
-def stream_states(engine, tensors: list[Tensor]) -> tuple[list, list]:
-  """(master parts, ZeRO-3 param parts) per leaf of `engine.plan`, filled from `tensors`."""
+def stream_states(engine, tensors: list[Tensor | None], fresh=None) -> tuple[list, list]:
+  """(master parts, ZeRO-3 param parts) per leaf of `engine.plan`, filled from `tensors`; a leaf
+  without one (None) from `fresh(index) -> (master parts, param parts)`."""
   plan, store, pipeline = engine.plan, engine.store, engine.pipeline
   masters, params = [], []
   writes = _Writes()
   for leaf, tensor in zip(plan.leaves, tensors):
+    if tensor is None:
+      m, p = fresh(leaf.index)
+      masters.append(m)
+      params.append(p)
+      continue
     masters.append(place(plan, leaf, tensor, "master", store, pipeline, writes))
     params.append(place(plan, leaf, tensor, "params", store, pipeline, writes)
                   if plan.stage == 3 else None)
