@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 
 from zinfjax.weights import Stacked, Transposed, safetensors
-from zinfjax.weights.source import Array
 
 from .config import GPTConfig
 from .gpt import GPT
@@ -174,7 +173,7 @@ def load_weights(path: str, config: GPTConfig | LlamaConfig) -> dict:
       raise ValueError(f"the checkpoint at {ckpt.path} has no {missing[0]!r} (for {rule.path}); "
                        "does its config.json match its weights?")
     used.update(names)
-    tensors = [Array(ckpt[n]) for n in names]
+    tensors = [ckpt.tensor(n) for n in names]
     if rule.transpose:
       tensors = [Transposed(t) for t in tensors]
     flat[rule.path] = Stacked(tensors) if "{i}" in rule.name else tensors[0]

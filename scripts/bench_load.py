@@ -60,7 +60,9 @@ def worker(mode: str, folder: str, swap: str) -> None:
   from zinfjax.models import hf
 
   config, make, weights = hf.load(folder)
-  zero = zinfjax.ZeroConfig(offload_param="nvme", offload_optimizer="nvme", nvme_path=swap)
+  # the optimizer must fit one rank's whole embedding shard (one device): 3 x 262 MB
+  zero = zinfjax.ZeroConfig(offload_param="nvme", offload_optimizer="nvme", nvme_path=swap,
+                            pinned_budget=4 << 30)
   mesh = zinfjax.make_mesh(jax.devices()[:1])
   start = time.perf_counter()
   state = zinfjax.init(make, zinfjax.optim.adamw(1e-4), zero, mesh,

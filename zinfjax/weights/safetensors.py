@@ -97,6 +97,22 @@ class File:
     return raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+class Mapped:
+  """One tensor of a file as a `zinfjax.weights` Tensor: each `read` maps just that tensor,
+  copies the box asked for and unmaps it, so pages read stay out of the process's memory."""
+
+  def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+    self.path, self.offset, self.shape, self.dtype = path, offset, tuple(shape), np.dtype(dtype)
+
+  def read(self, index: tuple = ()) -> np.ndarray:
+    if not all(self.shape):
+      return np.zeros(self.shape, self.dtype)[index]
+    view = np.memmap(self.path, self.dtype, mode="r", offset=self.offset, shape=self.shape)
+    out = np.array(view[index], copy=True)
+    del view
+    return out
+
+
 class Checkpoint(Mapping[str, np.ndarray]):
   """Every tensor of a safetensors checkpoint: one file, or a folder with a single file or
   Hugging Face's index over shards. Tensors are memory-mapped views, read on use."""
@@ -146,6 +162,14 @@ class Checkpoint(Mapping[str, np.ndarray]):
 
   def __len__(self) -> int:
     return len(self._where)
+
+  def tensor(self, name: str) -> Mapped:
+    """A tensor to read by region, mapped only while it is read."""
+    if name not in self._where:
+      raise KeyError(f"the checkpoint at {self.path} has no tensor {name!r}.")
+    f = self._files[self._where[name]]
+    info = f.header[name]
+    return Mapped(f.path, f._data + info["data_offsets"][0], info["shape"], DTYPES[info["dtype"]])
 
   def info(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, dtype) of a tensor, without mapping its data."""
