@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import zinfjax
-from zinfjax.checkpoint import Checkpointer
+from zinfjax.checkpoint import Checkpointer, master_params
 
 
 class Block(nnx.Module):
@@ -126,6 +126,10 @@ def test_lora_checkpoint_restores_onto_another_placement(mesh, tmp_path):
   ckpt.save(state)
   ckpt.wait()
   saved = state.full_params()
+  consolidated = dict(master_params(str(tmp_path / "ckpt")))   # frozen leaves included
+  assert set(consolidated) == {l.name for l in state.engine.plan.leaves}
+  np.testing.assert_array_equal(consolidated["stack/block/a/kernel"],
+                                saved["stack"]["block"]["a"]["kernel"])
   expect = []
   for b in data[2:]:
     state, m = zinfjax.train_step(state, b, loss_fn)

@@ -236,17 +236,19 @@ class Checkpointer:
 
 
 def master_params(directory: str | os.PathLike, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
-  """`(leaf name, fp32 array)` of a checkpoint's master params, one leaf at a time in full
-  logical shape, without building a model or a mesh (for export, like `zero_to_fp32`)."""
+  """`(leaf name, fp32 array)` of a checkpoint's master params (a frozen leaf: its stored
+  params), one leaf at a time in full logical shape, without building a model or a mesh (for
+  export, like `zero_to_fp32`)."""
   ckpt = Checkpointer(directory)
   meta = ckpt.metadata(step)
   folder = os.path.join(ckpt.directory, str(meta["step"]), "state")
   for name, info in meta["leaves"].items():
-    if not name.startswith("master/"):
+    prefix = next((p for p in ("master/", "params/") if name.startswith(p)), None)
+    if prefix is None:
       continue
     leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
     arr = open_checked(os.path.join(folder, name), leaf)
-    yield name[len("master/"):], read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
+    yield name[len(prefix):], read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
 
 
 def _restore_targets(target) -> list[Leaf]:
