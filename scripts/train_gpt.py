@@ -132,6 +132,7 @@ def check_args(args) -> None:
 def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
   """Token ids of `data` for a pretrained model: a uint16 .bin as is, or text through the
   checkpoint's tokenizer.json (needs the `tokenizers` package)."""
+  import numpy as np
   if data.endswith(".bin"):
     return load_tokens(data, vocab)[0]
   path = os.path.join(folder, "tokenizer.json")
@@ -145,7 +146,6 @@ def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
                         f"{folder} has no tokenizer.json")
                      + ", or give a uint16 .bin of token ids made with it.")
   with open(data, encoding="utf-8") as f:
-    import numpy as np
     return np.asarray(Tokenizer.from_file(path).encode(f.read()).ids, np.int32)
 
 

@@ -73,18 +73,22 @@ def _check_params_only(model: nnx.Module) -> None:
         "without dropout/rngs state or keep them outside the module.")
 
 
+def leaf_names(model: nnx.Module, which: Any = nnx.Param) -> frozenset[str]:
+  """The plan's names ("a/b/kernel") of the model's variables that the nnx filter `which` selects."""
+  return frozenset("/".join(str(k) for k in path)
+                   for path, _ in nnx.to_flat_state(nnx.state(model, which)))
+
+
 def frozen_leaves(model: nnx.Module, config: ZeroConfig) -> frozenset[str]:
   """Names of the params `config.trainable` leaves out (none when it is None)."""
   if config.trainable is None:
     return frozenset()
-  names = lambda state: {"/".join(str(k) for k in path)
-                         for path, _ in nnx.to_flat_state(state)}
-  every = names(nnx.state(model, nnx.Param))
-  trained = names(nnx.state(model, config.trainable))
+  every = leaf_names(model)
+  trained = leaf_names(model, config.trainable)
   if not trained:
     raise ValueError(f"ZeroConfig.trainable={config.trainable!r} selects none of the model's "
                      "params: nothing would train.")
-  frozen = frozenset(every - trained)
+  frozen = every - trained
   if frozen and config.stage != 3:
     raise ValueError(f"frozen params (ZeroConfig.trainable) need stage=3, got stage="
                      f"{config.stage}: stages 1 and 2 rebuild every param from its fp32 master.")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 Path = tuple[str, ...]
+Region = tuple[slice, ...]   # a box of a leaf, one slice per axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,3 +112,26 @@ def key_name(key) -> str:
 
 def is_layout(x) -> bool:
   return isinstance(x, LeafLayout)
+
+
+# ---------------------------------------------------------------- regions of the storage form
+def norm_region(index: tuple, shape: tuple[int, ...]) -> Region:
+  """A device's index (slices, maybe open) as concrete [start, stop) slices of `shape`."""
+  return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def shifted(region: Region, layout: LeafLayout | None, start: int) -> Region:
+  """A region of layers [start, ...) of a stacked leaf moved to the whole leaf's coordinates."""
+  if not start or layout is None or not layout.stacked:
+    return region
+  return (slice(region[0].start + start, region[0].stop + start),) + tuple(region[1:])
+
+
+def clip(region: Region, shape: tuple[int, ...]) -> Region:
+  """The part of `region` (storage coordinates, maybe padded) inside the logical `shape`."""
+  return tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(region, shape))
+
+
+def local(clipped: Region, region: Region) -> Region:
+  """`clipped` in the coordinates of the box `region` (where it lands in a region-sized array)."""
+  return tuple(slice(c.start - r.start, c.stop - r.start) for c, r in zip(clipped, region))

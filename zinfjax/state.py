@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
 from .config import ZeroConfig
-from .engine import Engine, ModelFactory, build_engine
+from .engine import Engine, ModelFactory, build_engine, leaf_names
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
 from .placement import Plan
@@ -44,16 +44,18 @@ class TrainState:
     """The params in their logical shapes, from every tier (tests, export): the fp32 master of
     each trained leaf, the compute params of each frozen one."""
     plan = self.engine.plan
-    return plan.unflatten([jnp.asarray(self.full_leaf(leaf.name, dtype)) for leaf in plan.leaves])
+    return plan.unflatten([jnp.asarray(self._full(leaf, dtype)) for leaf in plan.leaves])
 
   def full_leaf(self, name: str, dtype=np.float32) -> np.ndarray:
     """One leaf's fp32 master (a frozen leaf: its compute params) in its logical shape, by its
     path (e.g. "layers/block/q/kernel"), as numpy: an export reads one leaf at a time."""
-    plan = self.engine.plan
-    found = [l for l in plan.leaves if l.name == name]
+    found = [l for l in self.engine.plan.leaves if l.name == name]
     if not found:
       raise KeyError(f"the model has no leaf {name!r}.")
-    leaf = found[0]
+    return self._full(found[0], dtype)
+
+  def _full(self, leaf, dtype) -> np.ndarray:
+    plan = self.engine.plan
     state = "master" if leaf.trainable else "params"
     x = _whole(plan, leaf, plan.flatten(getattr(self, state))[leaf.index], self.engine.store, state)
     index = tuple(slice(0, n) for n in leaf.layout.shape)
@@ -182,9 +184,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
   if weights is not None:
     may_miss = frozenset()
     if init_missing is not None:
-      abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
-      may_miss = frozenset("/".join(str(k) for k in path)
-                           for path, _ in nnx.to_flat_state(nnx.state(abstract_model, init_missing)))
+      may_miss = leaf_names(nnx.eval_shape(lambda: model_factory(nnx.Rngs(0))), init_missing)
     fresh = lambda i: tuple(x[0] for x in _random_states(engine, model_factory, key, [i]))
     masters, params = stream_states(engine, match(plan, as_tree(weights), may_miss), fresh)
   else:

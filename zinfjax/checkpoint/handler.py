@@ -20,7 +20,8 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
 from ..placement import Plan, shard_key
-from .leaves import Leaf, Region, Source, chunks, clip, local, norm_region, shifted
+from ..partition import Region, clip, local, norm_region, shifted
+from .leaves import Leaf, Source, chunks
 
 IN_FLIGHT = 8  # NVMe shards on their way to the checkpoint at once (each one in host memory)
 
@@ -93,7 +94,7 @@ class StateHandler(ocp.AsyncCheckpointHandler):
         for shard in src.array.addressable_shards:
           if shard.replica_id:
             continue
-          region = shifted(norm_region(shard.index, src.array.shape), leaf, src.start)
+          region = shifted(norm_region(shard.index, src.array.shape), leaf.layout, src.start)
           clipped = clip(region, leaf.shape)
           data = np.array(shard.data)[local(clipped, region)]  # a copy: the state is donated next
           writes.append((path, clipped, data))
@@ -160,7 +161,7 @@ def _read_array(arr, leaf: Leaf, src: Source) -> jax.Array:
   cache: dict[tuple, np.ndarray] = {}  # replicated targets read each region once
   arrays = []
   for device, index in sharding.addressable_devices_indices_map(target.shape).items():
-    region = shifted(norm_region(index, target.shape), leaf, src.start)
+    region = shifted(norm_region(index, target.shape), leaf.layout, src.start)
     key = tuple((s.start, s.stop) for s in region)
     if key not in cache:
       cache[key] = read(arr, region, leaf, target.dtype)

@@ -23,9 +23,6 @@ from ..optim.host import HostAdamState
 from ..partition import LeafLayout, key_name
 from ..placement import LeafPlan, Plan
 
-Region = tuple[slice, ...]
-
-
 @dataclasses.dataclass
 class Source:
   """Layers [start, stop) of a leaf: a jax.Array (or target ShapeDtypeStruct), or NVMe keys."""
@@ -128,23 +125,3 @@ def chunks(leaf: Leaf, dp: int) -> list[int]:
     if lay.stacked:
       shape[0] = 1
   return [max(1, s) for s in shape]
-
-
-def norm_region(index: tuple, shape: tuple[int, ...]) -> Region:
-  return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
-
-
-def shifted(region: Region, leaf: Leaf, start: int) -> Region:
-  """A source's region moved to the leaf's coordinates (its first layer is `start`)."""
-  if not start or leaf.layout is None or not leaf.layout.stacked:
-    return region
-  return (slice(region[0].start + start, region[0].stop + start),) + tuple(region[1:])
-
-
-def clip(region: Region, shape: tuple[int, ...]) -> Region:
-  """The part of `region` (storage coordinates, maybe padded) inside the logical `shape`."""
-  return tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(region, shape))
-
-
-def local(clipped: Region, region: Region) -> Region:
-  return tuple(slice(c.start - r.start, c.stop - r.start) for c, r in zip(clipped, region))

@@ -177,18 +177,17 @@ class Checkpointer:
     def parts(prefix: str, derived: bool) -> Any:
       out = []
       for leaf in plan.leaves:
-        if not leaf.trainable:  # frozen: stored as its params, no master or moments
-          if prefix == "master" and derived:
-            prefix_, derived_ = "params", False
-          else:
+        stored, want = prefix, derived
+        # a frozen leaf has no master or moments: its params are stored, as `params/`
+        if not leaf.trainable:
+          if (prefix, derived) != ("master", True):
             out.append(())
             continue
-        else:
-          prefix_, derived_ = prefix, derived
-        name = f"{prefix_}/{leaf.name}"
+          stored, want = "params", False
+        name = f"{stored}/{leaf.name}"
         srcs = next(l for l in leaves if l.name == name).sources
         out.append(tuple(restored[f"{name}#{k}"] for k, s in enumerate(srcs)
-                         if s.array is not None and s.derived == derived_))
+                         if s.array is not None and s.derived == want))
       return plan.unflatten(out)
 
     master, params = parts("master", False), parts("master", True)

@@ -17,36 +17,24 @@ from typing import Any
 import jax
 import numpy as np
 
+from flax import nnx
+
+from ..partition import Region, clip, local, norm_region, shifted
 from ..placement import LeafPlan, Plan, Segment
-from .source import Index, Tensor
+from .source import Tensor
 
 IN_FLIGHT = 256 << 20   # bytes of NVMe writes in flight while streaming
 
 
-def read_storage(leaf: LeafPlan, tensor: Tensor, index: Index, dtype) -> np.ndarray:
-  """The box `index` of the leaf's storage form (padded on its split axis) read from its logical
+def read_storage(leaf: LeafPlan, tensor: Tensor, region: Region, dtype) -> np.ndarray:
+  """`region` of the leaf's storage form (padded on its split axis) read from its logical
   `tensor`, as `dtype`: the padding is zeros, as `LeafLayout.pad` makes it."""
-  lay = leaf.layout
-  index = tuple(index) + (slice(None),) * (len(lay.storage_shape) - len(index))
-  box = [range(n)[s] for s, n in zip(index, lay.storage_shape)]
-  if lay.axis is None or box[lay.axis].stop <= lay.shape[lay.axis]:
-    return np.asarray(tensor.read(index), dtype=dtype)
-  out = np.zeros(tuple(len(r) for r in box), dtype)
-  real = range(box[lay.axis].start, min(box[lay.axis].stop, lay.shape[lay.axis]))
-  if len(real):
-    inner = list(index)
-    inner[lay.axis] = slice(real.start, real.stop)
-    at = [slice(None)] * len(box)
-    at[lay.axis] = slice(0, len(real))
-    out[tuple(at)] = tensor.read(tuple(inner))
+  clipped = clip(region, leaf.layout.shape)
+  if clipped == region:
+    return np.asarray(tensor.read(region), dtype=dtype)
+  out = np.zeros([s.stop - s.start for s in region], dtype)
+  out[local(clipped, region)] = tensor.read(clipped)
   return out
-
-
-def _shifted(index: Index, seg: Segment) -> Index:
-  """A box of a stacked segment's array in the whole leaf's layer coordinates."""
-  first = index[0] if index else slice(None)
-  lo, hi, _ = first.indices(seg.layers)
-  return (slice(lo + seg.start, hi + seg.start),) + tuple(index[1:])
 
 
 class _Writes:
@@ -97,11 +85,10 @@ def place(plan: Plan, leaf: LeafPlan, tensor: Tensor, state: str, store, pipelin
 
 
 def _array(plan: Plan, leaf: LeafPlan, tensor: Tensor, seg: Segment, dtype) -> jax.Array:
-  shift = leaf.stacked
-  read = lambda index: read_storage(leaf, tensor, _shifted(index, seg) if shift else index,
-                                    dtype)
-  return jax.make_array_from_callback(leaf.segment_shape(seg), plan.sharding(leaf, seg.tier),
-                                      read, dtype=dtype)
+  shape = leaf.segment_shape(seg)
+  read = lambda index: read_storage(leaf, tensor, shifted(norm_region(index, shape), leaf.layout,
+                                                          seg.start), dtype)
+  return jax.make_array_from_callback(shape, plan.sharding(leaf, seg.tier), read, dtype=dtype)
 
 
 def stream_states(engine, tensors: list[Tensor | None], fresh=None) -> tuple[list, list]:
@@ -128,8 +115,6 @@ def stream_states(engine, tensors: list[Tensor | None], fresh=None) -> tuple[lis
 def existing_weights(model_factory) -> Any | None:
   """The params of a factory that returns a model it did not create from `rngs` (a trained
   model closed over), as a pure dict of arrays; None when it makes new ones."""
-  from flax import nnx
-
   found: list = []
 
   def make():
