@@ -356,3 +356,20 @@ def test_tensorstore_store_takes_a_relative_folder(tmp_path, monkeypatch):
   store.write("a", x).wait()
   np.testing.assert_array_equal(store.read("a").wait(), x)
   assert store.folder.startswith(str(tmp_path / "ts"))
+
+
+def test_fresh_store_forgets_another_layout(tmp_path):
+  """fresh=True opens a folder written with another block size and stripe count as empty,
+  keeping its file's space for reuse; without it the mismatch is named."""
+  old = AioStore([tmp_path / "a", tmp_path / "b"], block_size=64 << 10)
+  written(old, "x", n=300_000)
+  old.close()
+  with pytest.raises(CorruptShardError, match="same nvme paths and block size"):
+    AioStore(tmp_path / "a")
+  s = AioStore(tmp_path / "a", fresh=True)
+  assert s.keys() == [] and s.allocated_bytes > 0
+  a = written(s, "y")
+  s.reserve(0, exact=True)  # gives back what lies beyond the store's shards
+  assert os.path.getsize(swap_file(s, "y")[0]) == 1 << 20
+  np.testing.assert_array_equal(s.read("y").wait(), a)
+  s.close()

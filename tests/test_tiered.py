@@ -209,3 +209,33 @@ def test_host_optimizer_needs_zinfjax_adamw(mesh):
 def test_bad_offload_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     zinfjax.ZeroConfig(**kwargs)
+
+
+def test_swap_folder_of_another_run_is_reused_not_grown(tmp_path, mesh, batches):
+  """A fresh run empties the swap folders it is given and sizes their files for its own states
+  (grads included) at init, whatever a previous run left there: another model, stripe count."""
+  first, second = tmp_path / "a", tmp_path / "b"
+  wide = get_config("tiny", hidden=256)
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+                            nvme_path=[str(first), str(second)])
+  state = zinfjax.init(lambda r: GPT(wide, rngs=r), make_tx(), zero, mesh, 0)
+  state.engine.store.close()
+  swap = first / "rank0" / "swap.bin"
+  wide_bytes = os.path.getsize(swap)
+
+  # the same first folder, one stripe and a smaller model: no CorruptShardError, no growth
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+                            nvme_path=str(first))
+  state = zinfjax.init(lambda r: GPT(TINY, rngs=r), make_tx(), zero, mesh, 0)
+  store = state.engine.store
+  need = sum(state.engine.plan.nvme_bytes().values())
+  size = -(-need // (1 << 20)) << 20  # whole 1 MiB stripe units
+  assert os.path.getsize(swap) == size < wide_bytes  # reserved at init, surplus given back
+  entries = [store.entry(k) for k in store.keys()]  # only this run's shards, all inside it
+  assert entries and all(e["offset"] + e["nbytes"] <= need for e in entries)
+  state, metrics = zinfjax.train_step(state, batches[0], lm_loss)
+  assert np.isfinite(float(metrics["loss"]))
+  store.sync()
+  assert os.path.getsize(swap) == size  # the grads written at step 1 had their space already
+  assert store.stats()["bytes_used"] <= need
+  store.close()

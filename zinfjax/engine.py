@@ -115,21 +115,28 @@ def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConf
 
 
 def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
-  """The process's swap store, after checking the states fit on the drive (before any write)."""
+  """The process's swap store, emptied for this run's states, with all of their space (grads
+  included) allocated now: a drive that cannot hold them fails here, not at step 1."""
   store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
-                   pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice)
+                   pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice,
+                   fresh=True)
   store.defer_errors()  # raised after each step (see step.checked)
-  free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.stats()["bytes_used"]
+  # what a previous run left in the swap files is reused before the drive's free space
+  free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
   need = plan.nvme_bytes()
   total = sum(need.values())
-  if total > free:
+  try:
+    if total > free:
+      gb = lambda n: f"{n / 1e9:.2f} GB"
+      raise NoSpaceError(
+          f"nvme_path {config.nvme_paths} has {gb(free)} free, but the states placed on NVMe need "
+          f"{gb(total)} (params {gb(need['params'])}, grads {gb(need['grads'])}, optimizer "
+          f"{gb(need['optimizer'])}): free space there, add folders to nvme_path, or keep some "
+          "states off NVMe (offload_param / offload_optimizer, or a per-layer split).")
+    store.reserve(total, exact=True)
+  except BaseException:
     store.close()
-    gb = lambda n: f"{n / 1e9:.2f} GB"
-    raise NoSpaceError(
-        f"nvme_path {config.nvme_paths} has {gb(free)} free, but the states placed on NVMe need "
-        f"{gb(total)} (params {gb(need['params'])}, grads {gb(need['grads'])}, optimizer "
-        f"{gb(need['optimizer'])}): free space there, add folders to nvme_path, or keep some "
-        "states off NVMe (offload_param / offload_optimizer, or a per-layer split).")
+    raise
   return store
 
 

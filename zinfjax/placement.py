@@ -214,15 +214,17 @@ class Plan:
 
   # ------------------------------------------------------------ bytes
   def nvme_bytes(self, ranks: int | None = None) -> dict[str, int]:
-    """Bytes this process's ranks keep in the swap store, by state group."""
+    """Bytes this process's ranks keep in the swap store, by state group (each shard
+    rounded up to the store's 4 KiB unit, as it lies on disk)."""
     ranks = len(self.ranks) if ranks is None else ranks
     out = {"params": 0, "grads": 0, "optimizer": 0}
     item = jnp.dtype(self.compute_dtype).itemsize
+    disk = lambda nbytes: -(-nbytes // 4096) * 4096
     for leaf in self.leaves:
       n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == "nvme")
-      out["params"] += n("params") * leaf.local_size * item * ranks
-      out["grads"] += n("grads") * leaf.local_size * item * ranks
-      out["optimizer"] += n("master") * leaf.local_size * 12 * ranks
+      out["params"] += n("params") * disk(leaf.local_size * item) * ranks
+      out["grads"] += n("grads") * disk(leaf.local_size * item) * ranks
+      out["optimizer"] += n("master") * 3 * disk(leaf.local_size * 4) * ranks
     return out
 
   def tier_bytes(self) -> dict[str, int]:

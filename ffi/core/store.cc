@@ -86,6 +86,33 @@ int64_t next_handle = 1;
 
 }  // namespace
 
+// The stripe files and the manifest (or an empty one for a fresh store).
+void SwapStore::OpenFiles() {
+  direct_ = config_.direct;
+  for (const auto& folder : folders_) {
+    std::string file = folder + "/swap.bin";
+    int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+    int fd = direct_ ? open(file.c_str(), flags | O_DIRECT, 0644) : -1;
+    if (fd < 0 && direct_ && errno == EINVAL) direct_ = false;  // e.g. tmpfs: no O_DIRECT
+    if (fd < 0) fd = open(file.c_str(), flags, 0644);
+    if (fd < 0) throw EngineError(SysError("cannot open swap file " + file, errno));
+    struct stat st;
+    fstat(fd, &st);
+    fds_.push_back(fd);
+    file_sizes_.push_back(static_cast<uint64_t>(st.st_size));
+  }
+  if (!direct_) {  // all files buffered if any must be
+    for (size_t i = 0; i < fds_.size(); ++i) fcntl(fds_[i], F_SETFL, fcntl(fds_[i], F_GETFL) & ~O_DIRECT);
+  }
+  pool_ = std::make_unique<PinnedPool>(std::max(config_.pinned_budget, config_.block_size),
+                                       config_.block_size);
+  if (config_.fresh) {
+    WriteManifestLocked();  // an empty manifest: the old shards are gone from now on
+  } else {
+    LoadManifest();
+  }
+}
+
 SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
   if (config_.paths.empty()) throw EngineError("the swap store needs at least one nvme_path");
   if (config_.block_size < kAlignment || config_.block_size % kAlignment)
@@ -134,28 +161,16 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
                       "); give each process its own nvme_path or rank");
   }
 
-  direct_ = config_.direct;
-  for (const auto& folder : folders_) {
-    std::string file = folder + "/swap.bin";
-    int flags = O_RDWR | O_CREAT | O_CLOEXEC;
-    int fd = direct_ ? open(file.c_str(), flags | O_DIRECT, 0644) : -1;
-    if (fd < 0 && direct_ && errno == EINVAL) direct_ = false;  // e.g. tmpfs: no O_DIRECT
-    if (fd < 0) fd = open(file.c_str(), flags, 0644);
-    if (fd < 0) throw EngineError(SysError("cannot open swap file " + file, errno));
-    struct stat st;
-    fstat(fd, &st);
-    fds_.push_back(fd);
-    file_sizes_.push_back(static_cast<uint64_t>(st.st_size));
-  }
-  if (!direct_) {  // all files buffered if any must be
-    for (size_t i = 0; i < fds_.size(); ++i) fcntl(fds_[i], F_SETFL, fcntl(fds_[i], F_GETFL) & ~O_DIRECT);
-  }
-  pool_ = std::make_unique<PinnedPool>(std::max(config_.pinned_budget, config_.block_size),
-                                       config_.block_size);
-  LoadManifest();
   std::vector<std::unique_ptr<AioBackend>> backends;
-  for (unsigned i = 0; i < config_.io_threads; ++i)
-    backends.push_back(MakeBackend(config_.backend, config_.queue_depth, config_.fallback_threads));
+  try {
+    OpenFiles();
+    for (unsigned i = 0; i < config_.io_threads; ++i)
+      backends.push_back(MakeBackend(config_.backend, config_.queue_depth, config_.fallback_threads));
+  } catch (...) {  // the constructor fails: no destructor runs, so release files and locks here
+    for (int fd : fds_) close(fd);
+    for (int fd : lock_fds_) close(fd);
+    throw;
+  }
   backend_name_ = backends[0]->name();
   for (unsigned i = 0; i < config_.io_threads; ++i) {
     drivers_.emplace_back([this, b = std::shared_ptr<AioBackend>(std::move(backends[i]))] {
@@ -295,9 +310,29 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
   }
 }
 
-void SwapStore::Reserve(uint64_t bytes) {
+void SwapStore::Reserve(uint64_t bytes, bool exact) {
   std::lock_guard<std::mutex> lock(mu_);
-  EnsureAllocated(next_offset_ + AlignUp(bytes));
+  uint64_t end = next_offset_ + AlignUp(bytes);
+  EnsureAllocated(end);
+  if (!exact) return;
+  const uint64_t unit = config_.block_size, n = fds_.size();
+  uint64_t stripes = (end + unit - 1) / unit;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t need = ((stripes + n - 1 - i) / n) * unit;
+    if (file_sizes_[i] <= need) continue;
+    if (ftruncate(fds_[i], static_cast<off_t>(need)) != 0)
+      throw EngineError(SysError("cannot shrink swap file " + folders_[i] + "/swap.bin", errno));
+    file_sizes_[i] = need;
+  }
+}
+
+uint64_t SwapStore::allocated_bytes() const {
+  uint64_t total = 0;
+  for (int fd : fds_) {
+    struct stat st;
+    if (fstat(fd, &st) == 0) total += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  return total;
 }
 
 ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std::string& dtype,

@@ -45,6 +45,10 @@ struct StoreConfig {
   size_t pinned_budget = 64 << 20;    // staging buffer pool budget
   int pool_timeout_ms = 60000;
   int io_nice = 0;                    // added to the I/O threads' nice value (lower CPU priority)
+  // Start empty: forget what the folders held (another run's shards, maybe
+  // with other shapes, block size or stripe count) and reuse their files'
+  // space instead of growing them. A run that creates its states does this.
+  bool fresh = false;
 };
 
 // One shard of a WriteManyAsync / ReadManyAsync.
@@ -96,7 +100,11 @@ class SwapStore {
   // Makes the manifest and file contents durable (fsync + atomic rename).
   void Sync();
   // Preallocates the files for `bytes` more of shards (ENOSPC now, not mid-training).
-  void Reserve(uint64_t bytes);
+  // With `exact`, the files are also cut down to that size: space a previous
+  // run left beyond it goes back to the drive.
+  void Reserve(uint64_t bytes, bool exact = false);
+  // Bytes the stripe files hold on disk (allocated space, reused before growing).
+  uint64_t allocated_bytes() const;
 
   // Copies `src` into a buffer the store owns and writes it in the background;
   // returns once copied, so an XLA custom call does not wait on the disk.
@@ -192,6 +200,7 @@ class SwapStore {
   void EnsureAllocated(uint64_t logical_end);
   void CheckReadable(const std::string& key, const ShardEntry& e, const std::string& dtype,
                      const std::vector<int64_t>& shape, size_t nbytes) const;
+  void OpenFiles();
   void LoadManifest();
   void WriteManifestLocked();
   std::shared_ptr<Job> FindJob(uint64_t ticket);

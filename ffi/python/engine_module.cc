@@ -130,7 +130,7 @@ PYBIND11_MODULE(_engine, m) {
   py::class_<SwapStore, std::shared_ptr<SwapStore>>(m, "SwapStore")
       .def(py::init([](std::vector<std::string> paths, int rank, size_t block_size,
                        unsigned queue_depth, std::string backend, bool direct, unsigned io_threads,
-                       size_t pinned_budget, double pool_timeout_s, int io_nice) {
+                       size_t pinned_budget, double pool_timeout_s, int io_nice, bool fresh) {
              StoreConfig c;
              c.paths = std::move(paths);
              c.rank = rank;
@@ -142,12 +142,13 @@ PYBIND11_MODULE(_engine, m) {
              c.pinned_budget = pinned_budget;
              c.pool_timeout_ms = static_cast<int>(pool_timeout_s * 1000);
              c.io_nice = io_nice;
+             c.fresh = fresh;
              return std::make_shared<SwapStore>(std::move(c));
            }),
            py::arg("paths"), py::arg("rank") = 0, py::arg("block_size") = 1 << 20,
            py::arg("queue_depth") = 32, py::arg("backend") = "auto", py::arg("direct") = true,
            py::arg("io_threads") = 2, py::arg("pinned_budget") = 64 << 20,
-           py::arg("pool_timeout_s") = 60.0, py::arg("io_nice") = 0)
+           py::arg("pool_timeout_s") = 60.0, py::arg("io_nice") = 0, py::arg("fresh") = false)
       .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
                              const std::string& dtype, std::vector<int64_t> shape) {
         py::buffer_info info = data.request();
@@ -172,7 +173,8 @@ PYBIND11_MODULE(_engine, m) {
       }, py::arg("keys"), py::arg("outs"), py::arg("dtypes"), py::arg("shapes"))
       .def("wait", &SwapStore::Wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>())
       .def("sync", &SwapStore::Sync, py::call_guard<py::gil_scoped_release>())
-      .def("reserve", &SwapStore::Reserve, py::arg("bytes"))
+      .def("reserve", &SwapStore::Reserve, py::arg("bytes"), py::arg("exact") = false)
+      .def_property_readonly("allocated_bytes", &SwapStore::allocated_bytes)
       .def("generation", &SwapStore::Generation, py::arg("key"))
       .def("wait_generation", [](SwapStore& s, const std::string& key, uint64_t generation,
                                  double timeout_s) {

@@ -109,16 +109,18 @@ class AioStore:
     pinned_budget: bytes of staging buffers the store may hold (never more); the
       copies of detached writes (the XLA grad writes) in flight stay within the
       same amount again.
+    fresh: start empty: forget what the folders hold (another run's shards, of
+      any shapes, block size or stripe count) and reuse their files' space.
   """
 
   def __init__(self, paths: PathLike | Sequence[PathLike], rank: int = 0, *,
                block_size: int = 1 << 20, queue_depth: int = 32, backend: str = "auto",
                direct: bool = True, io_threads: int = 2, pinned_budget: int = 64 << 20,
-               pool_timeout_s: float = 60.0, io_nice: int = 0):
+               pool_timeout_s: float = 60.0, io_nice: int = 0, fresh: bool = False):
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     self._store = _engine.SwapStore([os.fspath(p) for p in paths], rank, block_size, queue_depth,
                                     backend, direct, io_threads, pinned_budget, pool_timeout_s,
-                                    io_nice)
+                                    io_nice, fresh)
     self._handle: int | None = None
 
   @property
@@ -196,8 +198,15 @@ class AioStore:
   def sync(self) -> None:
     self._store.sync()
 
-  def reserve(self, nbytes: int) -> None:
-    self._store.reserve(nbytes)
+  def reserve(self, nbytes: int, exact: bool = False) -> None:
+    """Allocate the files for `nbytes` more of shards now (`NoSpaceError` here, not later);
+    `exact` also gives back the space the files hold beyond that."""
+    self._store.reserve(nbytes, exact)
+
+  @property
+  def allocated_bytes(self) -> int:
+    """Bytes the swap files hold on the drive (space the store reuses before growing)."""
+    return self._store.allocated_bytes
 
   def keys(self) -> list[str]:
     return self._store.keys()
@@ -216,7 +225,8 @@ class AioStore:
 
   def stats(self) -> dict:
     return {"backend": self.backend, "direct": self._store.direct,
-            "bytes_used": self._store.bytes_used, "pool": self._store.pool_stats(),
+            "bytes_used": self._store.bytes_used, "allocated_bytes": self._store.allocated_bytes,
+            "pool": self._store.pool_stats(),
             "spare_bytes": self._store.spare_bytes}
 
   def close(self) -> None:

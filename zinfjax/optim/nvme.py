@@ -104,7 +104,8 @@ class NvmeAdam:
                    for n in [int(np.prod(shape, dtype=np.int64))]
                    for start in range(0, max(n, 1), self.sub_group_size)]
     if self.store is None:
-      self.store = AioStore(self.path, self.rank, **self.store_options)
+      # init creates every state: start from an empty store
+      self.store = AioStore(self.path, self.rank, **{"fresh": True, **self.store_options})
 
   @property
   def pinned_bytes(self) -> int:
