@@ -113,7 +113,13 @@ def main(argv=None) -> int:
     def cache_files(self):
       return [os.path.join(self.folder, k) for k in self.keys()]
 
+  probe = AioStore(os.path.join(root, "probe"), block_size=block, queue_depth=args.queue_depth)
+  default = probe.backend  # what AioStore(backend="auto") picks on this drive
+  probe.close()
+  shutil.rmtree(os.path.join(root, "probe"), ignore_errors=True)
   rows = {
+      f"zinfjax aio default ({default})": lambda d: AioStore(d, block_size=block,
+                                                             queue_depth=args.queue_depth),
       "zinfjax aio (io_uring)": lambda d: AioStore(d, backend="io_uring", block_size=block,
                                                    queue_depth=args.queue_depth),
       "zinfjax aio (thread pool)": lambda d: AioStore(d, backend="threads", block_size=block,
@@ -143,11 +149,11 @@ def main(argv=None) -> int:
       shutil.rmtree(root, ignore_errors=True)
   cw, cr = max(c[0] for c in ceilings), max(c[1] for c in ceilings)
 
-  report = {"size_bytes": total, "shard_bytes": shard, "block_bytes": block,
+  report = {"default_backend": default, "size_bytes": total, "shard_bytes": shard, "block_bytes": block,
             "queue_depth": args.queue_depth, "ceiling": {"tool": tool, "write_gbps": cw, "read_gbps": cr},
             "rows": {k: {"write_gbps": w, "read_gbps": r, "write_vs_ceiling": w / cw,
                          "read_vs_ceiling": r / cr} for k, (w, r) in results.items()}}
-  aio, ts_ = results["zinfjax aio (io_uring)"], results["tensorstore backend"]
+  aio, ts_ = results[f"zinfjax aio default ({default})"], results["tensorstore backend"]
   report["aio_vs_tensorstore"] = {"write": aio[0] / ts_[0], "read": aio[1] / ts_[1]}
   if args.json:
     print(json.dumps(report, indent=2))

@@ -303,6 +303,8 @@ def main(argv=None) -> int:
       saved = f"; the last checkpoint is step {ckpt.latest_step()}" if ckpt and ckpt.latest_step() else ""
       raise SystemExit(f"error: step {step}: the loss is {loss} and the grad norm {norm}: training "
                        f"diverged (try a lower --lr than {args.lr}){saved}.")
+    if ckpt is not None:
+      ckpt.check()  # a save that failed in the background is reported now, not at the next one
     first_loss = loss if first_loss is None else first_loss
     last_loss = loss
     tiers = tier_bytes(state)

@@ -326,3 +326,40 @@ def test_zinfjax_adamw_checkpoints_move_between_optimizer_tiers(target, tmp_path
   assert set(got) == set(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_failed_background_save_is_reported_at_the_next_check(device_ckpt, mesh, tmp_path,
+                                                                 monkeypatch):
+  """A device-state save that fails in the background (here: disk full while its arrays are
+  written) is raised by `check()`, the call made after every step, naming the step and what
+  is still committed; it does not wait for the next save."""
+  import time
+  from zinfjax.checkpoint import handler
+  state, _ = restore(device_ckpt, mesh)
+  ckpt = Checkpointer(tmp_path / "new", keep=None)
+  state, _ = zinfjax.train_step(state, W.batches()[5], lm_loss)
+  assert ckpt.save(state)
+  ckpt.wait()  # step 6 committed
+  real = handler.spec
+
+  def full_disk(path, leaf=None, dp=1):
+    if leaf is None:  # the background writes open the arrays this way
+      raise OSError(28, "No space left on device", path)
+    return real(path, leaf, dp)
+
+  monkeypatch.setattr(handler, "spec", full_disk)
+  state, _ = zinfjax.train_step(state, W.batches()[6], lm_loss)
+  assert ckpt.save(state)  # returns before the background writes
+  deadline = time.monotonic() + 120
+  with pytest.raises(CheckpointError, match=r"saving step 7 .* failed in the background: "
+                     r"OSError: .*No space left.*the last committed checkpoint is step 6"):
+    while time.monotonic() < deadline:
+      ckpt.check()
+      time.sleep(0.05)
+  ckpt.check()  # reported once
+  assert ckpt.all_steps() == [6]
+  monkeypatch.setattr(handler, "spec", real)
+  state, _ = zinfjax.train_step(state, W.batches()[7], lm_loss)
+  assert ckpt.save(state)  # the directory still takes saves
+  ckpt.close()
+  assert Checkpointer(tmp_path / "new").all_steps() == [6, 8]

@@ -64,8 +64,8 @@ def test_rewrite_in_place_and_read_into(store):
 
 
 def test_aio_reports_backend_and_uses_io_uring(tmp_path):
-  s = AioStore(tmp_path)
-  assert s.backend == "io_uring"  # available on these kernels; "threads" is the fallback
+  s = AioStore(tmp_path, backend="io_uring")
+  assert s.backend == "io_uring"  # available on these kernels
   assert AioStore(tmp_path / "t", backend="threads").backend == "threads"
   assert s.stats()["direct"] is True
 
@@ -373,3 +373,32 @@ def test_fresh_store_forgets_another_layout(tmp_path):
   assert os.path.getsize(swap_file(s, "y")[0]) == 1 << 20
   np.testing.assert_array_equal(s.read("y").wait(), a)
   s.close()
+
+
+def test_default_backend_is_the_faster_one_measured(tmp_path, monkeypatch):
+  """backend="auto" times both backends on the drive at the first open, keeps the faster
+  (shortest write + read), reports it, and remembers it for the drive."""
+  from zinfjax.offload import probe
+  monkeypatch.setattr(probe, "CACHE_FILE", str(tmp_path / "cache" / "io-probe.json"))
+  monkeypatch.setattr(probe, "_cache", {})
+  s = AioStore(tmp_path / "a")
+  rates = s.probe["gbps"]
+  assert set(rates) <= {"io_uring", "threads"} and "threads" in rates
+  assert all(w > 0 and r > 0 for w, r in rates.values())
+  assert s.backend == s.probe["backend"] == min(rates, key=lambda b: 1 / rates[b][0] + 1 / rates[b][1])
+  assert s.stats()["probe"] == s.probe
+  a = written(s)
+  np.testing.assert_array_equal(s.read("x").wait(), a)
+  s.close()
+  assert not any(p.name.startswith(".probe") for p in tmp_path.iterdir())  # it cleaned up
+
+  def no_probe(*args):
+    raise AssertionError("probed again")
+
+  monkeypatch.setattr(probe, "_probe", no_probe)
+  monkeypatch.setattr(probe, "_cache", {})  # a new process: the cache file answers
+  s = AioStore(tmp_path / "b")
+  backend = s.backend
+  s.close()
+  assert backend == min(rates, key=lambda b: 1 / rates[b][0] + 1 / rates[b][1])
+  assert AioStore(tmp_path / "c", backend="threads").backend == "threads"

@@ -51,7 +51,9 @@ class Checkpointer:
 
   `save` is asynchronous: device and pinned-host shards are written in the
   background (NVMe shards before it returns); `wait()` blocks until the last
-  save is committed. Every process of a multi-process run calls both.
+  save is committed, and `check()` (cheap: call it every step) raises at once
+  when a background save has failed. Every process of a multi-process run
+  calls them.
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True,
@@ -73,6 +75,7 @@ class Checkpointer:
     self._handler = StateHandler()
     self._manager = None
     self._options = options
+    self._saving: int | None = None  # the step of the last save started in the background
 
   @property
   def manager(self) -> ocp.CheckpointManager:
@@ -109,6 +112,7 @@ class Checkpointer:
   def save(self, state, *, extra: dict | None = None) -> bool:
     """Save `state` as step `state.step`; False when that step is already saved."""
     step = int(jax.device_get(state.step.addressable_data(0)))
+    self.check()
     self.lock()  # makes the directory
     if step in self.all_steps():
       return False
@@ -121,12 +125,33 @@ class Checkpointer:
             "processes": jax.process_count(), "extra": extra or {}}
     run = Run(leaves, engine.plan, engine.store)
     self.manager.save(step, args=ocp.args.Composite(state=StateSave(run), meta=ocp.args.JsonSave(meta)))
+    self._saving = step
     return True
 
   def wait(self) -> None:
-    """Block until every save started is committed."""
+    """Block until every save started is committed (`CheckpointError` if one failed)."""
     if self._manager is not None:
-      self._manager.wait_until_finished()
+      self._reported(self._manager.wait_until_finished)
+
+  def check(self) -> None:
+    """Raise `CheckpointError` if a background save failed (disk full, folder removed) since
+    the last check; returns at once otherwise, whether or not a save is still running."""
+    if self._manager is not None and self._saving is not None:
+      if not self._manager.is_saving_in_progress():
+        self._reported(self._manager.wait_until_finished)  # done: returns at once or raises
+
+  def _reported(self, fn: Callable[[], None]) -> None:
+    try:
+      fn()
+      self._saving = None
+    except Exception as e:  # noqa: BLE001 - orbax re-raises the background thread's error
+      step, self._saving = self._saving, None
+      steps = [s for s in self.all_steps() if s != step]
+      last = f"the last committed checkpoint is step {steps[-1]}" if steps else "no step is committed"
+      raise CheckpointError(
+          f"saving step {step} to {self.directory} failed in the background: "
+          f"{type(e).__name__}: {e}. Nothing earlier was lost ({last}); free space there or "
+          "choose another checkpoint directory.") from e
 
   # ---------------------------------------------------------------- restore
   def metadata(self, step: int | None = None) -> dict:
@@ -219,13 +244,16 @@ class Checkpointer:
     raise CheckpointError(f"no checkpoint in {self.directory} restores ({why}).")
 
   def close(self) -> None:
-    if self._manager is not None:
-      self._manager.wait_until_finished()
-      self._manager.close()
-      self._manager = None
-    if self._unlock is not None:
-      self._unlock()
-      self._unlock = None
+    """Wait for the last save (raising if it failed), then release the directory."""
+    try:
+      self.wait()
+    finally:
+      if self._manager is not None:
+        self._manager.close()
+        self._manager = None
+      if self._unlock is not None:
+        self._unlock()
+        self._unlock = None
 
   def __enter__(self):
     return self

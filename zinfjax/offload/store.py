@@ -101,7 +101,8 @@ class AioStore:
     rank: this process's rank; its files live in `path/rank{rank}/`.
     block_size: I/O block and stripe unit in bytes (multiple of 4 KiB).
     queue_depth: blocks kept in flight per transfer.
-    backend: "auto" (io_uring, else threads), "io_uring" or "threads".
+    backend: "auto" (the faster of the two on this drive, timed at the first open:
+      `zinfjax.offload.probe`), "io_uring" or "threads".
     direct: O_DIRECT (buffered where the filesystem refuses it).
     io_threads: transfers that run concurrently.
     io_nice: added to the I/O threads' nice value, so they yield the CPU to
@@ -118,6 +119,17 @@ class AioStore:
                direct: bool = True, io_threads: int = 2, pinned_budget: int = 64 << 20,
                pool_timeout_s: float = 60.0, io_nice: int = 0, fresh: bool = False):
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    self.probe: dict | None = None
+    if backend == "auto":
+      from .probe import fastest_backend
+      make = lambda folder, b, fresh: AioStore(
+          folder, block_size=block_size, queue_depth=queue_depth, backend=b, direct=direct,
+          io_threads=io_threads, pinned_budget=pinned_budget, fresh=fresh)
+      try:
+        self.probe = fastest_backend(os.fspath(paths[0]), make, direct)
+        backend = self.probe["backend"]
+      except Exception:  # noqa: BLE001 - the store's own open below names what is wrong
+        backend = "auto"  # the engine's: io_uring where it can be set up, else threads
     self._store = _engine.SwapStore([os.fspath(p) for p in paths], rank, block_size, queue_depth,
                                     backend, direct, io_threads, pinned_budget, pool_timeout_s,
                                     io_nice, fresh)
@@ -224,7 +236,7 @@ class AioStore:
     self._store.raise_deferred()
 
   def stats(self) -> dict:
-    return {"backend": self.backend, "direct": self._store.direct,
+    return {"backend": self.backend, "probe": self.probe, "direct": self._store.direct,
             "bytes_used": self._store.bytes_used, "allocated_bytes": self._store.allocated_bytes,
             "pool": self._store.pool_stats(),
             "spare_bytes": self._store.spare_bytes}
