@@ -32,17 +32,22 @@ def describe(code: int) -> str:
   return f"exited with code {code}"
 
 
-def stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def stop(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
+  """SIGTERM the running processes, SIGKILL those still there after `grace_s`; returns the
+  indices of the killed ones."""
   for p in procs:
     if p.poll() is None:
       p.terminate()
   deadline = time.monotonic() + grace_s
-  for p in procs:
+  killed = []
+  for i, p in enumerate(procs):
     try:
       p.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
       p.kill()
       p.wait()
+      killed.append(i)
+  return killed
 
 
 def main(argv=None) -> int:
@@ -79,7 +84,10 @@ def main(argv=None) -> int:
       print(f"launch: process {i} of {args.nproc} {describe(code)}; stopping the {running} still "
             "running. Fix the cause and restart (with --resume to continue from the last "
             "checkpoint).", file=sys.stderr, flush=True)
-      stop(procs, args.grace_s)
+      killed = stop(procs, args.grace_s)
+      if killed:
+        print(f"launch: processes {killed} ignored SIGTERM for {args.grace_s:g} s and were killed.",
+              file=sys.stderr, flush=True)
       return 1
     if all(c == 0 for c in codes):
       return 0

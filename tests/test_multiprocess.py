@@ -26,13 +26,13 @@ def losses(path):
   return {r["step"]: r["loss"] for r in map(json.loads, open(path).read().splitlines())}
 
 
-def train(tmp, name, *extra, nproc=1, timeout=300):
+def train(tmp, name, *extra, nproc=1, timeout=300, launch=()):
   devices = str(8 // nproc)
   cmd = [os.path.join(SCRIPTS, "train_gpt.py"), *COMMON, "--devices", devices,
          "--nvme-path", str(tmp / f"{name}_nvme"), "--metrics-jsonl", str(tmp / f"{name}.jsonl"),
          *extra]
   if nproc > 1:
-    cmd = [os.path.join(SCRIPTS, "launch.py"), "--nproc", str(nproc), *cmd]
+    cmd = [os.path.join(SCRIPTS, "launch.py"), "--nproc", str(nproc), *launch, *cmd]
   return subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -82,8 +82,9 @@ def pid_of(process_id: int, marker: str) -> int | None:
 def test_dead_process_stops_the_run_and_restart_resumes(single, tmp_path):
   ckpt = tmp_path / "ckpt"
   # a long run (same schedule) that process 1 leaves by dying after the first checkpoint
+  # a grace period longer than the test allows: the survivor must stop on SIGTERM itself
   proc = train(tmp_path, "run", "--steps", "200", "--checkpoint-dir", str(ckpt), "--save-every", "3",
-               nproc=2)
+               nproc=2, launch=("--grace-s", "300"))
   deadline = time.monotonic() + 240
   while not (ckpt / "3").is_dir():
     assert proc.poll() is None, proc.communicate()[1][-3000:]

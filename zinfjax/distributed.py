@@ -39,13 +39,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Uses the arguments, else the variables `scripts/launch.py` sets, else (with
   `auto`) JAX's cluster detection. Must run before any JAX computation. On
   CPU the collectives go over gloo (TCP). A process that stops answering for
-  `heartbeat_timeout_s` makes the others fail instead of waiting forever.
+  `heartbeat_timeout_s` makes the others fail instead of waiting forever, and
+  SIGTERM stops a process at once (JAX's preemption service, which would hold
+  it, is turned off).
   """
   args = ({"coordinator_address": coordinator_address, "num_processes": num_processes,
            "process_id": process_id} if coordinator_address else from_env())
   if args is None and not auto:
     return False
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # JAX's preemption service catches SIGTERM and waits for a sync point zinfjax never reaches:
+  # a launcher stopping the survivors of a failed run would wait out its whole grace period
+  jax.config.update("jax_enable_preemption_service", False)
   jax.distributed.initialize(**(args or {}), heartbeat_timeout_seconds=heartbeat_timeout_s,
                              initialization_timeout=init_timeout_s)
   return jax.process_count() > 1
