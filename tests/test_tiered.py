@@ -239,3 +239,27 @@ def test_swap_folder_of_another_run_is_reused_not_grown(tmp_path, mesh, batches)
   assert os.path.getsize(swap) == size  # the grads written at step 1 had their space already
   assert store.stats()["bytes_used"] <= need
   store.close()
+
+
+def test_nvme_init_draws_one_layer_at_a_time_with_the_same_values(mesh, tmp_path):
+  """Stacked leaves that live on NVMe are drawn one layer at a time (host memory of one
+  layer, whatever the depth), with the values of the whole-model init bit for bit."""
+  from zinfjax.state import layer_initializer, master_initializer
+  config = get_config("tiny", num_layers=8)
+  factory = lambda r: GPT(config, rngs=r)
+  ref = zinfjax.init(factory, make_tx(), zinfjax.ZeroConfig(precision="fp32"), mesh, 7)
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+                            nvme_path=str(tmp_path / "nvme"))
+  state = zinfjax.init(factory, make_tx(), zero, mesh, 7)
+  for got, want in zip(jax.tree.leaves(state.full_params()), jax.tree.leaves(ref.full_params())):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  engine = state.engine
+  fc = next(l for l in engine.plan.leaves if l.name == "blocks/block/fc/kernel")
+  key = jax.random.key(7)
+  one = layer_initializer(engine, factory, fc.index).lower(key, 0).compile().memory_analysis()
+  whole = master_initializer(engine, factory, [fc.index]).lower(key).compile().memory_analysis()
+  layer_bytes = 4 * fc.local_size  # one device's shard of one layer (the analysis is per device)
+  assert one.output_size_in_bytes == layer_bytes
+  assert one.temp_size_in_bytes + one.output_size_in_bytes <= 5 * layer_bytes  # RNG temporaries
+  assert whole.temp_size_in_bytes + whole.output_size_in_bytes >= 8 * 4 * layer_bytes
+  engine.store.close()

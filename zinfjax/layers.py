@@ -9,10 +9,26 @@ them right after, and prefetches the next layer (see `zinfjax.gather`).
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import contextvars
+from typing import Callable, Iterator
 
 import jax
 from flax import nnx
+
+_ONE_LAYER: contextvars.ContextVar = contextvars.ContextVar("zinfjax_one_layer", default=None)
+
+
+@contextlib.contextmanager
+def one_layer(layer: int | jax.Array) -> Iterator[None]:
+  """Inside, every `Stack` builds only block `layer` (kept on a leading axis of 1), drawn from
+  the same random streams as the whole stack: its values equal the stack's `[layer]` bit for
+  bit. Init uses it to draw a deep model one layer at a time, in one layer's memory."""
+  token = _ONE_LAYER.set(layer)
+  try:
+    yield
+  finally:
+    _ONE_LAYER.reset(token)
 
 
 class Stack(nnx.Module):
@@ -33,10 +49,19 @@ class Stack(nnx.Module):
     if num_layers < 1:
       raise ValueError(f"Stack needs num_layers >= 1, got {num_layers}.")
 
-    @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs: nnx.Rngs) -> nnx.Module:
+    def build(rngs: nnx.Rngs) -> nnx.Module:
       return make_block(rngs)
+
+    layer = _ONE_LAYER.get()
+
+    @nnx.split_rngs(splits=num_layers)
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+      if layer is not None:  # the one layer's keys of every stream: a stack of 1
+        graphdef, streams = nnx.split(rngs)
+        rngs = nnx.merge(graphdef, jax.tree.map(
+            lambda k: jax.lax.dynamic_slice_in_dim(k, layer, 1), streams))
+      return build(rngs)
 
     self.block = create(rngs)
     self.num_layers = num_layers

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import gather as G
 from .config import ZeroConfig
 from .engine import Engine, ModelFactory, build_engine, leaf_names
+from .layers import one_layer
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
 from .placement import Plan
@@ -141,6 +142,39 @@ def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None)
   return jax.jit(make, out_shardings=shardings)
 
 
+def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int):
+  """`(key, layer) -> fp32 storage form of one layer of stacked leaf `leaf``, equal to that
+  layer of `master_initializer`'s value bit for bit, drawn in one layer's memory (every
+  `Stack` builds only that block: `zinfjax.layers.one_layer`)."""
+  plan = engine.plan
+  layout = plan.leaves[leaf].layout.layer()
+
+  def make(key, layer):
+    with one_layer(layer):
+      model = model_factory(nnx.Rngs(key))
+    x = plan.flatten(nnx.to_pure_dict(nnx.state(model)))[leaf]
+    return layout.pad(x[0].astype(jnp.float32))
+
+  sharding = NamedSharding(plan.mesh, layout.spec(engine.config.axis))
+  return jax.jit(make, out_shardings=sharding)
+
+
+def _by_layer(plan: Plan, leaf, stage: int) -> bool:
+  """Whether init can draw this leaf one layer at a time: stacked, all of it on NVMe."""
+  states = ("master", "params") if stage == 3 else ("master",)
+  return leaf.stacked and all(s.tier == "nvme" for st in states for s in leaf.segments(st))
+
+
+def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pipeline,
+           tickets: list) -> None:
+  """One rank's fp32 shard of one layer, written as `state`'s NVMe copy."""
+  if state == "master":
+    tickets += pipeline.write_layer(leaf.index, rank, layer, data)
+  elif not leaf.params_with_master(layer):  # else the pipeline wrote the params too
+    tickets.append(store.write(leaf.key("params", rank, layer),
+                               np.asarray(data).astype(plan.dtype(state))))
+
+
 def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets: list) -> tuple:
   """One leaf's whole storage-form value `x` put on its segments' tiers for `state`."""
   dtype = plan.dtype(state)
@@ -156,12 +190,30 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
     shards = host_shards(x, plan.mesh) if shards is None else shards
     for rank, shard in shards.items():
       for layer in range(seg.start, seg.stop):
-        data = shard[layer] if leaf.stacked else shard
-        if state == "master":
-          tickets += pipeline.write_layer(leaf.index, rank, layer, data)
-        elif not leaf.params_with_master(layer):  # else the pipeline wrote the params too
-          tickets.append(store.write(leaf.key("params", rank, layer), np.asarray(data).astype(dtype)))
+        _write(plan, leaf, state, rank, layer, shard[layer] if leaf.stacked else shard, store,
+               pipeline, tickets)
   return tuple(parts)
+
+
+def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> None:
+  """A stacked leaf that lives on NVMe, drawn and written one layer at a time: host memory
+  holds two layers (one drawn, one being written), whatever the depth."""
+  draw = layer_initializer(engine, model_factory, leaf.index)
+  states = ("master", "params") if engine.plan.stage == 3 else ("master",)
+  writing: list = []
+  for layer in range(leaf.num_layers):
+    shards = host_shards(draw(key, layer), engine.plan.mesh)
+    tickets: list = []
+    for rank, data in shards.items():
+      for state in states:
+        if leaf.segments(state):
+          _write(engine.plan, leaf, state, rank, layer, data, engine.store, engine.pipeline,
+                 tickets)
+    for t in writing:  # the previous layer's writes ran while this one was drawn
+      t.wait()
+    writing = tickets
+  for t in writing:
+    t.wait()
 
 
 def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
@@ -213,6 +265,12 @@ def _random_states(engine: Engine, model_factory: ModelFactory, key,
   # holds at most one leaf while the states stream to the swap store
   groups = [chosen] if engine.store is None else [[i] for i in chosen]
   masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
+  if engine.store is not None:  # NVMe-only stacked leaves: one layer at a time
+    for i in [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]:
+      _place_by_layer(engine, model_factory, plan.leaves[i], key)
+      masters[i] = ()
+      params[i] = () if plan.stage == 3 else None
+      groups.remove([i])
   for group in groups:
     values = master_initializer(engine, model_factory, group)(key)
     for i, x in zip(group, values):

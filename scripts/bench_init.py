@@ -1,0 +1,92 @@
+"""A random init straight into the NVMe store: time, write rate and peak host memory by depth.
+
+  python scripts/bench_init.py --preset 2.5b --layers 16 32 --devices 2 --nvme-path /mnt/nvme/x
+
+Each row creates the training state of a GPT preset at one depth in a fresh
+process, params and optimizer on NVMe (stacked leaves are drawn one layer at
+a time), and prints the seconds, the bytes the store holds, the write rate
+next to the disk's O_DIRECT write ceiling measured in the same run, and the
+peak RSS: it should stay flat as the model gets deeper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+
+def worker(args) -> None:
+  """One row, in its own process: create the state, print a JSON line."""
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={args.devices}")
+  import jax
+  import zinfjax
+  from zinfjax.models import GPT, get_config
+
+  config = get_config(args.preset, num_layers=args.worker)
+  zero = zinfjax.ZeroConfig(offload_param="nvme", offload_optimizer="nvme",
+                            nvme_path=args.nvme_path, pinned_budget=args.pinned_budget_mib << 20)
+  mesh = zinfjax.make_mesh(jax.devices()[:args.devices])
+  start = time.perf_counter()
+  state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)
+  jax.block_until_ready(jax.tree.leaves(state.master))
+  seconds = time.perf_counter() - start
+  used = state.engine.store.stats()["bytes_used"]
+  with open("/proc/self/status") as fh:
+    rss = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:"))
+  print(json.dumps({"layers": args.worker, "seconds": seconds, "peak_rss": rss,
+                    "store_bytes": used, "params": config.num_params}), flush=True)
+  state.engine.store.close()
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="2.5b")
+  ap.add_argument("--layers", type=int, nargs="+", default=[16, 32])
+  ap.add_argument("--devices", type=int, default=2)
+  ap.add_argument("--pinned-budget-mib", type=int, default=4096)
+  ap.add_argument("--nvme-path", default="/tmp/zinfjax-bench-init")
+  ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.worker:
+    return worker(args)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from _disk import direct_io
+
+  os.makedirs(args.nvme_path, exist_ok=True)
+  probe = os.path.join(args.nvme_path, "ceiling.bin")
+  write, read = direct_io(probe, 2 << 30)
+  os.remove(probe)
+  rows = []
+  for layers in args.layers:
+    run = os.path.join(args.nvme_path, "run")
+    shutil.rmtree(run, ignore_errors=True)
+    out = subprocess.run([sys.executable, __file__, "--worker", str(layers), "--preset", args.preset,
+                          "--devices", str(args.devices), "--pinned-budget-mib",
+                          str(args.pinned_budget_mib), "--nvme-path", run],
+                         capture_output=True, text=True)
+    if out.returncode:
+      raise SystemExit(f"{layers} layers failed:\n{out.stderr[-3000:]}")
+    rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(rows[-1], flush=True)
+  shutil.rmtree(os.path.join(args.nvme_path, "run"), ignore_errors=True)
+  gib = 2 ** 30
+  print(f"\nrandom init of GPT {args.preset}, params+optimizer on NVMe ({args.nvme_path}), "
+        f"{args.devices} devices; disk O_DIRECT ceiling write {write:.2f} / read {read:.2f} GB/s")
+  print(f"{'layers':>6s} {'params':>8s} {'time s':>8s} {'peak RSS GiB':>13s} {'store GB':>9s} "
+        f"{'write GB/s':>11s} {'x ceiling':>10s}")
+  for r in rows:
+    rate = r["store_bytes"] / r["seconds"] / 1e9
+    print(f"{r['layers']:6d} {r['params'] / 1e9:7.2f}B {r['seconds']:8.1f} "
+          f"{r['peak_rss'] / gib:13.2f} {r['store_bytes'] / 1e9:9.1f} {rate:11.2f} {rate / write:10.2f}")
+  if len(rows) > 1:
+    print(f"peak RSS deepest / shallowest: {rows[-1]['peak_rss'] / rows[0]['peak_rss']:.2f}x")
+
+
+if __name__ == "__main__":
+  main()
