@@ -402,3 +402,30 @@ def test_default_backend_is_the_faster_one_measured(tmp_path, monkeypatch):
   s.close()
   assert backend == min(rates, key=lambda b: 1 / rates[b][0] + 1 / rates[b][1])
   assert AioStore(tmp_path / "c", backend="threads").backend == "threads"
+
+
+def test_store_transaction_commits_or_rolls_back(tmp_path):
+  s = AioStore(tmp_path, block_size=64 << 10)
+  a, b = np.arange(5000, dtype=np.float32), np.arange(3000, dtype=np.float32)
+  s.write("o/a", a).wait()
+  s.write("g/b", b).wait()
+  used = s.stats()["bytes_used"]
+  s.begin(["o/"])
+  s.write("o/a", -a).wait()          # to a fresh extent
+  s.write("o/new", b).wait()
+  s.write("g/b", -b).wait()          # not versioned: in place
+  np.testing.assert_array_equal(s.read("o/a").wait(), -a)  # readers see the newest
+  s.rollback()
+  np.testing.assert_array_equal(s.read("o/a").wait(), a)
+  np.testing.assert_array_equal(s.read("g/b").wait(), -b)
+  assert "o/new" not in s.keys()
+  s.begin(["o/"])
+  s.write("o/a", 2 * a).wait()
+  s.commit()
+  np.testing.assert_array_equal(s.read("o/a").wait(), 2 * a)
+  for _ in range(3):  # later steps reuse the freed extents: the store stops growing
+    s.begin(["o/"])
+    s.write("o/a", 3 * a).wait()
+    s.commit()
+  assert s.stats()["bytes_used"] <= used + 2 * 20480 + 12288
+  s.close()

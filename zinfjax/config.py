@@ -109,6 +109,11 @@ class ZeroConfig:
       layers up to i+prefetch_depth+nvme_prefetch_depth are being read.
     offload_activations: keep each block's activation checkpoint in pinned
       host memory between the forward and backward pass.
+    nvme_atomic_steps: a step is all or nothing on NVMe: the params and
+      optimizer states it rewrites there go to fresh extents, committed when
+      the step ends; a step that fails (an I/O error, a corrupted shard)
+      rolls them back to the previous step's. Costs a second copy of those
+      states' space on the drive (reserved at init); False rewrites in place.
     nvme_io_threads: shards the swap store moves at once. Each shard (one
       rank's piece of one layer) is often a single I/O block, so this is the
       drive's queue depth for the step's many small transfers.
@@ -142,6 +147,7 @@ class ZeroConfig:
   nvme_prefetch_depth: int = 1
   offload_activations: bool = False
   nvme_io_threads: int = 4
+  nvme_atomic_steps: bool = True
   ordered_collectives: bool | None = None
   trainable: Any = None
   host_nice: int = 5
@@ -195,6 +201,9 @@ class ZeroConfig:
     if not isinstance(self.pinned_budget, int) or self.pinned_budget < (1 << 20):
       raise ValueError(f"ZeroConfig.pinned_budget must be an int of at least 1 MiB (bytes), got "
                        f"{self.pinned_budget!r}.")
+    if not isinstance(self.nvme_atomic_steps, bool):
+      raise ValueError("ZeroConfig.nvme_atomic_steps must be True or False, got "
+                       f"{self.nvme_atomic_steps!r}.")
     if not isinstance(self.nvme_prefetch_depth, int) or self.nvme_prefetch_depth < 0:
       raise ValueError("ZeroConfig.nvme_prefetch_depth must be an int >= 0, got "
                        f"{self.nvme_prefetch_depth!r}.")

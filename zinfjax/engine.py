@@ -124,15 +124,19 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
   # what a previous run left in the swap files is reused before the drive's free space
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
   need = plan.nvme_bytes()
-  total = sum(need.values())
+  # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
+  copies = need["params"] + need["optimizer"] if config.nvme_atomic_steps else 0
+  total = sum(need.values()) + copies
   try:
     if total > free:
       gb = lambda n: f"{n / 1e9:.2f} GB"
+      also = (f", and {gb(copies)} for the copies that make a step all or nothing "
+              "(nvme_atomic_steps=False saves them)" if copies else "")
       raise NoSpaceError(
           f"nvme_path {config.nvme_paths} has {gb(free)} free, but the states placed on NVMe need "
           f"{gb(total)} (params {gb(need['params'])}, grads {gb(need['grads'])}, optimizer "
-          f"{gb(need['optimizer'])}): free space there, add folders to nvme_path, or keep some "
-          "states off NVMe (offload_param / offload_optimizer, or a per-layer split).")
+          f"{gb(need['optimizer'])}{also}): free space there, add folders to nvme_path, or keep "
+          "some states off NVMe (offload_param / offload_optimizer, or a per-layer split).")
     store.reserve(total, exact=True)
   except BaseException:
     store.close()

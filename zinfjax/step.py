@@ -223,9 +223,36 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
       return new, metrics
   else:
     run = _with_pipeline(engine, jitted, calls)
+  if store is not None and engine.config.nvme_atomic_steps:
+    run = all_or_nothing(engine, run)
   run.jitted = jitted
   engine.steps[loss_fn] = run
   return run
+
+
+VERSIONED = ("p/", "o/")  # swap-store keys of the params and optimizer states (placement.PREFIX)
+
+
+def all_or_nothing(engine, run: Step) -> Step:
+  """`run` as one transaction of the swap store: the params and optimizer states it rewrites on
+  NVMe are committed when it returns and rolled back when it raises, so a failed step (an I/O
+  error, a corrupted shard, a fault in the optimizer) leaves the previous step's there."""
+  store = engine.store
+
+  def step(state, batch):
+    store.begin(VERSIONED)
+    try:
+      out = run(state, batch)
+    except BaseException as e:
+      store.rollback()
+      e.add_note("zinfjax: the step failed; the params and optimizer states on NVMe were rolled "
+                 "back to those before it (nothing half-written). The TrainState passed in was "
+                 "donated to the step: continue from a checkpoint.")
+      raise
+    store.commit()
+    return out
+
+  return step
 
 
 def learning_rate(engine, opt_state) -> jax.Array | None:
@@ -242,8 +269,12 @@ def learning_rate(engine, opt_state) -> jax.Array | None:
 def _with_pipeline(engine, jitted, calls: list[int]) -> Step:
   """The step followed (or accompanied, under backward) by the NVMe optimizer pipeline."""
   plan, pipeline, mesh = engine.plan, engine.pipeline, engine.mesh
-  clips = engine.hyper.max_grad_norm is not None
-  under_backward = pipeline.grads_all_on_nvme and not clips
+  clip = engine.hyper.max_grad_norm
+  # with clipping, the update under backward is speculative (as if the grads need no clipping):
+  # a step whose global norm turns out to need it is rolled back and redone, which all-or-
+  # nothing steps make possible
+  speculative = clip is not None and engine.config.nvme_atomic_steps
+  under_backward = pipeline.grads_all_on_nvme and (clip is None or speculative)
   ordered: list[bool] = []
   # the pipeline under backward runs on its own thread, below the program's threads in priority
   optimizer_thread = concurrent.futures.ThreadPoolExecutor(
@@ -284,11 +315,24 @@ def _with_pipeline(engine, jitted, calls: list[int]) -> Step:
       watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
                                                ended.append(time.perf_counter())), daemon=True)
       watch.start()
-      outs = optimizer_thread.submit(pipeline.step, count, None, gate).result()
+      guess = None if clip is None else 0.0  # a norm below the limit: no clipping
+      try:
+        outs = optimizer_thread.submit(pipeline.step, count, None, gate, guess).result()
+      except BaseException:
+        watch.join()  # the program's own transfers end before anything is undone
+        raise
       new, metrics, _ = checked(engine, tuple(running))
       watch.join()
       t1 = ended[0]
       extra["nvme_grad_waits"] = gate.waited
+      if clip is not None:
+        norm = float(metrics["grad_norm"])
+        redo = not norm < clip  # clipping was needed (or the norm is not finite)
+        if redo:  # back to the states before the update, and update again with clipping
+          engine.store.rollback()
+          engine.store.begin(VERSIONED)
+          outs = pipeline.step(count, None, None, norm)
+        extra["nvme_redone"] = int(redo)
     new.params = merge_params(plan, new.params, outs)
     stats = pipeline.last_step
     metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],

@@ -1,5 +1,7 @@
 #include "core/store.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/resource.h>
@@ -341,19 +343,85 @@ ShardEntry SwapStore::Allocate(const std::string& key, size_t nbytes, const std:
     throw EngineError("swap key must be non-empty and hold no tab or newline: '" + key + "'");
   std::lock_guard<std::mutex> lock(mu_);
   ShardEntry e;
+  const uint64_t capacity = AlignUp(nbytes);
   auto it = manifest_.find(key);
-  if (it != manifest_.end() && it->second.capacity == AlignUp(nbytes)) {
+  bool versioned = txn_ && std::any_of(txn_prefixes_.begin(), txn_prefixes_.end(),
+                                       [&](const std::string& p) { return key.rfind(p, 0) == 0; });
+  auto pending = txn_pending_.find(key);
+  if (versioned && pending != txn_pending_.end() && pending->second.capacity == capacity) {
+    e = pending->second;  // written before in this transaction: again in place
+  } else if (versioned) {
+    if (pending != txn_pending_.end()) free_.emplace(pending->second.capacity, pending->second.offset);
+    if (it != manifest_.end() && !txn_old_.count(key) && pending == txn_pending_.end())
+      txn_old_[key] = it->second;  // the committed entry, for Rollback
+    e.offset = TakeExtent(capacity);
+    e.capacity = capacity;
+    txn_pending_[key] = e;
+  } else if (it != manifest_.end() && it->second.capacity == capacity) {
     e = it->second;  // same size: rewrite in place
   } else {
-    e.offset = next_offset_;
-    e.capacity = AlignUp(nbytes);
-    EnsureAllocated(e.offset + e.capacity);  // throws NoSpace before anything is written
-    next_offset_ += e.capacity;
+    e.offset = TakeExtent(capacity);
+    e.capacity = capacity;
   }
   e.dtype = dtype;
   e.shape = shape;
   e.nbytes = nbytes;
   return e;
+}
+
+uint64_t SwapStore::TakeExtent(uint64_t capacity) {
+  auto it = free_.find(capacity);
+  if (it != free_.end()) {
+    uint64_t offset = it->second;
+    free_.erase(it);
+    return offset;
+  }
+  EnsureAllocated(next_offset_ + capacity);  // throws NoSpace before anything is written
+  uint64_t offset = next_offset_;
+  next_offset_ += capacity;
+  return offset;
+}
+
+void SwapStore::Begin(const std::vector<std::string>& prefixes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (txn_) throw EngineError("swap store: Begin inside a transaction (Commit or Rollback first)");
+  txn_ = true;
+  txn_prefixes_ = prefixes;
+}
+
+void SwapStore::Commit() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, old] : txn_old_) free_.emplace(old.capacity, old.offset);
+  txn_old_.clear();
+  txn_pending_.clear();
+  txn_ = false;
+}
+
+void SwapStore::Rollback() {
+  std::unique_lock<std::mutex> lock(mu_);
+  // the writes in flight land before their extents are given back
+  done_cv_.wait(lock, [&] {
+    for (const auto& [ticket, job] : jobs_)
+      if (job->write && !job->done) return false;
+    return true;
+  });
+  for (const auto& [key, e] : txn_pending_) {
+    free_.emplace(e.capacity, e.offset);
+    auto old = txn_old_.find(key);
+    if (old != txn_old_.end()) {
+      manifest_[key] = old->second;
+    } else {
+      manifest_.erase(key);
+    }
+  }
+  txn_old_.clear();
+  txn_pending_.clear();
+  txn_ = false;
+}
+
+bool SwapStore::in_transaction() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return txn_;
 }
 
 uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
@@ -381,6 +449,11 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
   return [this, keys = std::move(keys), entries = std::move(entries),
           srcs = std::move(srcs)](Job&) mutable {
     TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (fault_writes_ >= 0 && fault_writes_-- == 0)
+        throw EngineError("injected write fault (test switch) writing '" + keys[0] + "'");
+    }
     std::vector<Extent> extents;
     for (size_t i = 0; i < keys.size(); ++i)
       extents.push_back({BlocksFor(entries[i]), const_cast<uint8_t*>(srcs[i]), entries[i].nbytes, ""});
@@ -751,6 +824,11 @@ std::vector<std::string> SwapStore::files() const {
 uint64_t SwapStore::bytes_used() const {
   std::lock_guard<std::mutex> lock(mu_);
   return next_offset_;
+}
+
+void SwapStore::SetFaultAfterWrites(int64_t writes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fault_writes_ = writes;
 }
 
 void SwapStore::SetFaultFreeBytes(int64_t bytes) {

@@ -160,6 +160,20 @@ class SwapStore {
   // Test-only fault switch: pretend only `bytes` more can be allocated
   // (negative: off, the default). Lets tests hit ENOSPC without a full disk.
   void SetFaultFreeBytes(int64_t bytes);
+  // Test-only fault switch: the write job after the next `writes` ones fails
+  // (negative: off). Lets tests break a step half way.
+  void SetFaultAfterWrites(int64_t writes);
+
+  // All-or-nothing updates (a training step). After Begin, the first write of
+  // an existing key whose name starts with one of `prefixes` goes to a fresh
+  // extent (reused from earlier steps' freed ones) and the committed one is
+  // kept: readers see the newest, Rollback brings back every committed entry
+  // (waiting for the writes in flight first) and Commit frees the old ones.
+  // So the keys under `prefixes` need twice their space on disk.
+  void Begin(const std::vector<std::string>& prefixes);
+  void Commit();
+  void Rollback();
+  bool in_transaction() const;
 
   // Deferred errors, for XLA custom calls inside collective programs: a rank
   // that fails there would leave the other ranks waiting in the next
@@ -228,6 +242,14 @@ class SwapStore {
   AlignedBuffer::FreeHook unpin_ = nullptr;
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
+  int64_t fault_writes_ = -1;
+  // transaction state (see Begin): extents written in it, entries committed before it
+  bool txn_ = false;
+  std::vector<std::string> txn_prefixes_;
+  std::map<std::string, ShardEntry> txn_pending_;
+  std::map<std::string, ShardEntry> txn_old_;
+  std::multimap<uint64_t, uint64_t> free_;  // freed extents: capacity -> offset
+  uint64_t TakeExtent(uint64_t capacity);    // a freed extent of that size, or new space
 
   std::condition_variable work_cv_;          // drivers: a job was queued (or stop)
   mutable std::condition_variable done_cv_;  // a write finished: generations, detached writes

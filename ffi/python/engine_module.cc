@@ -201,6 +201,11 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("bytes_used", &SwapStore::bytes_used)
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
       .def_property_readonly("spare_bytes", &SwapStore::spare_bytes)
+      .def("set_fault_after_writes", &SwapStore::SetFaultAfterWrites, py::arg("writes"))
+      .def("begin", &SwapStore::Begin, py::arg("prefixes"))
+      .def("commit", &SwapStore::Commit)
+      .def("rollback", &SwapStore::Rollback, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("in_transaction", &SwapStore::in_transaction)
       .def("set_fault_free_bytes", &SwapStore::SetFaultFreeBytes, py::arg("bytes"),
            "Test-only: pretend only `bytes` more can be allocated (negative: off).")
       .def("set_defer_errors", &SwapStore::set_defer_errors, py::arg("on"),

@@ -210,6 +210,23 @@ class AioStore:
   def sync(self) -> None:
     self._store.sync()
 
+  def begin(self, prefixes: Sequence[str]) -> None:
+    """Start an all-or-nothing update of the keys under `prefixes` (see `commit`, `rollback`):
+    their first rewrite goes to a fresh extent, the committed one is kept."""
+    self._store.begin(list(prefixes))
+
+  def commit(self) -> None:
+    """Keep the update's writes (all waited for) and free the extents they replaced."""
+    self._store.commit()
+
+  def rollback(self) -> None:
+    """Undo the update: wait for its writes in flight, then bring back every committed entry."""
+    self._store.rollback()
+
+  @property
+  def in_transaction(self) -> bool:
+    return self._store.in_transaction
+
   def reserve(self, nbytes: int, exact: bool = False) -> None:
     """Allocate the files for `nbytes` more of shards now (`NoSpaceError` here, not later);
     `exact` also gives back the space the files hold beyond that."""
