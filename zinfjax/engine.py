@@ -120,7 +120,7 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
   store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
                    pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice,
                    fresh=True)
-  store.defer_errors()  # raised after each step (see step.checked)
+  store.defer_errors()  # raised after each step (see nvme_step.checked)
   # what a previous run left in the swap files is reused before the drive's free space
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
   need = plan.nvme_bytes()
@@ -171,11 +171,21 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
                              for l in plan.leaves])
     decays = tuple(hyper.decays(shapes))
   engine = Engine(graphdef, plan, config, tx, hyper, decays)
-  if not (config.uses_nvme and open_store_):
+  return with_store(engine) if open_store_ else engine
+
+
+def with_store(engine: Engine) -> Engine:
+  """`engine` with the swap store and NVMe pipeline its placement needs (itself without NVMe)."""
+  config, plan = engine.config, engine.plan
+  if not config.uses_nvme or engine.store is not None:
     return engine
   store = open_store(config, plan)
   pipeline = None
   if "nvme" in plan.tiers("master"):
-    pipeline = NvmePipeline(store, plan, hyper, decays,
-                            budget=config.pinned_budget - config.pinned_budget // 4)
+    try:
+      pipeline = NvmePipeline(store, plan, engine.hyper, engine.decays,
+                              budget=config.pinned_budget - config.pinned_budget // 4)
+    except BaseException:
+      store.close()
+      raise
   return dataclasses.replace(engine, store=store, pipeline=pipeline)

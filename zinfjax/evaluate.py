@@ -19,7 +19,8 @@ from .grads import LossFn, local_model, param_specs, with_anchors
 from .offload import swap
 from .ordering import needs_order, ordered_collectives
 from .state import TrainState
-from .step import checked, shard_batch
+from .inputs import shard_batch
+from .nvme_step import checked
 
 Eval = Callable[[TrainState, Any], dict]
 

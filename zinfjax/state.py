@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
 from .config import ZeroConfig
-from .engine import Engine, ModelFactory, build_engine, leaf_names
+from .engine import Engine, ModelFactory, build_engine, leaf_names, with_store
 from .layers import one_layer
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
@@ -234,11 +234,9 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
     return TrainState(step, plan.abstract("params"), master, opt, engine)
 
   if weights is not None:
-    may_miss = frozenset()
-    if init_missing is not None:
-      may_miss = leaf_names(nnx.eval_shape(lambda: model_factory(nnx.Rngs(0))), init_missing)
     fresh = lambda i: tuple(x[0] for x in _random_states(engine, model_factory, key, [i]))
-    masters, params = stream_states(engine, match(plan, as_tree(weights), may_miss), fresh)
+    masters, params = stream_states(engine, _matched(engine, model_factory, weights, init_missing),
+                                    fresh)
   else:
     masters, params = _random_states(engine, model_factory, key)
   master = plan.unflatten(masters)
@@ -253,6 +251,14 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
                     out_shardings=jax.tree.map(lambda x: x.sharding, master))
     opt = HostAdamState(jax.device_put(jnp.zeros((), jnp.int32), rep), zeros(master), zeros(master))
   return TrainState(step, params, master, opt, engine)
+
+
+def _matched(engine: Engine, model_factory: ModelFactory, weights: Any, init_missing: Any) -> list:
+  """`weights` matched to the plan's leaves; refused (naming the leaf) when they do not fit."""
+  may_miss = frozenset()
+  if init_missing is not None:
+    may_miss = leaf_names(nnx.eval_shape(lambda: model_factory(nnx.Rngs(0))), init_missing)
+  return match(engine.plan, as_tree(weights), may_miss)
 
 
 def _random_states(engine: Engine, model_factory: ModelFactory, key,
@@ -310,7 +316,10 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
   """
   if params is None:
     params = existing_weights(model_factory)
-  engine = build_engine(model_factory, tx, config, mesh)
+  engine = build_engine(model_factory, tx, config, mesh, open_store_=False)
+  if params is not None:  # bad weights are refused before the drive is touched
+    _matched(engine, model_factory, params, init_missing)
+  engine = with_store(engine)
   try:
     return make_states(engine, model_factory, rng, abstract=False, weights=params,
                        init_missing=init_missing)

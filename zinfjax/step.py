@@ -5,23 +5,15 @@ updates every optimizer segment held in arrays where it lives (any optax
 transformation when the whole optimizer is on the device; else zinfjax's
 AdamW: jnp on the device, the C++ kernel on pinned host) and puts the new
 compute params on their tiers. The optimizer segments on NVMe are updated by
-the host pipeline (`optim/pipeline.py`): after the program, or while its
-backward pass is still running when their grads are written to NVMe and
-nothing needs the global norm first.
+the host pipeline around the program (`nvme_step.py`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
-import os
-import threading
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -31,13 +23,13 @@ from .ordering import needs_order, ordered_collectives
 from .offload import swap, tiers
 from .optim.host import UPDATES, HostAdamState
 from .optim.hyper import clip_scale
-from .optim.pipeline import GradGate
+from .inputs import shard_batch
+from .nvme_step import all_or_nothing, checked, with_pipeline
 from .placement import Segment
-from .schedule import grad_write_order
-from .shards import from_host_shards, host_shards
 from .state import TrainState, gather_params, retuple, untuple
 
 Step = Callable[[TrainState, Any], tuple[TrainState, dict]]
+__all__ = ["Step", "make_train_step", "shard_batch", "train_step"]
 
 
 def _overlap(seg: Segment, start: int, stop: int) -> tuple[int, int]:
@@ -222,37 +214,12 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
       new, metrics, _ = checked(engine, jitted(state, shard_batch(engine, batch)))
       return new, metrics
   else:
-    run = _with_pipeline(engine, jitted, calls)
+    run = with_pipeline(engine, jitted, calls)
   if store is not None and engine.config.nvme_atomic_steps:
     run = all_or_nothing(engine, run)
   run.jitted = jitted
   engine.steps[loss_fn] = run
   return run
-
-
-VERSIONED = ("p/", "o/")  # swap-store keys of the params and optimizer states (placement.PREFIX)
-
-
-def all_or_nothing(engine, run: Step) -> Step:
-  """`run` as one transaction of the swap store: the params and optimizer states it rewrites on
-  NVMe are committed when it returns and rolled back when it raises, so a failed step (an I/O
-  error, a corrupted shard, a fault in the optimizer) leaves the previous step's there."""
-  store = engine.store
-
-  def step(state, batch):
-    store.begin(VERSIONED)
-    try:
-      out = run(state, batch)
-    except BaseException as e:
-      store.rollback()
-      e.add_note("zinfjax: the step failed; the params and optimizer states on NVMe were rolled "
-                 "back to those before it (nothing half-written). The TrainState passed in was "
-                 "donated to the step: continue from a checkpoint.")
-      raise
-    store.commit()
-    return out
-
-  return step
 
 
 def learning_rate(engine, opt_state) -> jax.Array | None:
@@ -264,149 +231,6 @@ def learning_rate(engine, opt_state) -> jax.Array | None:
       opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
            if hasattr(s, "hyperparams") and "learning_rate" in s.hyperparams]
   return jnp.asarray(found[0], jnp.float32) if found else None
-
-
-def _with_pipeline(engine, jitted, calls: list[int]) -> Step:
-  """The step followed (or accompanied, under backward) by the NVMe optimizer pipeline."""
-  plan, pipeline, mesh = engine.plan, engine.pipeline, engine.mesh
-  clip = engine.hyper.max_grad_norm
-  # with clipping, the update under backward is speculative (as if the grads need no clipping):
-  # a step whose global norm turns out to need it is rolled back and redone, which all-or-
-  # nothing steps make possible
-  speculative = clip is not None and engine.config.nvme_atomic_steps
-  under_backward = pipeline.grads_all_on_nvme and (clip is None or speculative)
-  ordered: list[bool] = []
-  # the pipeline under backward runs on its own thread, below the program's threads in priority
-  optimizer_thread = concurrent.futures.ThreadPoolExecutor(
-      1, thread_name_prefix="zinfjax-optim", initializer=lower_priority,
-      initargs=(engine.config.host_nice,))
-
-  def run(state, batch):
-    t0 = time.perf_counter()
-    count = int(state.opt_state.count)
-    batch = shard_batch(engine, batch)
-    extra: dict[str, Any] = {}
-    if not under_backward:  # after the program (the grads or the global norm come from it)
-      new, metrics, grads = checked(engine, jitted(state, batch))
-      t1 = time.perf_counter()
-      cache: dict[tuple[int, int], dict] = {}
-
-      def grad_of(p):
-        leaf = plan.leaves[p.leaf]
-        j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
-        if (p.leaf, j) not in cache:
-          cache[(p.leaf, j)] = host_shards(plan.flatten(grads)[p.leaf][j], mesh)
-        seg = leaf.array_segments("grads")[j]
-        g = cache[(p.leaf, j)][p.rank]
-        return g[p.layer - seg.start] if leaf.stacked else g
-
-      outs = pipeline.step(count, grad_of, grad_norm=float(metrics["grad_norm"]))
-      del grads, cache
-    else:  # grads land on NVMe layer by layer: update each layer while backward goes on below it
-      running: list = []
-      ended: list[float] = []
-      gate = GradGate(engine.store, pipeline.grad_keys(),
-                      lambda: bool(ended) or (bool(running) and all(
-                          x.is_ready() for x in jax.tree.leaves(running))))
-      running.extend(jitted(state, batch))  # dispatched (and traced): runs while the pipeline waits
-      if not ordered:  # the stacks' order is known once the program was traced
-        pipeline.set_order(grad_write_order(plan, calls))
-        ordered.append(True)
-      watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
-                                               ended.append(time.perf_counter())), daemon=True)
-      watch.start()
-      guess = None if clip is None else 0.0  # a norm below the limit: no clipping
-      try:
-        outs = optimizer_thread.submit(pipeline.step, count, None, gate, guess).result()
-      except BaseException:
-        watch.join()  # the program's own transfers end before anything is undone
-        raise
-      new, metrics, _ = checked(engine, tuple(running))
-      watch.join()
-      t1 = ended[0]
-      extra["nvme_grad_waits"] = gate.waited
-      if clip is not None:
-        norm = float(metrics["grad_norm"])
-        redo = not norm < clip  # clipping was needed (or the norm is not finite)
-        if redo:  # back to the states before the update, and update again with clipping
-          engine.store.rollback()
-          engine.store.begin(VERSIONED)
-          outs = pipeline.step(count, None, None, norm)
-        extra["nvme_redone"] = int(redo)
-    new.params = merge_params(plan, new.params, outs)
-    stats = pipeline.last_step
-    metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],
-               "adam_s": stats["compute_s"], "nvme_read_wait_s": stats["read_wait_s"],
-               "nvme_write_wait_s": stats["write_wait_s"], "nvme_bytes_read": stats["bytes_read"],
-               "nvme_bytes_written": stats["bytes_written"], **extra}
-    return new, metrics
-
-  return run
-
-
-def merge_params(plan, params: Any, outs: dict) -> Any:
-  """Compute params the NVMe pipeline made (per (leaf, rank, layer)) put into their arrays."""
-  if not outs:
-    return params
-  flat = [list(parts) for parts in plan.flatten(params)]
-  for leaf in plan.leaves:
-    for j, seg in enumerate(leaf.array_segments("params")):
-      layers = [l for l in range(seg.start, seg.stop) if (leaf.index, plan.ranks[0], l) in outs]
-      if not layers:
-        continue
-      x = flat[leaf.index][j]
-      if len(layers) == seg.layers:  # all of it is new: no need to read the old values back
-        shards = {r: (np.stack([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
-                      else outs[(leaf.index, r, layers[0])]) for r in plan.ranks}
-        flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
-        continue
-      shards = {r: np.array(s) for r, s in host_shards(x, plan.mesh).items()}
-      for r, shard in shards.items():
-        for l in layers:
-          if leaf.stacked:
-            shard[l - seg.start] = outs[(leaf.index, r, l)]
-          else:
-            shard[...] = outs[(leaf.index, r, l)]
-      flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
-  return plan.unflatten([tuple(p) for p in flat])
-
-
-def lower_priority(nice: int, name: bytes = b"zinfjax-optim") -> None:
-  """Name the calling thread (for top -H) and add `nice` to its nice value (Linux: per
-  thread; threads it starts, such as the AdamW kernel's, inherit it)."""
-  try:
-    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
-  except (OSError, AttributeError):
-    pass
-  if nice > 0 and hasattr(os, "setpriority"):
-    tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-
-
-def checked(engine, outputs):
-  """`outputs` once the step is done, raising any error its NVMe transfers recorded."""
-  if engine.store is not None:
-    jax.block_until_ready(outputs)
-    engine.store.raise_deferred()
-  return outputs
-
-
-def shard_batch(engine, batch: Any) -> Any:
-  """Place a host batch on the mesh, split on its leading axis; clear error if uneven."""
-  axis, dp = engine.plan.axis, engine.dp
-  sharding = NamedSharding(engine.mesh, P(axis))
-
-  def put(x):
-    x = x if isinstance(x, jax.Array) else np.asarray(x)
-    if x.ndim == 0 or x.shape[0] % dp:
-      raise ValueError(
-          f"batch leaf of shape {tuple(x.shape)} does not split over {dp} devices on "
-          f"axis {axis!r}; use a batch size that is a multiple of {dp}.")
-    if jax.process_count() > 1:  # every process holds the global batch; each places its rows
-      return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
-    return jax.device_put(x, sharding)
-
-  return jax.tree.map(put, batch)
 
 
 def train_step(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[TrainState, dict]:

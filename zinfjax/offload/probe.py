@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .aligned import aligned_empty
+
 BACKENDS = ("io_uring", "threads")
 PROBE_SHARDS = 2
 PROBE_SHARD_BYTES = 32 << 20
@@ -98,8 +100,6 @@ def fastest_backend(path: str, make_store: Callable[..., Any], direct: bool = Tr
 
 
 def _probe(path: str, make_store: Callable[..., Any]) -> dict:
-  from .store import aligned_empty
-
   rng = np.random.default_rng(0)
   shards = [aligned_empty(PROBE_SHARD_BYTES, np.uint8) for _ in range(PROBE_SHARDS)]
   for a in shards:

@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 
 from .. import _engine
+from .aligned import aligned_empty
+from .probe import fastest_backend
 
 EngineError = _engine.EngineError
 NoSpaceError = _engine.NoSpaceError
@@ -36,18 +38,6 @@ def dtype_of(name: str) -> np.dtype:
     return np.dtype(name)
   except TypeError:
     return np.dtype(getattr(ml_dtypes, name))
-
-
-def aligned_empty(shape, dtype) -> np.ndarray:
-  """An uninitialized array whose data starts on a 4 KiB boundary.
-
-  Transfers to and from such arrays skip the staging copy (zero-copy O_DIRECT).
-  """
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(nbytes + _engine.ALIGNMENT, np.uint8)
-  start = -raw.ctypes.data % _engine.ALIGNMENT
-  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -121,7 +111,6 @@ class AioStore:
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     self.probe: dict | None = None
     if backend == "auto":
-      from .probe import fastest_backend
       make = lambda folder, b, fresh: AioStore(
           folder, block_size=block_size, queue_depth=queue_depth, backend=b, direct=direct,
           io_threads=io_threads, pinned_budget=pinned_budget, fresh=fresh)
