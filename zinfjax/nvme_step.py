@@ -38,6 +38,8 @@ def all_or_nothing(engine, run: Step) -> Step:
   store = engine.store
 
   def step(state, batch):
+    if store.in_transaction:  # left open by a step interrupted during its rollback
+      store.rollback()
     store.begin(VERSIONED)
     try:
       out = run(state, batch)
