@@ -228,7 +228,9 @@ def test_swap_folder_of_another_run_is_reused_not_grown(tmp_path, mesh, batches)
                             nvme_path=str(first))
   state = zinfjax.init(lambda r: GPT(TINY, rngs=r), make_tx(), zero, mesh, 0)
   store = state.engine.store
-  need = sum(state.engine.plan.nvme_bytes().values())
+  by_state = state.engine.plan.nvme_bytes()
+  # the states, and a second copy of the params and optimizer for all-or-nothing steps
+  need = sum(by_state.values()) + by_state["params"] + by_state["optimizer"]
   size = -(-need // (1 << 20)) << 20  # whole 1 MiB stripe units
   assert os.path.getsize(swap) == size < wide_bytes  # reserved at init, surplus given back
   entries = [store.entry(k) for k in store.keys()]  # only this run's shards, all inside it
