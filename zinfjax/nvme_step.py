@@ -22,13 +22,15 @@ import numpy as np
 
 from .inputs import shard_batch
 from .optim.pipeline import GradGate
+from .placement import PREFIX
 from .schedule import grad_write_order
 from .shards import from_host_shards, host_shards
 
 Step = Callable[[Any, Any], tuple[Any, dict]]
 
 
-VERSIONED = ("p/", "o/")  # swap-store keys of the params and optimizer states (placement.PREFIX)
+# swap-store keys of the states a step rewrites on NVMe (not the grads: scratch of one step)
+VERSIONED = tuple(f"{PREFIX[s]}/" for s in ("params", "master", "mu", "nu"))
 
 
 def all_or_nothing(engine, run: Step) -> Step:

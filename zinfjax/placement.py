@@ -215,11 +215,11 @@ class Plan:
   # ------------------------------------------------------------ bytes
   def nvme_bytes(self, ranks: int | None = None) -> dict[str, int]:
     """Bytes this process's ranks keep in the swap store, by state group (each shard
-    rounded up to the store's 4 KiB unit, as it lies on disk)."""
+    rounded up to the store's alignment, as it lies on disk)."""
     ranks = len(self.ranks) if ranks is None else ranks
     out = {"params": 0, "grads": 0, "optimizer": 0}
     item = jnp.dtype(self.compute_dtype).itemsize
-    disk = lambda nbytes: -(-nbytes // 4096) * 4096
+    disk = lambda nbytes: -(-nbytes // _engine.ALIGNMENT) * _engine.ALIGNMENT
     for leaf in self.leaves:
       n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == "nvme")
       out["params"] += n("params") * disk(leaf.local_size * item) * ranks

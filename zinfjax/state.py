@@ -159,10 +159,14 @@ def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int):
   return jax.jit(make, out_shardings=sharding)
 
 
+def _created(stage: int) -> tuple[str, ...]:
+  """The states init creates from a random draw: the master, and under ZeRO-3 the params."""
+  return ("master", "params") if stage == 3 else ("master",)
+
+
 def _by_layer(plan: Plan, leaf, stage: int) -> bool:
   """Whether init can draw this leaf one layer at a time: stacked, all of it on NVMe."""
-  states = ("master", "params") if stage == 3 else ("master",)
-  return leaf.stacked and all(s.tier == "nvme" for st in states for s in leaf.segments(st))
+  return leaf.stacked and all(s.tier == "nvme" for st in _created(stage) for s in leaf.segments(st))
 
 
 def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pipeline,
@@ -199,13 +203,12 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> N
   """A stacked leaf that lives on NVMe, drawn and written one layer at a time: host memory
   holds two layers (one drawn, one being written), whatever the depth."""
   draw = layer_initializer(engine, model_factory, leaf.index)
-  states = ("master", "params") if engine.plan.stage == 3 else ("master",)
   writing: list = []
   for layer in range(leaf.num_layers):
     shards = host_shards(draw(key, layer), engine.plan.mesh)
     tickets: list = []
     for rank, data in shards.items():
-      for state in states:
+      for state in _created(engine.plan.stage):
         if leaf.segments(state):
           _write(engine.plan, leaf, state, rank, layer, data, engine.store, engine.pipeline,
                  tickets)
@@ -217,9 +220,10 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> N
 
 
 def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
-                weights: Any = None, init_missing: Any = None) -> TrainState:
+                weights: list | None = None) -> TrainState:
   """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`):
-  from `model_factory`'s random init, or streamed from existing `weights` when given."""
+  from `model_factory`'s random init, or streamed from `weights` when given (a tensor or None
+  per plan leaf, as `_matched` gives them)."""
   plan, mesh = engine.plan, engine.mesh
   rep = NamedSharding(mesh, P())
   key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
@@ -235,8 +239,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
 
   if weights is not None:
     fresh = lambda i: tuple(x[0] for x in _random_states(engine, model_factory, key, [i]))
-    masters, params = stream_states(engine, _matched(engine, model_factory, weights, init_missing),
-                                    fresh)
+    masters, params = stream_states(engine, weights, fresh)
   else:
     masters, params = _random_states(engine, model_factory, key)
   master = plan.unflatten(masters)
@@ -317,12 +320,11 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
   if params is None:
     params = existing_weights(model_factory)
   engine = build_engine(model_factory, tx, config, mesh, open_store_=False)
-  if params is not None:  # bad weights are refused before the drive is touched
-    _matched(engine, model_factory, params, init_missing)
+  # bad weights are refused before the drive is touched
+  weights = None if params is None else _matched(engine, model_factory, params, init_missing)
   engine = with_store(engine)
   try:
-    return make_states(engine, model_factory, rng, abstract=False, weights=params,
-                       init_missing=init_missing)
+    return make_states(engine, model_factory, rng, abstract=False, weights=weights)
   except BaseException:
     if engine.store is not None:
       engine.store.close()
