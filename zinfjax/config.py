@@ -127,6 +127,12 @@ class ZeroConfig:
       `(path, variable) -> bool`. The others are frozen: they keep their
       compute params on their tier and no grads, fp32 master or optimizer
       state anywhere (stage 3). None (default): every `nnx.Param`.
+    micro_batches: each `Stack` runs the batch as this many micro-batches,
+      all of them through one layer before the next (layer-major gradient
+      accumulation): a layer's params move between tiers and are gathered
+      once per pass whatever the count, and a block's temporaries are those
+      of one micro-batch. The batch per device must be a multiple of it.
+      Layers outside the stacks (embeddings, head, loss) see the whole batch.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -151,6 +157,7 @@ class ZeroConfig:
   ordered_collectives: bool | None = None
   trainable: Any = None
   host_nice: int = 5
+  micro_batches: int = 1
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -170,6 +177,9 @@ class ZeroConfig:
 
     if not isinstance(self.tiles, int) or self.tiles < 1:
       raise ValueError(f"ZeroConfig.tiles must be an int >= 1, got {self.tiles!r}.")
+    if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or \
+        self.micro_batches < 1:
+      raise ValueError(f"ZeroConfig.micro_batches must be an int >= 1, got {self.micro_batches!r}.")
     if self.tiles > 1 and self.stage != 3:
       raise ValueError(
           f"ZeroConfig.tiles={self.tiles} needs stage=3: tiling gathers each weight tile from its "

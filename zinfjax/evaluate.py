@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .grads import LossFn, local_model, param_specs, with_anchors
+from .layers import micro_batches
 from .offload import swap
 from .ordering import needs_order, ordered_collectives
 from .state import TrainState
@@ -34,7 +35,8 @@ def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
   plan, mesh, axis = engine.plan, engine.mesh, engine.plan.axis
 
   def local(params, batch):
-    return lax.psum(loss_fn(local_model(engine, params), batch), axis) / plan.dp
+    with micro_batches(engine.config.micro_batches):
+      return lax.psum(loss_fn(local_model(engine, params), batch), axis) / plan.dp
 
   if needs_order(mesh, engine.config.ordered_collectives):
     local = ordered_collectives(local)

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from . import micro
 from .offload import swap, tiers
 from .partition import LeafLayout, is_layout
 from .schedule import LayerSchedule, layer_schedule
@@ -127,6 +128,7 @@ class ScanPlan:
   offload_activations: bool = False
   first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
   trainable: Any = None   # tree of bools: False for a frozen leaf (no grads); None: all trained
+  micro_batches: int = 1  # > 1: each layer runs the batch as this many micro-batches in turn
 
   def apply(self, params: Any, x: jax.Array, args: tuple = ()) -> jax.Array:
     """One block on `x` (and the per-call `args`): `params` are gathered, or (tiles > 1) this
@@ -241,7 +243,8 @@ def _forward(plan: ScanPlan, shards, x, args):
   def body(carry, i):
     h, state = carry
     full, state = fetcher.next(state, i)
-    return (plan.apply(full, h, args), state), plan.save_activation(h)
+    y = micro.apply(lambda x, a: plan.apply(full, x, a), plan.micro_batches, h, args)
+    return (y, state), plan.save_activation(h)
 
   (y, state), inputs = lax.scan(body, (x, fetcher.prologue()), jnp.arange(plan.num_layers))
   fetcher.drain(state)
@@ -279,12 +282,10 @@ def _layer_scan_bwd(plan, residuals, g_y):
   flags = [True] * len(layouts) if plan.trainable is None else jax.tree.leaves(plan.trainable)
   trained = [k for k, f in enumerate(flags) if f]
 
-  def with_args(trained_params, frozen_params, h, diff_args):
-    params, leaves = list(frozen_params), list(arg_leaves)
+  def with_args(trained_params, frozen_params, h, leaves):
+    params = list(frozen_params)
     for k, p in zip(trained, trained_params):
       params[k] = p
-    for i, a in zip(diff, diff_args):
-      leaves[i] = a
     return plan.apply(jax.tree.unflatten(treedef, params), h, jax.tree.unflatten(arg_tree, leaves))
 
   sched = plan.schedule(reverse=True)
@@ -298,9 +299,9 @@ def _layer_scan_bwd(plan, residuals, g_y):
     full, state = fetcher.next(state, i)
     full = jax.tree.leaves(full)
     frozen = [None if f else x for x, f in zip(full, flags)]
-    _, vjp = jax.vjp(lambda t, h, a: with_args(t, frozen, h, a), [full[k] for k in trained],
-                     plan.load_activation(inputs, i), [arg_leaves[k] for k in diff])
-    g_trained, g_h, g_arg = vjp(g)
+    g_trained, g_h, g_arg = micro.vjp(
+        lambda t, h, a: with_args(t, frozen, h, a), [full[k] for k in trained],
+        plan.load_activation(inputs, i), arg_leaves, diff, g, plan.micro_batches)
     g_args = [a + b for a, b in zip(g_args, g_arg)]
     g_shard = [plan.reduce_grad(x, layouts[k]) for k, x in zip(trained, g_trained)]
     if not to_nvme:

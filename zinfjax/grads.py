@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
+from .layers import micro_batches
 from .offload import swap, tiers
 from .partition import is_layout
 from .placement import LeafPlan, Plan, Segment
@@ -75,7 +76,8 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
         nvme=block([nvme_leaf(plan, store, l, "params", seg) for l in leaves]) if nvme else None,
         grad_nvme=block([nvme_leaf(plan, store, l, "grads", seg) for l in leaves]) if nvme else None,
         nvme_depth=config.nvme_prefetch_depth, offload_activations=config.offload_activations,
-        first_layer=seg.start, trainable=block([l.trainable for l in leaves]))
+        first_layer=seg.start, trainable=block([l.trainable for l in leaves]),
+        micro_batches=config.micro_batches)
     segments.append((scan, block([flat[l.index][j] for l in leaves])))
   return G.ZeroStack(segments, index, on_call)
 
@@ -128,7 +130,8 @@ def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
     merged = list(flat)
     for i, p in zip(trained, parts):
       merged[i] = p
-    return loss_fn(local_model(engine, plan.unflatten(merged), on_call), batch) / dp
+    with micro_batches(engine.config.micro_batches):  # the stacks of stages 1 and 2
+      return loss_fn(local_model(engine, plan.unflatten(merged), on_call), batch) / dp
 
   loss, got = jax.value_and_grad(loss_of)([flat[i] for i in trained])
   grads = [()] * len(flat)

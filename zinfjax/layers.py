@@ -16,7 +16,20 @@ from typing import Callable, Iterator
 import jax
 from flax import nnx
 
+from . import micro
+
 _ONE_LAYER: contextvars.ContextVar = contextvars.ContextVar("zinfjax_one_layer", default=None)
+_MICRO_BATCHES: contextvars.ContextVar = contextvars.ContextVar("zinfjax_micro", default=1)
+
+
+@contextlib.contextmanager
+def micro_batches(n: int) -> Iterator[None]:
+  """Inside, every `Stack` runs each layer on `n` micro-batches in turn (see `zinfjax.micro`)."""
+  token = _MICRO_BATCHES.set(n)
+  try:
+    yield
+  finally:
+    _MICRO_BATCHES.reset(token)
 
 
 @contextlib.contextmanager
@@ -74,8 +87,17 @@ class Stack(nnx.Module):
     if self.remat:
       step = nnx.remat(step)
 
+    n = _MICRO_BATCHES.get()
+
     @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
     def run(block: nnx.Module, x: jax.Array, args: tuple) -> jax.Array:
-      return step(block, x, args)
+      if n == 1:
+        return step(block, x, args)
+      # micro-batches in a plain scan over the layer's (pure) state, each recomputed on its own
+      graphdef, state = nnx.split(block)
+      call = lambda state, x, args: nnx.merge(graphdef, state)(x, *args)
+      if self.remat:
+        call = jax.checkpoint(call)
+      return micro.apply(lambda xm, am: call(state, xm, am), n, x, args)
 
     return run(self.block, x, args)

@@ -460,6 +460,7 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
     std::vector<uint64_t> sums = WriteExtents(*current_backend_, *pool_, extents, options);
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
+      bytes_written_ += entries[i].nbytes;
       entries[i].checksum = sums[i];
       manifest_[keys[i]] = entries[i];
       ++generations_[keys[i]];  // waiters are woken when the job is marked done
@@ -603,6 +604,7 @@ std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string
     std::vector<uint64_t> sums = ReadExtents(*current_backend_, *pool_, extents, options);
     for (size_t i = 0; i < keys.size(); ++i) {
       const ShardEntry& e = entries[i];
+      bytes_read_ += e.nbytes;
       if (sums[i] != e.checksum)
         throw CorruptShard("checksum mismatch for shard '" + keys[i] + "' (" +
                            std::to_string(e.nbytes) + " bytes at offset " +

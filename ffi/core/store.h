@@ -156,6 +156,9 @@ class SwapStore {
     return spare_bytes_;
   }
   uint64_t bytes_used() const;
+  // Bytes the store has read and written (shard payloads, all jobs), since it opened.
+  uint64_t bytes_read() const { return bytes_read_.load(); }
+  uint64_t bytes_written() const { return bytes_written_.load(); }
 
   // Test-only fault switch: pretend only `bytes` more can be allocated
   // (negative: off, the default). Lets tests hit ENOSPC without a full disk.
@@ -230,6 +233,7 @@ class SwapStore {
 
   mutable std::mutex mu_;  // manifest, allocation, jobs, deferred error
   std::atomic<bool> defer_errors_{false};
+  std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
   std::exception_ptr deferred_;
   std::map<std::string, ShardEntry> manifest_;
   std::map<std::string, uint64_t> generations_;  // completed writes per key

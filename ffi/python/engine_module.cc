@@ -199,6 +199,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("folder", &SwapStore::folder)
       .def_property_readonly("files", &SwapStore::files)
       .def_property_readonly("bytes_used", &SwapStore::bytes_used)
+      .def_property_readonly("bytes_read", &SwapStore::bytes_read)
+      .def_property_readonly("bytes_written", &SwapStore::bytes_written)
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
       .def_property_readonly("spare_bytes", &SwapStore::spare_bytes)
       .def("set_fault_after_writes", &SwapStore::SetFaultAfterWrites, py::arg("writes"))

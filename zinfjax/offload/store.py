@@ -226,6 +226,11 @@ class AioStore:
     """Bytes the swap files hold on the drive (space the store reuses before growing)."""
     return self._store.allocated_bytes
 
+  @property
+  def bytes_moved(self) -> tuple[int, int]:
+    """(bytes read, bytes written) of shard payloads since the store opened."""
+    return self._store.bytes_read, self._store.bytes_written
+
   def keys(self) -> list[str]:
     return self._store.keys()
 
@@ -243,7 +248,8 @@ class AioStore:
 
   def stats(self) -> dict:
     return {"backend": self.backend, "probe": self.probe, "direct": self._store.direct,
-            "bytes_used": self._store.bytes_used, "allocated_bytes": self._store.allocated_bytes,
+            "bytes_used": self._store.bytes_used, "bytes_read": self._store.bytes_read,
+            "bytes_written": self._store.bytes_written, "allocated_bytes": self._store.allocated_bytes,
             "pool": self._store.pool_stats(),
             "spare_bytes": self._store.spare_bytes}
 
