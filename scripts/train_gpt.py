@@ -68,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="shards the swap store moves at once (the drive's queue depth)")
   p.add_argument("--offload-activations", action="store_true",
                  help="keep activation checkpoints in pinned host memory")
+  p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                 help="run each layer on N micro-batches of the batch in turn (layer-major "
+                      "gradient accumulation: params move once per step, one micro-batch's "
+                      "temporaries); the batch per device must be a multiple of N")
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--batch-size", type=int, default=16, help="global batch (examples per step)")
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
@@ -212,16 +216,17 @@ def main(argv=None) -> int:
         nvme_path=args.nvme_path[0] if args.nvme_path and len(args.nvme_path) == 1 else args.nvme_path,
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
         nvme_io_threads=args.nvme_io_threads,
-        offload_activations=args.offload_activations,
+        offload_activations=args.offload_activations, micro_batches=args.micro_batches,
         ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives],
         trainable=nnx.LoRAParam if args.lora_rank else None)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   mesh = zinfjax.make_mesh()
   dp = mesh.shape[zero.axis]
-  if args.batch_size % dp:
-    raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices; "
-                     f"use a multiple of {dp}.")
+  if args.batch_size % (dp * zero.micro_batches):
+    raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices x "
+                     f"{zero.micro_batches} micro-batches; use a multiple of "
+                     f"{dp * zero.micro_batches}.")
   total = args.schedule_steps or args.steps
   warmup = max(1, min(100, total // 10)) if args.warmup_steps is None else args.warmup_steps
   if warmup:
@@ -245,6 +250,8 @@ def main(argv=None) -> int:
   say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else "")
+        + (f" | {zero.micro_batches} micro-batches of {args.batch_size // dp // zero.micro_batches}"
+           " per device, layer by layer" if zero.micro_batches > 1 else "")
         + (f" | training LoRA adapters of rank {args.lora_rank} only" if args.lora_rank else ""))
   # made, checked writable and locked against other runs before any compute
   ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None

@@ -84,18 +84,25 @@ def test_train_gpt_nvme_keeps_host_memory_within_the_pinned_budget(tmp_path):
 
 
 def test_train_gpt_takes_per_layer_splits(tmp_path):
-  """The CLI takes per-layer splits, shows where the plan puts the bytes, and refuses a bad one."""
+  """The CLI takes per-layer splits (and micro-batches), shows where the plan puts the bytes,
+  and refuses a bad one."""
   stdout = run([os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny", "--steps", "3",
                 "--batch-size", "8", "--seq-len", "32", "--devices", "4", "--log-every", "1",
+                "--micro-batches", "2",
                 "--offload-param", "device:1,pinned_host", "--offload-optimizer", "pinned_host:1,nvme",
                 "--nvme-path", str(tmp_path / "nvme")])
   assert "params+grads device:1,pinned_host, optimizer pinned_host:1,nvme" in stdout
+  assert "2 micro-batches of 1 per device, layer by layer" in stdout
   plan = next(line for line in stdout.splitlines() if line.startswith("model states per device"))
   assert all(f"{tier} 0 B" not in plan for tier in ("device", "pinned_host", "nvme")), plan
   out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--devices", "4",
                         "--offload-optimizer", "pinned_host:2,pinned_host", "--steps", "1"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
   assert out.returncode != 0 and "names a tier twice" in out.stderr
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--devices", "4",
+                        "--batch-size", "8", "--micro-batches", "4", "--steps", "1"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and "4 devices x 4 micro-batches; use a multiple of 16" in out.stderr
 
 
 def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
