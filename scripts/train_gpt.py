@@ -22,6 +22,7 @@ from pathlib import Path
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
 TIERS = ("device", "pinned_host", "nvme")
+MAX_SKIPPED = 3  # steps in a row with non-finite grads before the run counts as diverged
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -299,6 +300,7 @@ def main(argv=None) -> int:
                       stream=sys.stdout if main_process else open(os.devnull, "w"))
   tokens_per_step = args.batch_size * seq_len
   first_loss = last_loss = None
+  skipped_in_a_row = 0
   for step in range(start + 1, args.steps + 1):
     batch = data.at(0) if args.same_batch else next(data)
     t0 = time.perf_counter()
@@ -306,19 +308,26 @@ def main(argv=None) -> int:
     loss = float(metrics["loss"])  # blocks until the step is done
     dt = time.perf_counter() - t0
     norm = float(metrics["grad_norm"])
-    if not (math.isfinite(loss) and math.isfinite(norm)):
+    skipped = int(metrics.get("skipped", 0))  # non-finite grads: the step changed nothing
+    skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+    if skipped_in_a_row >= MAX_SKIPPED or not (skipped or math.isfinite(loss) and math.isfinite(norm)):
       saved = f"; the last checkpoint is step {ckpt.latest_step()}" if ckpt and ckpt.latest_step() else ""
-      raise SystemExit(f"error: step {step}: the loss is {loss} and the grad norm {norm}: training "
-                       f"diverged (try a lower --lr than {args.lr}){saved}.")
+      times = f" ({skipped_in_a_row} steps in a row skipped)" if skipped else ""
+      raise SystemExit(f"error: step {step}: the loss is {loss} and the grad norm {norm}{times}: "
+                       f"training diverged (try a lower --lr than {args.lr}){saved}.")
+    if skipped:
+      say(f"step {step}: the gradients are not finite (norm {norm}); the step was skipped, every "
+          "state is as it was")
     if ckpt is not None:
       ckpt.check()  # a save that failed in the background is reported now, not at the next one
-    first_loss = loss if first_loss is None else first_loss
-    last_loss = loss
+    if not skipped:
+      first_loss = loss if first_loss is None else first_loss
+      last_loss = loss
     tiers = tier_bytes(state)
     if state.engine.store is not None:
       tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
     breakdown = {k: float(v) for k, v in metrics.items()
-                 if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone")}
+                 if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "skipped")}
     if held_out is not None and (step % args.eval_every == 0 or step == args.steps):
       breakdown["eval_loss"] = float(zinfjax.eval_step(state, held_out, lm_loss)["loss"])
     progress.update(step, {"loss": loss, "grad_norm": norm,

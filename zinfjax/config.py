@@ -133,6 +133,11 @@ class ZeroConfig:
       once per pass whatever the count, and a block's temporaries are those
       of one micro-batch. The batch per device must be a multiple of it.
       Layers outside the stacks (embeddings, head, loss) see the whole batch.
+    skip_nonfinite: a step whose gradients hold a NaN or an infinity (a
+      non-finite global norm) changes nothing: params, master params and
+      optimizer states (its count included) stay as they were, and the
+      step's metrics say `skipped` = 1. On NVMe this rests on all-or-nothing
+      steps (`nvme_atomic_steps`). False applies the update whatever it holds.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -158,6 +163,7 @@ class ZeroConfig:
   trainable: Any = None
   host_nice: int = 5
   micro_batches: int = 1
+  skip_nonfinite: bool = True
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -211,6 +217,8 @@ class ZeroConfig:
     if not isinstance(self.pinned_budget, int) or self.pinned_budget < (1 << 20):
       raise ValueError(f"ZeroConfig.pinned_budget must be an int of at least 1 MiB (bytes), got "
                        f"{self.pinned_budget!r}.")
+    if not isinstance(self.skip_nonfinite, bool):
+      raise ValueError(f"ZeroConfig.skip_nonfinite must be True or False, got {self.skip_nonfinite!r}.")
     if not isinstance(self.nvme_atomic_steps, bool):
       raise ValueError("ZeroConfig.nvme_atomic_steps must be True or False, got "
                        f"{self.nvme_atomic_steps!r}.")

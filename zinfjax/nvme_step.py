@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import math
 import os
 import threading
 import time
@@ -60,12 +61,12 @@ def all_or_nothing(engine, run: Step) -> Step:
 def with_pipeline(engine, jitted, calls: list[int]) -> Step:
   """The step followed (or accompanied, under backward) by the NVMe optimizer pipeline."""
   plan, pipeline, mesh = engine.plan, engine.pipeline, engine.mesh
-  clip = engine.hyper.max_grad_norm
-  # with clipping, the update under backward is speculative (as if the grads need no clipping):
-  # a step whose global norm turns out to need it is rolled back and redone, which all-or-
-  # nothing steps make possible
-  speculative = clip is not None and engine.config.nvme_atomic_steps
-  under_backward = pipeline.grads_all_on_nvme and (clip is None or speculative)
+  clip, skip = engine.hyper.max_grad_norm, engine.config.skip_nonfinite
+  # the update under backward is speculative (as if the grads need no clipping and are
+  # finite): a step whose global norm turns out to need clipping is rolled back and redone, one
+  # with a non-finite norm rolled back (skipped); all-or-nothing steps make both possible
+  atomic = engine.config.nvme_atomic_steps
+  under_backward = pipeline.grads_all_on_nvme and (atomic or (clip is None and not skip))
   ordered: list[bool] = []
   # the pipeline under backward runs on its own thread, below the program's threads in priority
   optimizer_thread = concurrent.futures.ThreadPoolExecutor(
@@ -91,7 +92,9 @@ def with_pipeline(engine, jitted, calls: list[int]) -> Step:
         g = cache[(p.leaf, j)][p.rank]
         return g[p.layer - seg.start] if leaf.stacked else g
 
-      outs = pipeline.step(count, grad_of, grad_norm=float(metrics["grad_norm"]))
+      norm = float(metrics["grad_norm"])
+      skipped = skip and not math.isfinite(norm)
+      outs = {} if skipped else pipeline.step(count, grad_of, grad_norm=norm)
       del grads, cache
     else:  # grads land on NVMe layer by layer: update each layer while backward goes on below it
       running: list = []
@@ -116,16 +119,18 @@ def with_pipeline(engine, jitted, calls: list[int]) -> Step:
       watch.join()
       t1 = ended[0]
       extra["nvme_grad_waits"] = gate.waited
+      norm = float(metrics["grad_norm"])
+      skipped = skip and not math.isfinite(norm)
+      redo = clip is not None and not skipped and not norm < clip  # clipping was needed
+      if skipped or redo:  # back to the states before the update
+        engine.store.rollback()
+        engine.store.begin(VERSIONED)
+        outs = pipeline.step(count, None, None, norm) if redo else {}  # again, with clipping
       if clip is not None:
-        norm = float(metrics["grad_norm"])
-        redo = not norm < clip  # clipping was needed (or the norm is not finite)
-        if redo:  # back to the states before the update, and update again with clipping
-          engine.store.rollback()
-          engine.store.begin(VERSIONED)
-          outs = pipeline.step(count, None, None, norm)
         extra["nvme_redone"] = int(redo)
     new.params = merge_params(plan, new.params, outs)
-    stats = pipeline.last_step
+    stats = pipeline.last_step if under_backward or not skipped else dict.fromkeys(
+        ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written"), 0.0)
     metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],
                "adam_s": stats["compute_s"], "nvme_read_wait_s": stats["read_wait_s"],
                "nvme_write_wait_s": stats["write_wait_s"], "nvme_bytes_read": stats["bytes_read"],

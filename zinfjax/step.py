@@ -21,7 +21,7 @@ from .grads import (LossFn, local_loss_and_grads, nvme_leaf, param_specs, sum_sq
                     with_anchors)
 from .ordering import needs_order, ordered_collectives
 from .offload import swap, tiers
-from .optim.host import UPDATES, HostAdamState
+from .optim.host import UPDATES, HostAdamState, keep_if_not
 from .optim.hyper import clip_scale
 from .inputs import shard_batch
 from .nvme_step import all_or_nothing, checked, with_pipeline
@@ -119,25 +119,27 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
           *[w[2] for w in writes]))
     return plan.unflatten(out), token
 
-  def optax_update(state, grads, norm):
+  def optax_update(state, grads, norm, ok):
     whole = grads_in(grads, [[(0, l.num_layers)] if l.trainable else [] for l in leaves])
     g32 = plan.unflatten([g[0].astype(jnp.float32) if g else None for g in whole])
-    master = untuple(plan, state.master)
-    updates, opt_state = engine.tx.update(g32, state.opt_state, master)
-    master = optax.apply_updates(master, updates)
+    old = untuple(plan, state.master)
+    updates, opt_state = engine.tx.update(g32, state.opt_state, old)
+    master = keep_if_not(ok, optax.apply_updates(old, updates), old)
+    opt_state = keep_if_not(ok, opt_state, state.opt_state)
     new = [[(0, l.num_layers, m.astype(plan.compute_dtype))] if m is not None else []
            for l, m in zip(leaves, plan.flatten(master))]
     return retuple(plan, master), opt_state, new
 
-  def adamw_update(state, grads, norm):
+  def adamw_update(state, grads, norm, ok):
     ranges = [[(s.start, s.stop) for s in l.optimizer if s.tier != "nvme"] for l in leaves]
     count = state.opt_state.count
+    new_count = count + 1 if ok is None else count + ok.astype(count.dtype)
     if not any(ranges):  # every optimizer state on NVMe: the pipeline updates them all
-      return state.master, HostAdamState(count + 1, state.opt_state.mu, state.opt_state.nu), [
+      return state.master, HostAdamState(new_count, state.opt_state.mu, state.opt_state.nu), [
           [] for _ in leaves]
     got = grads_in(grads, ranges)
     clip = clip_scale(norm, hyper.max_grad_norm)
-    scalars = hyper.scalars(count)
+    scalars = hyper.scalars(count) + (() if ok is None else (ok,))
     opt = state.opt_state
     flat = [plan.flatten(t) for t in (state.master, opt.mu, opt.nu)]
     jobs = [(i, j, s.tier) for i, l in enumerate(leaves) for j, s in enumerate(l.array_segments("master"))]
@@ -170,7 +172,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
       seg = leaves[i].array_segments("master")[j]
       new[i].append((seg.start, seg.stop, p))
     master, mu, nu = (plan.unflatten([tuple(p) for p in t]) for t in trees)
-    return master, HostAdamState(count + 1, mu, nu), new
+    return master, HostAdamState(new_count, mu, nu), new
 
   host_grads = pipeline is not None and not pipeline.grads_all_on_nvme
 
@@ -184,13 +186,16 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     fn = shard_map(local, (full_specs, P(axis)), (P(), grad_specs, P()))
     loss, grads, squares = fn(with_anchors(plan, state.params), batch)
     norm = jnp.sqrt(squares)
+    ok = jnp.isfinite(norm) if engine.config.skip_nonfinite else None
     update = optax_update if hyper is None else adamw_update
-    master, opt_state, new = update(state, grads, norm)
+    master, opt_state, new = update(state, grads, norm, ok)
     if plan.stage == 3:
       params, token = place_params(state.params, new)
     else:
       params, token = gather_params(plan, master, engine.config.ordered_collectives), None
     metrics = {"loss": loss, "grad_norm": norm}
+    if ok is not None:
+      metrics["skipped"] = jnp.logical_not(ok).astype(jnp.int32)
     # zinfjax's AdamW: the schedule at the count before the step; optax's injected
     # hyperparameters: those the update just used
     lr = learning_rate(engine, state.opt_state if hyper is not None else opt_state)

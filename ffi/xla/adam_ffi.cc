@@ -1,7 +1,9 @@
 // XLA FFI handler for the fused AdamW kernel, CPU platform.
 //
-// Operands: master, m, v (f32), grad (f32 or bf16), and f32 scalars lr, bc1,
-// bc2 (they change every step, so they are operands, not attributes).
+// Operands: master, m, v (f32), grad (f32 or bf16), f32 scalars lr, bc1, bc2
+// (they change every step, so they are operands, not attributes) and a pred
+// scalar `apply`: false skips the update (a step with non-finite grads), the
+// states stay as they are and the params are the master's values.
 // Results: master, m, v (aliased to the operands when XLA can) and the new
 // compute params (f32 or bf16). Constant hyperparameters are attributes.
 #include "xla/adam_ffi.h"
@@ -25,7 +27,8 @@ void CopyIfNotAliased(const ffi::Buffer<ffi::F32>& in, ffi::ResultBuffer<ffi::F3
 
 ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> v,
                      ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::F32> bc1,
-                     ffi::Buffer<ffi::F32> bc2, ffi::ResultBuffer<ffi::F32> master_out,
+                     ffi::Buffer<ffi::F32> bc2, ffi::Buffer<ffi::PRED> apply,
+                     ffi::ResultBuffer<ffi::F32> master_out,
                      ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> v_out,
                      ffi::Result<ffi::AnyBuffer> params_out, float b1, float one_minus_b1, float b2,
                      float one_minus_b2, float eps, float weight_decay) {
@@ -47,6 +50,16 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::Buffer<ffi::F32> m, ffi:
   CopyIfNotAliased(master, master_out);
   CopyIfNotAliased(m, m_out);
   CopyIfNotAliased(v, v_out);
+  if (!apply.typed_data()[0]) {  // skipped: the params are the (unchanged) master's values
+    const float* src = master_out->typed_data();
+    if (pt == Precision::kF32) {
+      std::memcpy(params_out->untyped_data(), src, n * sizeof(float));
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(params_out->untyped_data());
+      for (size_t i = 0; i < n; ++i) dst[i] = ToBF16(src[i]);
+    }
+    return ffi::Error::Success();
+  }
   AdamHyper h{Scalar(lr), b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, Scalar(bc1),
               Scalar(bc2)};
   AdamW(master_out->typed_data(), m_out->typed_data(), v_out->typed_data(), grad.untyped_data(), gt,
@@ -66,6 +79,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZinfjaxAdamW, zinfjax::AdamWImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

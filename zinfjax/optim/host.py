@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from ..offload import tiers
 from .hyper import AdamHyper
@@ -33,13 +34,24 @@ class HostAdamState(NamedTuple):
 Updated = tuple[list, list, list, list]  # new masters, moments, compute params
 
 
+def keep_if_not(ok: jax.Array | None, new: Any, old: Any) -> Any:
+  """`new` where `ok` (a scalar bool; None: always), else `old`: a skipped step's states."""
+  if ok is None:
+    return new
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                   mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
-  """AdamW on device-resident shards (jnp, bit-identical to optax.adamw)."""
-  lr, bc1, bc2 = scalars
+  """AdamW on device-resident shards (jnp, bit-identical to optax.adamw). `scalars` are
+  (lr, bc1, bc2) and optionally `ok`: False keeps every state as it was."""
+  lr, bc1, bc2, *ok = scalars
+  ok = ok[0] if ok else None
+  grads = [g if ok is None else jnp.where(ok, g, jnp.zeros_like(g)) for g in grads]
   out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
          for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
-  new_m, new_mu, new_nu = ([x[i] for x in out] for i in range(3))
+  new_m, new_mu, new_nu = (keep_if_not(ok, [x[i] for x in out], old)
+                           for i, old in enumerate((masters, mus, nus)))
   return new_m, new_mu, new_nu, [m.astype(params_dtype) for m in new_m]
 
 
@@ -52,16 +64,17 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
   """
   if not masters:
     return [], [], [], []
-  lr, bc1, bc2 = scalars
+  lr, bc1, bc2, *ok = scalars
+  ok = ok[0] if ok else jnp.bool_(True)
   grads = [tiers.to_tier(g, "pinned_host") for g in grads]
 
   @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
-  def update(masters, mus, nus, grads, lr, bc1, bc2):
-    out = [adamw_host(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype, platform)
+  def update(masters, mus, nus, grads, lr, bc1, bc2, ok):
+    out = [adamw_host(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype, platform, ok)
            for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
     return [list(x) for x in zip(*out)]
 
-  new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2)
+  new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2, ok)
   host = lambda xs: [tiers.to_tier(x, "pinned_host") for x in xs]
   return host(new_m), host(new_mu), host(new_nu), [tiers.to_device(p, "pinned_host") for p in params]
 

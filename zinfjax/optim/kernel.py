@@ -51,13 +51,15 @@ def adamw_jnp(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: 
 
 
 def adamw_host(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
-               params_dtype, platform: str) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+               params_dtype, platform: str,
+               apply=True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """AdamW on one leaf in host memory, inside `on_host`: the fused C++ kernel on CPU
   platforms; elsewhere the same math in jnp (XLA:GPU compiles host code in its own
   plugin, whose FFI registry takes handlers for the CUDA platform alone)."""
   if platform == "cpu":
-    return adamw_ffi(master, m, v, grad, lr, bc1, bc2, c, weight_decay, params_dtype)
-  master, m, v = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay)
+    return adamw_ffi(master, m, v, grad, lr, bc1, bc2, c, weight_decay, params_dtype, apply)
+  new = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay)
+  master, m, v = (jnp.where(apply, a, b) for a, b in zip(new, (master, m, v)))
   return master, m, v, master.astype(params_dtype)
 
 
@@ -70,15 +72,16 @@ def on_host(out_memory_spaces):
 
 
 def adamw_ffi(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
-              params_dtype) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The C++ kernel on one leaf; returns (master, m, v, params in `params_dtype`)."""
+              params_dtype, apply=True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The C++ kernel on one leaf; returns (master, m, v, params in `params_dtype`). `apply`
+  False (a traced bool) leaves the states as they are (a skipped step)."""
   f32 = jax.ShapeDtypeStruct(master.shape, jnp.float32)
   call = jax.ffi.ffi_call(
       "zinfjax_adamw", (f32, f32, f32, jax.ShapeDtypeStruct(master.shape, params_dtype)),
       input_output_aliases={0: 0, 1: 1, 2: 2}, vmap_method="broadcast_all")
   scalar = lambda x: jnp.asarray(x, jnp.float32).reshape(())
   return call(master, m, v, grad, scalar(lr), scalar(bc1), scalar(bc2),
-              weight_decay=np.float32(weight_decay), **c.attrs)
+              jnp.asarray(apply, jnp.bool_).reshape(()), weight_decay=np.float32(weight_decay), **c.attrs)
 
 
 def adamw_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
