@@ -80,6 +80,16 @@ class ZeroConfig:
     tiles: memory-centric tiling (stage 3): each large matrix product in a
       block runs as a scan over this many tiles of its weight, each tile's
       shard gathered, used and released in turn (1 = off).
+    offload: "auto" chooses `offload_param` and `offload_optimizer` per layer
+      from `tier_budgets` before anything is allocated (`zinfjax.autoplace`):
+      the fastest tiers to the params and grads, then to the optimizer
+      states; a model that cannot fit is refused, naming each tier's
+      shortfall. None (default): the tiers given below.
+    tier_budgets: with offload="auto", bytes each device may hold on each tier
+      ({"device": ..., "pinned_host": ..., "nvme": ...}); a tier left out takes
+      its default: half the device's free memory (none on a CPU platform), half
+      the host's available memory, and the free space under `nvme_path`, each
+      split over the process's devices.
     offload_param: tier of the compute params (stage 3): "device" (HBM),
       "pinned_host" (host memory, copied to the device layer by layer ahead of
       use) or "nvme" (the swap store under `nvme_path`, read layer by layer);
@@ -150,6 +160,8 @@ class ZeroConfig:
   prefetch_depth: int = 1
   axis: str = "data"
   tiles: int = 1
+  offload: str | None = None
+  tier_budgets: Mapping[str, int] | None = None
   offload_param: Tier | str | Mapping = "device"
   offload_grad: Tier | str | Mapping | None = None
   offload_optimizer: Tier | str | Mapping = "device"
@@ -193,6 +205,22 @@ class ZeroConfig:
     self._check_offload()
 
   def _check_offload(self) -> None:
+    if self.offload not in (None, "auto"):
+      raise ValueError(f"ZeroConfig.offload must be None or 'auto', got {self.offload!r}.")
+    if self.offload == "auto" and (self.offload_param, self.offload_optimizer) != ("device", "device"):
+      raise ValueError(
+          f"ZeroConfig(offload='auto') chooses offload_param and offload_optimizer itself; got "
+          f"offload_param={self.offload_param!r}, offload_optimizer={self.offload_optimizer!r}: "
+          "give either offload='auto' (with tier_budgets) or the tiers.")
+    if self.offload == "auto" and self.stage != 3:
+      raise ValueError(f"ZeroConfig(offload='auto') needs stage=3, got stage={self.stage}.")
+    budgets = self.tier_budgets
+    if budgets is not None and (self.offload != "auto" or not isinstance(budgets, Mapping) or any(
+        t not in TIERS or not isinstance(b, int) or isinstance(b, bool) or b < 0
+        for t, b in budgets.items())):
+      raise ValueError(
+          f"ZeroConfig.tier_budgets={budgets!r}: with offload='auto', give bytes per device (int "
+          f">= 0) for any of {TIERS}, e.g. tier_budgets={{'device': 8 << 30}}.")
     for name in ("offload_param", "offload_optimizer"):
       parse_split(getattr(self, name), name)
     if self.offload_grad is not None and parse_split(self.offload_grad, "offload_grad") != self.param_split:
@@ -248,7 +276,7 @@ class ZeroConfig:
   def offloads(self) -> bool:
     """Whether any state leaves the device (or activations go to the host)."""
     tiers = split_tiers(self.param_split) + split_tiers(self.optimizer_split)
-    return set(tiers) != {"device"} or self.offload_activations
+    return set(tiers) != {"device"} or self.offload_activations or self.offload == "auto"
 
   @property
   def uses_nvme(self) -> bool:

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from .autoplace import AutoPlan, plan_placement
 from .config import ZeroConfig
 from .layers import Stack
 from .offload.store import AioStore, NoSpaceError
@@ -41,6 +42,7 @@ class Engine:
   store: AioStore | None = None    # the process's swap store when a state is on NVMe
   pipeline: NvmePipeline | None = None  # the NVMe optimizer (optimizer segments on NVMe)
   steps: dict = dataclasses.field(default_factory=dict)  # compiled steps by loss_fn
+  auto: AutoPlan | None = None     # the placement offload="auto" chose (its config holds the tiers)
 
   @property
   def mesh(self) -> Mesh:
@@ -163,14 +165,27 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
         "per-layer weights (layers.0.*, layers.1.* ...) to the stacked layout.", stacklevel=3)
   layouts = plan_layouts(nnx.to_pure_dict(abstract_state), {p + ("block",) for p in stack_paths},
                          mesh.shape[config.axis], config.persistence_threshold)
-  plan = make_plan(config, layouts, stack_paths, mesh, frozen_leaves(abstract_model, config))
-  hyper = _engine_adamw(tx, plan, config)
+  frozen = frozen_leaves(abstract_model, config)
+  auto = None
+  if config.offload == "auto":  # the tiers, from the budgets, before anything is allocated
+    auto = plan_placement(config, lambda c: make_plan(c, layouts, stack_paths, mesh, frozen),
+                          config.tier_budgets)
+    config = config.replace(offload=None, tier_budgets=None, offload_param=auto.offload_param,
+                            offload_optimizer=auto.offload_optimizer)
+  plan = make_plan(config, layouts, stack_paths, mesh, frozen)
+  try:
+    hyper = _engine_adamw(tx, plan, config)
+  except ValueError as e:
+    if auto is None:
+      raise
+    raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
+                     f") to fit the budgets: {e}") from None
   decays = ()
   if hyper is not None:
     shapes = plan.unflatten([jax.ShapeDtypeStruct(l.layout.storage_shape, jnp.float32)
                              for l in plan.leaves])
     decays = tuple(hyper.decays(shapes))
-  engine = Engine(graphdef, plan, config, tx, hyper, decays)
+  engine = Engine(graphdef, plan, config, tx, hyper, decays, auto=auto)
   return with_store(engine) if open_store_ else engine
 
 

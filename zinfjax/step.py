@@ -99,6 +99,9 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
                      for lo, hi, x, a in covered]
           continue
         chunks, at = [], seg.start
+        if len(covered) != 1 or (covered[0][0], covered[0][1]) != (seg.start, seg.stop):
+          old = tiers.to_device(old, seg.tier)  # pieced together on the device (out_shardings
+                                                # put the result back on its tier)
         for lo, hi, x, a in covered:
           if lo > at:
             chunks.append(old[at - seg.start:lo - seg.start])

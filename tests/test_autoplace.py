@@ -1,0 +1,113 @@
+"""offload="auto": per-layer tiers from budgets; the plan fits, trains like all-device, and a
+model that cannot fit is refused before anything is allocated."""
+
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zinfjax
+from zinfjax.autoplace import PlacementError, need
+from zinfjax.engine import build_engine
+from zinfjax.memory import tier_bytes
+from zinfjax.models import GPT, get_config, lm_loss
+
+from helpers import text_batches
+
+CONFIG = get_config("tiny", num_layers=8)
+STEPS = 12
+
+
+def gpt(rngs):
+  return GPT(CONFIG, rngs=rngs)
+
+
+def tx():
+  return zinfjax.optim.adamw(3e-3, weight_decay=0.1)
+
+
+def budgets_of(mesh, param, optimizer, path):
+  """The bytes per device that the placement (param, optimizer) holds on each tier."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
+                            nvme_path=path)
+  engine = build_engine(gpt, tx(), zero, mesh, open_store_=False)
+  return need(engine.plan, zero)
+
+
+def test_auto_splits_layers_over_the_budgets_and_trains_like_all_device(mesh, tmp_path):
+  """Budgets that hold the params of 2 of the 8 layers on the device and, in host memory, the
+  other 6 layers' params and about half of the optimizer states: the plan is exactly that
+  split, stays within every budget, and trains to the all-device losses."""
+  path = str(tmp_path / "nvme")
+  budgets = budgets_of(mesh, "device:2,pinned_host", "pinned_host:4,nvme", path)
+  slack = 1000  # bytes: far less than one layer of any state
+  budgets = {t: b + slack for t, b in budgets.items()}
+  zero = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=budgets, nvme_path=path)
+  state = zinfjax.init(gpt, tx(), zero, mesh)
+  auto = state.engine.auto
+  assert (auto.offload_param, auto.offload_optimizer) == ("device:2,pinned_host", "pinned_host:4,nvme")
+  assert state.engine.config.offload_param == "device:2,pinned_host"
+  assert "params+grads device:2,pinned_host, optimizer pinned_host:4,nvme" in auto.table()
+  batches = text_batches(STEPS, batch=16, seq=32, seed=4)
+  losses = []
+  for batch in batches:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+    held = tier_bytes(state)  # what the progress line reports, per device
+    held["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
+    assert all(held[t] <= budgets[t] for t in held), (held, budgets)
+  assert held["device"] > 0 and held["pinned_host"] > 0 and held["nvme"] > 0
+  state.engine.store.close()
+  ref_zero = zinfjax.ZeroConfig(precision="fp32")
+  ref = zinfjax.init(gpt, optax.adamw(3e-3, weight_decay=0.1), ref_zero, mesh)
+  ref_losses = []
+  for batch in batches:
+    ref, metrics = zinfjax.train_step(ref, batch, lm_loss)
+    ref_losses.append(float(metrics["loss"]))
+  rel = np.abs(np.asarray(losses) - ref_losses) / np.asarray(ref_losses)
+  assert losses[-1] < losses[0] - 0.3
+  assert np.all(rel < 1e-6), rel
+
+
+def test_auto_keeps_everything_on_the_fastest_tier_that_holds_it(mesh, tmp_path):
+  big = {"device": 1 << 30, "pinned_host": 1 << 30, "nvme": 1 << 30}
+  zero = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=big)
+  engine = build_engine(gpt, optax.adamw(1e-3), zero, mesh, open_store_=False)
+  assert (engine.config.offload_param, engine.config.offload_optimizer) == ("device", "device")
+  assert engine.tx is not None and engine.hyper is None  # any optax transformation runs
+  # no NVMe folder: the states that do not fit on the device go to host memory, never NVMe
+  small = dict(big, device=0)
+  zero = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=small)
+  engine = build_engine(gpt, tx(), zero, mesh, open_store_=False)
+  assert (engine.config.offload_param, engine.config.offload_optimizer) == (
+      "pinned_host", "pinned_host")
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(mesh, tmp_path):
+  path = tmp_path / "nvme"
+  budgets = {"device": 0, "pinned_host": 10_000, "nvme": 100_000}
+  zero = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=budgets,
+                            nvme_path=str(path))
+  with pytest.raises(PlacementError, match=r"nvme needs .* of a 97.66 KiB budget \(.* short\)"):
+    zinfjax.init(gpt, tx(), zero, mesh)
+  assert not path.exists()
+  no_nvme = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=dict(budgets))
+  with pytest.raises(PlacementError, match="Give ZeroConfig.nvme_path a folder"):
+    zinfjax.init(gpt, tx(), no_nvme, mesh)
+  with pytest.raises(ValueError, match="offload='auto' put optimizer states off the device"):
+    build_engine(gpt, optax.adam(1e-3), zinfjax.ZeroConfig(
+        offload="auto", tier_budgets={"device": 0, "pinned_host": 1 << 30}), mesh,
+        open_store_=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(offload="fast"), "offload must be None or 'auto'"),
+    (dict(offload="auto", offload_param="nvme"), "chooses offload_param and offload_optimizer"),
+    (dict(offload="auto", stage=2), "needs stage=3"),
+    (dict(offload="auto", tier_budgets={"hbm": 1}), "tier_budgets"),
+    (dict(tier_budgets={"device": 1}), "tier_budgets"),
+])
+def test_bad_auto_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    zinfjax.ZeroConfig(**kwargs)

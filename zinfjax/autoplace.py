@@ -1,0 +1,170 @@
+"""Automatic placement: the tier of every state of every layer, from per-tier budgets.
+
+`ZeroConfig(offload="auto", tier_budgets=...)` turns budgets (bytes each
+device may hold on each tier) into the per-layer splits `offload_param` and
+`offload_optimizer` take, before anything is allocated. The rule follows the
+ZeRO-Infinity paper's bandwidth analysis (section 4): a step reads the
+compute params twice (forward and backward) and writes their grads, on the
+critical path of every layer, while each optimizer state is read and written
+once, by the optimizer that runs next to it. So the fastest tiers go to the
+params and grads first, device before pinned host before NVMe, and the
+optimizer states take what remains, in the same order. Within a state, the
+first layers of every `Stack` go to the faster tier (a split such as
+"device:2,pinned_host"); the leaves outside the stacks live with the first
+tier named. Every candidate is measured with the placement plan itself
+(`Plan.tier_bytes`, `Plan.nvme_bytes`), so the budgets are checked against
+the bytes the run will hold, not against a formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+from typing import Callable, Mapping
+
+import jax
+
+from .config import TIERS, ZeroConfig
+from .placement import Plan
+
+DEVICE_SHARE = 0.5   # of the device's free memory: the rest is for activations and gathered layers
+HOST_SHARE = 0.5     # of the host's available memory
+NVME_SHARE = 0.95    # of the free space under nvme_path
+
+
+class PlacementError(ValueError):
+  """The model's states do not fit the tiers' budgets."""
+
+
+def _gb(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def default_budgets(config: ZeroConfig) -> dict[str, int]:
+  """Bytes per device for each tier: a share of the device's free memory (none on a CPU
+  platform, whose device memory is the host's), a share of the host's available memory, and
+  the free space under `nvme_path` (none without one), each split over the local devices."""
+  devices = jax.local_devices()
+  stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
+  device = 0
+  if stats and "bytes_limit" in stats:
+    device = int(DEVICE_SHARE * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+  host = int(HOST_SHARE * _available_ram() - config.pinned_budget) // len(devices)
+  nvme = 0
+  for path in config.nvme_paths:
+    probe = path
+    while not os.path.exists(probe):  # the folder is made at init
+      probe = os.path.dirname(probe) or "."
+    nvme += shutil.disk_usage(probe).free + sum(  # this process's old swap files are reused
+        os.path.getsize(f) for f in glob.glob(os.path.join(path, f"rank{jax.process_index()}", "*.bin")))
+  return {"device": device, "pinned_host": max(0, host),
+          "nvme": int(NVME_SHARE * nvme) // len(devices)}
+
+
+def _available_ram() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+  """The splits chosen, the budgets they were chosen for and the bytes each tier holds
+  (per device; NVMe with the copies all-or-nothing steps keep)."""
+
+  offload_param: str
+  offload_optimizer: str
+  budgets: dict[str, int]
+  need: dict[str, int]
+
+  def table(self) -> str:
+    rows = [f"placement (offload='auto'): params+grads {self.offload_param}, optimizer "
+            f"{self.offload_optimizer}"]
+    for tier in TIERS:
+      share = self.need[tier] / self.budgets[tier] if self.budgets[tier] else 0.0
+      rows.append(f"  {tier:<11} {_gb(self.need[tier]):>11} of {_gb(self.budgets[tier]):>11} "
+                  f"per device ({share:.0%})")
+    return "\n".join(rows)
+
+
+def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
+  """Bytes per device on each tier: the plan's states, and on NVMe the store's aligned
+  shards plus the second copy all-or-nothing steps write."""
+  out = plan.tier_bytes()
+  nvme = plan.nvme_bytes(ranks=1)
+  copies = nvme["params"] + nvme["optimizer"] if config.nvme_atomic_steps else 0
+  out["nvme"] = sum(nvme.values()) + copies
+  return out
+
+
+def _split(fast: list[tuple[str, int]], slow: str, depth: int) -> str:
+  """`[("device", 2), ("pinned_host", 3)]` and the slow tier as a split string
+  ("device:2,pinned_host:3,nvme"): tiers with no layers left out. Without stacks (depth 0)
+  a count of 1 means the whole of the leaves."""
+  used = [(t, k) for t, k in fast if k > 0]
+  left = max(depth, 1) - sum(k for _, k in used)
+  if left > 0:
+    used.append((slow, left))
+  if len(used) == 1 or depth == 0:
+    return used[0][0]
+  return ",".join(f"{t}:{k}" for t, k in used[:-1]) + f",{used[-1][0]}"
+
+
+def plan_placement(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
+                   budgets: Mapping[str, int] | None = None) -> AutoPlan:
+  """The splits for `config` (offload="auto") under `budgets` (per device; missing tiers
+  take `default_budgets`). `build(config)` makes the plan of a candidate. Raises
+  `PlacementError`, naming each tier's shortfall, when no split fits."""
+  budget = dict(default_budgets(config)) if budgets is None or set(budgets) != set(TIERS) else {}
+  budget.update(budgets or {})
+  if not config.nvme_paths:
+    budget["nvme"] = 0
+  base = config.replace(offload=None, tier_budgets=None, offload_param="device",
+                        offload_optimizer="device")
+  depth = max([s.num_layers for s in build(base).stacks], default=0)
+  slow = "nvme" if config.nvme_paths else "pinned_host"
+
+  def candidate(param: str, optimizer: str) -> ZeroConfig:
+    return base.replace(offload_param=param, offload_optimizer=optimizer)
+
+  def fits(cfg: ZeroConfig, tiers: tuple[str, ...]) -> bool:
+    got = need(build(cfg), cfg)
+    return all(got[t] <= budget[t] for t in tiers)
+
+  def most(make: Callable[[int], ZeroConfig], top: int, tiers: tuple[str, ...]) -> int:
+    """The most layers (top down to 0) the faster tier can take."""
+    return next((k for k in range(top, -1, -1) if fits(make(k), tiers)), 0)
+
+  rest = max(depth, 1)   # without stacks, one unit: all of the leaves
+  fast_tiers = ("device", "pinned_host") if slow == "nvme" else ("device",)
+  lay = lambda *fast: _split(list(zip(fast_tiers, fast)), slow, depth)
+  # params and grads first: device, then pinned host, the rest on NVMe (optimizer parked slow)
+  k_dev = most(lambda k: candidate(lay(k), slow), rest, ("device",))
+  k_host = most(lambda k: candidate(lay(k_dev, k), slow), rest - k_dev, ("device", "pinned_host"))
+  param = lay(k_dev, k_host)
+  # then the optimizer states, in what remains
+  o_dev = most(lambda k: candidate(param, lay(k)), rest, ("device",))
+  o_host = most(lambda k: candidate(param, lay(o_dev, k)), rest - o_dev, ("device", "pinned_host"))
+  optimizer = lay(o_dev, o_host)
+  chosen = candidate(param, optimizer)
+  got = need(build(chosen), chosen)
+  short = {t: got[t] - budget[t] for t in TIERS if got[t] > budget[t]}
+  if short:
+    total = need(build(base), base)["device"]
+    detail = ", ".join(f"{t} needs {_gb(got[t])} of a {_gb(budget[t])} budget ({_gb(n)} short)"
+                       for t, n in short.items())
+    hint = (" Give ZeroConfig.nvme_path a folder on a drive with room." if not config.nvme_paths
+            else " Free space under nvme_path, add drives to it, or raise tier_budgets.")
+    raise PlacementError(
+        f"offload='auto': the model's states ({_gb(total)} per device in all) do not fit the "
+        f"tiers' budgets even with the fewest layers on the fast tiers: {detail}.{hint}")
+  return AutoPlan(param, optimizer, budget, got)
