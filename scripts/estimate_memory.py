@@ -2,6 +2,14 @@
 
   python scripts/estimate_memory.py --preset 1t --devices 16 --offload-param nvme --offload-optimizer nvme
   python scripts/estimate_memory.py --layers 50 --hidden 4096 --heads 16 --json
+  python scripts/estimate_memory.py --preset 2.5b --plan --budget device=40GiB \
+      --budget pinned_host=60GiB --nvme-path /local_nvme/zinfjax
+
+`--plan` builds the run's placement plan (no memory allocated) with
+`offload="auto"` for the given budgets (bytes per device; a tier left out
+takes zinfjax's default) and prints where each state goes, the bytes per tier,
+and the step time it allows: the largest of compute, host<->device traffic,
+NVMe traffic and the host optimizer, at the rates given (defaults: one H100).
 
 `--json` prints one object whose keys are the fields of
 `zinfjax.memory.MemoryEstimate` (all sizes in bytes) plus `inputs`.
@@ -30,6 +38,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--offload-grad", default=None, choices=("device", "pinned_host", "nvme"))
   p.add_argument("--offload-optimizer", default="device", choices=("device", "pinned_host", "nvme"))
   p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+  p.add_argument("--plan", action="store_true",
+                 help="print the placement offload='auto' chooses and the step time it allows")
+  p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
+                 help="bytes per device on a tier, e.g. device=40GiB (repeatable; --plan)")
+  p.add_argument("--nvme-path", default=None, help="the swap store folder (--plan)")
+  p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+  p.add_argument("--tflops", type=float, default=735.0, help="matmul TFLOP/s per device (--plan)")
+  p.add_argument("--link-gbs", type=float, default=50.0, help="host<->device GB/s per device")
+  p.add_argument("--nvme-read-gbs", type=float, default=2.0, help="NVMe read GB/s per device")
+  p.add_argument("--nvme-write-gbs", type=float, default=2.0, help="NVMe write GB/s per device")
+  p.add_argument("--adam-gelems", type=float, default=1.0,
+                 help="host AdamW, billions of elements per second per device")
   return p.parse_args(argv)
 
 
@@ -39,6 +59,45 @@ def fmt(n: float) -> str:
       return f"{n:,.2f} {unit}"
     n /= 1000
   return str(n)
+
+
+def show_plan(args, layers: int, hidden: int, heads: int) -> int:
+  """The placement offload='auto' picks for the budgets, and the step time it allows."""
+  import os
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={args.devices}")
+  import zinfjax
+  from zinfjax.autoplace import PlacementError, Rates, predict
+  from zinfjax.engine import build_engine
+  from zinfjax.models import GPT, get_config
+  from zinfjax.progress import parse_budgets
+  try:
+    budgets = parse_budgets(args.budget)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  config = get_config(args.preset or "tiny", num_layers=layers, hidden=hidden, num_heads=heads,
+                      seq_len=args.seq_len)
+  try:
+    zero = zinfjax.ZeroConfig(precision=args.precision, offload="auto", nvme_path=args.nvme_path,
+                              tier_budgets=budgets or None)
+    engine = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero,
+                          zinfjax.make_mesh(args.devices), open_store_=False)
+  except (PlacementError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  rates = Rates(args.tflops * 1e12, args.link_gbs * 1e9, args.nvme_read_gbs * 1e9,
+                args.nvme_write_gbs * 1e9, args.adam_gelems * 1e9)
+  tokens = args.seq_len * args.batch_per_device
+  got = predict(engine.plan, tokens, config.num_params, rates)
+  print(f"GPT {layers} layers x {hidden} hidden ({config.num_params / 1e9:,.2f}B params), "
+        f"{args.precision}, ZeRO-3 on {args.devices} devices, {tokens} tokens per device per step")
+  print(engine.auto.table())
+  print(f"step time it allows: {got['step_s']:.3f} s ({got['bound']} bound; "
+        f"{tokens / got['step_s']:,.0f} tokens/s per device)")
+  for name, seconds in got["terms"].items():
+    print(f"  {name:<15} {seconds:8.3f} s")
+  return 0
 
 
 def main(argv=None) -> int:
@@ -52,6 +111,8 @@ def main(argv=None) -> int:
   if not (layers and hidden and heads):
     print("error: give --preset NAME or all of --layers, --hidden and --heads.", file=sys.stderr)
     return 2
+  if args.plan:
+    return show_plan(args, layers, hidden, heads)
   est = estimate_memory(layers=layers, hidden=hidden, heads=heads, seq_len=args.seq_len,
                         batch_per_device=args.batch_per_device, devices=args.devices,
                         devices_per_node=args.devices_per_node, stage=args.zero_stage,

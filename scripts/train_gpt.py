@@ -50,6 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--collectives", default="auto", choices=("auto", "ordered", "unordered"),
                  help="issue the step's collectives in one program order on every device "
                       "(auto: on CPU meshes, where XLA may otherwise deadlock)")
+  p.add_argument("--offload", default=None, choices=("auto",),
+                 help="auto: choose the tiers of every state per layer from the budgets "
+                      "(--budget; defaults: half the free device memory, half the available host "
+                      "memory, the free space under --nvme-path), printed at start")
+  p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
+                 help="with --offload auto: bytes per device on a tier, e.g. device=40GiB "
+                      "(repeatable)")
   p.add_argument("--offload-param", default="device", metavar="TIER[:N],...",
                  help=f"tier of the bf16 params (and their grads), one of {TIERS}, or a per-layer "
                       "split: 'device:2,pinned_host' puts the first 2 layers of each stack on the "
@@ -170,7 +177,8 @@ def main(argv=None) -> int:
   from zinfjax.memory import tier_bytes
   from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
   from zinfjax.offload import CorruptShardError, EngineError, MissingShardError, NoSpaceError
-  from zinfjax.progress import Progress, human_bytes
+  from zinfjax.engine import build_engine
+  from zinfjax.progress import Progress, human_bytes, parse_budgets
 
   # the engine's errors already name the file and the fix: one line for the user, no traceback
   engine_errors = (EngineError, NoSpaceError, CorruptShardError, MissingShardError, CheckpointError)
@@ -219,10 +227,22 @@ def main(argv=None) -> int:
         nvme_io_threads=args.nvme_io_threads,
         offload_activations=args.offload_activations, micro_batches=args.micro_batches,
         ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives],
-        trainable=nnx.LoRAParam if args.lora_rank else None)
+        trainable=nnx.LoRAParam if args.lora_rank else None, offload=args.offload,
+        tier_budgets=parse_budgets(args.budget) or None if args.offload else None)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
+  if args.budget and not args.offload:
+    raise SystemExit("error: --budget sets the budgets of --offload auto; add --offload auto.")
   mesh = zinfjax.make_mesh()
+  auto = None
+  if zero.offload == "auto":  # the tiers from the budgets, once, before anything is allocated
+    try:
+      auto = build_engine(model_factory, zinfjax.optim.adamw(1e-3), zero, mesh,
+                          open_store_=False).auto
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+    zero = zero.replace(offload=None, tier_budgets=None, offload_param=auto.offload_param,
+                        offload_optimizer=auto.offload_optimizer)
   dp = mesh.shape[zero.axis]
   if args.batch_size % (dp * zero.micro_batches):
     raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices x "
@@ -254,6 +274,8 @@ def main(argv=None) -> int:
         + (f" | {zero.micro_batches} micro-batches of {args.batch_size // dp // zero.micro_batches}"
            " per device, layer by layer" if zero.micro_batches > 1 else "")
         + (f" | training LoRA adapters of rank {args.lora_rank} only" if args.lora_rank else ""))
+  if auto is not None:
+    say(auto.table())
   # made, checked writable and locked against other runs before any compute
   ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, lock=True) if args.checkpoint_dir else None
   t0 = time.perf_counter()

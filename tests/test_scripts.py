@@ -62,6 +62,17 @@ def test_estimate_memory_table_for_a_preset():
   assert "1,006.63B params" in stdout and "model-state working memory" in stdout
 
 
+def test_estimate_memory_plan_for_budgets(tmp_path):
+  """--plan: the placement offload='auto' picks for the budgets (the 2.5B model, abstractly:
+  nothing allocated), its bytes per tier and the step time it allows."""
+  stdout = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--preset", "2.5b", "--plan",
+                "--budget", "device=20GiB", "--budget", "pinned_host=10GiB", "--budget",
+                "nvme=100GiB", "--nvme-path", str(tmp_path / "nvme"), "--batch-per-device", "16"])
+  assert "placement (offload='auto'): params+grads device, optimizer device:9,pinned_host:11,nvme" in stdout
+  assert "step time it allows:" in stdout and "nvme bound" in stdout
+  assert not (tmp_path / "nvme").exists()
+
+
 def test_train_gpt_nvme_keeps_host_memory_within_the_pinned_budget(tmp_path):
   """Params and optimizer on NVMe: peak RSS stays under the pinned budget plus a fixed overhead,
   for a model whose states are over 10x that budget (and more than budget + overhead)."""
@@ -164,6 +175,21 @@ def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
                                 "--heads", "2"], capture_output=True, text=True, timeout=300, env=ENV)
   assert done.returncode != 0
   assert "trained with another model (num_heads 4 there, 2 here)" in done.stderr, done.stderr[-2000:]
+
+
+def test_train_gpt_offload_auto_prints_the_plan_and_keeps_to_it(tmp_path):
+  stdout = run([os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny", "--layers", "8",
+                "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--devices", "4",
+                "--log-every", "1", "--offload", "auto", "--budget", "device=100KiB",
+                "--budget", "pinned_host=200KiB", "--nvme-path", str(tmp_path / "nvme")])
+  assert "placement (offload='auto'): params+grads device:1,pinned_host:4,nvme, optimizer nvme" in stdout
+  assert "of  100.00 KiB per device" in stdout and "of  200.00 KiB per device" in stdout
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--devices", "4",
+                        "--offload", "auto", "--budget", "device=1KiB", "--budget",
+                        "pinned_host=1KiB", "--steps", "1"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=ENV)
+  assert out.returncode != 0 and "Give ZeroConfig.nvme_path a folder" in out.stderr, out.stderr
+  assert "Traceback" not in out.stderr
 
 
 def test_train_gpt_refuses_numbers_that_cannot_work():

@@ -168,3 +168,47 @@ def plan_placement(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
         f"offload='auto': the model's states ({_gb(total)} per device in all) do not fit the "
         f"tiers' budgets even with the fewest layers on the fast tiers: {detail}.{hint}")
   return AutoPlan(param, optimizer, budget, got)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What the hardware does per second: matmul FLOP/s of a device, host<->device bytes/s per
+  device, NVMe read and write bytes/s per device, and AdamW elements/s on the host."""
+
+  flops: float = 735e12        # bf16 matmul 8192^3 measured on an H100 (BENCHMARKS.md)
+  link: float = 50e9           # pinned cudaMemcpyAsync on that H100
+  nvme_read: float = 2e9
+  nvme_write: float = 2e9
+  host_adam: float = 1e9
+
+
+def predict(plan: Plan, tokens_per_device: int, num_params: int, rates: Rates = Rates()) -> dict:
+  """The step time a placement allows, per device, if every transfer hides behind the others
+  and behind compute (the bound the schedule aims for): the largest of compute (6 FLOPs per
+  param per token), the host<->device traffic, the NVMe traffic and the host optimizer."""
+  link = read = write = host_elems = 0.0
+  item = plan.dtype("params").itemsize
+  for leaf in plan.leaves:
+    for layer in range(leaf.num_layers):
+      p = leaf.local_size * item          # params; grads are the same size
+      ptier = leaf.tier("params", layer)
+      otier = leaf.tier("master", layer) if leaf.trainable else None
+      if ptier != "device":              # forward and backward reads come over the link,
+        link += 3 * p                    # the grads go back over it
+      if ptier == "nvme":
+        read, write = read + 2 * p, write + (p if leaf.trainable else 0)
+      if otier is None:
+        continue
+      if otier != "device":
+        host_elems += leaf.local_size
+        if ptier == "device":            # grads down, new params up
+          link += 2 * p
+      if otier == "nvme":                # master, m, v in and out; grads read, params written
+        read += 12 * leaf.local_size + (p if ptier == "nvme" else 0)
+        write += 12 * leaf.local_size + (p if ptier == "nvme" else 0)
+  terms = {"compute": 6 * num_params * tokens_per_device / rates.flops,
+           "host<->device": link / rates.link,
+           "nvme": read / rates.nvme_read + write / rates.nvme_write,
+           "host optimizer": host_elems / rates.host_adam}
+  return {"step_s": max(terms.values()), "bound": max(terms, key=terms.get), "terms": terms,
+          "bytes": {"host<->device": link, "nvme_read": read, "nvme_write": write}}

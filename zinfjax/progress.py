@@ -16,6 +16,31 @@ def human_bytes(n: float) -> str:
   return f"{n:.1f} TiB"
 
 
+def parse_bytes(text: str) -> int:
+  """'40GiB', '512MiB', '2GB', '2e9' -> bytes (ValueError for anything else)."""
+  units = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "TB": 10**12, "GB": 10**9,
+           "MB": 10**6, "KB": 10**3, "B": 1}
+  text = text.strip()
+  for unit, scale in units.items():
+    if text.endswith(unit):
+      return int(float(text[:-len(unit)]) * scale)
+  return int(float(text))
+
+
+def parse_budgets(items: list[str]) -> dict[str, int]:
+  """["device=40GiB", "nvme=1TB"] -> {"device": 42949672960, "nvme": 10**12}."""
+  out = {}
+  for item in items:
+    tier, sep, size = item.partition("=")
+    try:
+      if not sep:
+        raise ValueError
+      out[tier.strip()] = parse_bytes(size)
+    except ValueError:
+      raise ValueError(f"--budget {item!r}: give TIER=SIZE, e.g. device=40GiB or nvme=1TB.") from None
+  return out
+
+
 class Progress:
   """Shows loss, tokens/s, step time and bytes per tier; writes one JSON object per step."""
 
