@@ -342,10 +342,10 @@ def test_a_failed_background_save_is_reported_at_the_next_check(device_ckpt, mes
   ckpt.wait()  # step 6 committed
   real = handler.spec
 
-  def full_disk(path, leaf=None, dp=1):
+  def full_disk(path, leaf=None, *args):
     if leaf is None:  # the background writes open the arrays this way
       raise OSError(28, "No space left on device", path)
-    return real(path, leaf, dp)
+    return real(path, leaf, *args)
 
   monkeypatch.setattr(handler, "spec", full_disk)
   state, _ = zinfjax.train_step(state, W.batches()[6], lm_loss)

@@ -44,7 +44,20 @@ class Run:
   store: Any = None     # the process's swap store (NVMe sources)
 
 
-def spec(path: str, leaf: Leaf | None = None, dp: int = 1) -> dict:
+def block_ranks(plan: Plan) -> int:
+  """Ranks per chunk on the split axis: each process's ranks when every process owns one
+  contiguous, equal block of the data axis (then a chunk is one process's part of one layer:
+  fewer, larger files, each written whole by its process), else 1 (a chunk per rank)."""
+  owners = [d.process_index for d in plan.mesh.devices.reshape(-1)]
+  n = len(set(owners))
+  k = len(owners) // n
+  blocks = [owners[i:i + k] for i in range(0, len(owners), k)]
+  ok = len(owners) == n * k and all(len(set(b)) == 1 for b in blocks) and len(
+      {b[0] for b in blocks}) == n
+  return k if ok else 1
+
+
+def spec(path: str, leaf: Leaf | None = None, dp: int = 1, group: int = 1) -> dict:
   # an open option, not stored: without it, all-zero chunks (fresh moments) would not be written
   # many small chunks: keep the disk busy, and do not fsync each chunk file (one syncfs of the
   # whole checkpoint before it commits, `_durable`, costs what the data costs, not per file)
@@ -54,10 +67,49 @@ def spec(path: str, leaf: Leaf | None = None, dp: int = 1) -> dict:
   if leaf is None:
     return {**out, "open": True}
   metadata = {"shape": list(leaf.shape), "data_type": np.dtype(leaf.dtype).name,
-              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks(leaf, dp)}},
+              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks(leaf, dp, group)}},
               "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                          {"name": "crc32c"}]}
   return {**out, "metadata": metadata, "create": True, "delete_existing": True}
+
+
+def _bounding(regions: list[Region]) -> Region:
+  return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
+               for i in range(len(regions[0])))
+
+
+def _overlap(a: Region, b: Region) -> Region | None:
+  box = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+  return None if any(s.start >= s.stop for s in box) else box
+
+
+def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
+  """This process's shards of an array source, copied to host memory (the state is donated
+  next) as one block per run of adjacent shards: (region inside the logical shape, data)."""
+  shards = [(shifted(norm_region(sh.index, src.array.shape), leaf.layout, src.start), sh)
+            for sh in src.array.addressable_shards if not sh.replica_id]
+  if not shards:  # another process holds the copy that is written
+    return []
+  box = _bounding([r for r, _ in shards])
+  dense = sum(int(np.prod([x.stop - x.start for x in r])) for r, _ in shards) == int(
+      np.prod([x.stop - x.start for x in box]))
+  groups = [(box, shards)] if dense else [(r, [(r, sh)]) for r, sh in shards]
+  out = []
+  for region, members in groups:
+    clipped = clip(region, leaf.shape)
+    data = np.empty([x.stop - x.start for x in clipped], np.dtype(src.array.dtype))
+    for r, sh in members:
+      inside = clip(r, leaf.shape)
+      data[local(inside, clipped)] = np.asarray(sh.data)[local(inside, r)]
+    out.append((clipped, data))
+  return out
+
+
+def _layers(region: Region, stacked: bool) -> list[Region]:
+  """`region` one layer at a time (a stacked leaf: host memory holds a layer), else whole."""
+  if not stacked:
+    return [region]
+  return [(slice(l, l + 1),) + tuple(region[1:]) for l in range(region[0].start, region[0].stop)]
 
 
 def _units(run: Run, leaf: Leaf, src: Source):
@@ -80,7 +132,8 @@ class StateHandler(ocp.AsyncCheckpointHandler):
   async def async_save(self, directory, args: "StateSave") -> list:
     run = args.run
     if jax.process_index() == 0:
-      opened = [ts.open(spec(os.fspath(directory / leaf.name), leaf, run.plan.dp))
+      group = block_ranks(run.plan)
+      opened = [ts.open(spec(os.fspath(directory / leaf.name), leaf, run.plan.dp, group))
                 for leaf in run.leaves]
       for o in opened:
         o.result()
@@ -94,13 +147,7 @@ class StateHandler(ocp.AsyncCheckpointHandler):
         if src.array is None:  # NVMe: stream now, shard by shard, before the next step rewrites it
           _stream_nvme_to(path, leaf, src, run)
           continue
-        for shard in src.array.addressable_shards:
-          if shard.replica_id:
-            continue
-          region = shifted(norm_region(shard.index, src.array.shape), leaf.layout, src.start)
-          clipped = clip(region, leaf.shape)
-          data = np.array(shard.data)[local(clipped, region)]  # a copy: the state is donated next
-          writes.append((path, clipped, data))
+        writes += [(path, region, data) for region, data in _blocks(leaf, src)]
 
     async def commit():
       arrays: dict[str, Any] = {}
@@ -158,12 +205,14 @@ def read_async(arr, region: Region, leaf: Leaf, dtype) -> Callable[[], np.ndarra
   pending = arr[clipped].read()
 
   def finish() -> np.ndarray:
-    out = np.zeros([s.stop - s.start for s in region], dtype)
     try:
       data = pending.result()
     except Exception as e:  # tensorstore reports damaged chunks as ValueError/IOError
       raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
-    out[local(clipped, region)] = data.astype(dtype)
+    if clipped == tuple(region):  # no padding in it: the data as read
+      return data.astype(dtype, copy=False)
+    out = np.zeros([s.stop - s.start for s in region], dtype)
+    out[local(clipped, region)] = data
     return out
 
   return finish
@@ -179,55 +228,76 @@ def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int = IN_FLIGHT
 
 
 def _read_array(arr, leaf: Leaf, src: Source) -> jax.Array:
-  """A jax.Array with the target's shape, dtype and sharding (memory kind included)."""
+  """A jax.Array with the target's shape, dtype and sharding (memory kind included): the
+  process's block of the stored leaf read one layer at a time (`IN_FLIGHT` ahead), each
+  layer's chunks read once and sliced into every device's shard."""
   target = src.array
   sharding = target.sharding
-  regions: dict[tuple, Region] = {}  # replicated targets read each region once
-  placed = []
+  placed, regions = [], {}
   for device, index in sharding.addressable_devices_indices_map(target.shape).items():
     region = shifted(norm_region(index, target.shape), leaf.layout, src.start)
-    key = tuple((s.start, s.stop) for s in region)
-    regions.setdefault(key, region)
+    key = tuple((x.start, x.stop) for x in region)
+    regions.setdefault(key, region)  # replicated targets read each region once
     placed.append((device, key))
-  keys = list(regions)
-  got = dict(zip(keys, _ahead([lambda k=k: read_async(arr, regions[k], leaf, target.dtype)
-                               for k in keys])))
-  arrays = [jax.device_put(got[key], jax.sharding.SingleDeviceSharding(
+  # filled whole by the layers below (their box covers every region)
+  outs = {k: np.empty([x.stop - x.start for x in r], target.dtype) for k, r in regions.items()}
+  pieces = _layers(_bounding(list(regions.values())), leaf.layout is not None and leaf.layout.stacked)
+  got = _ahead([lambda p=p: read_async(arr, p, leaf, target.dtype) for p in pieces])
+  for piece, data in zip(pieces, got):
+    for key, region in regions.items():
+      inter = _overlap(piece, region)
+      if inter is not None:
+        outs[key][local(inter, region)] = data[local(inter, piece)]
+  arrays = [jax.device_put(outs[key], jax.sharding.SingleDeviceSharding(
       device, memory_kind=sharding.memory_kind)) for device, key in placed]
   return jax.make_array_from_single_device_arrays(target.shape, sharding, arrays)
 
 
+def _by_layer(units: list) -> list[tuple[int, list]]:
+  """(layer, [(rank, region)]) of `_units`, layer by layer."""
+  layers: dict[int, list] = {}
+  for rank, layer, region in units:
+    layers.setdefault(layer, []).append((rank, region))
+  return sorted(layers.items())
+
+
 def _stream_to_nvme(arr, leaf: Leaf, src: Source, run: Run) -> None:
-  """Write this process's swap-store shards of a source from the checkpoint, `IN_FLIGHT`
-  shards read ahead of the writes."""
-  units = list(_units(run, leaf, src))
-  reads = _ahead([lambda r=r: read_async(arr, r, leaf, np.float32) for _, _, r in units])
+  """Write this process's swap-store shards of a source from the checkpoint: its block of each
+  layer read once (`IN_FLIGHT` layers ahead), sliced per rank."""
+  layers = _by_layer(list(_units(run, leaf, src)))
+  boxes = [_bounding([r for _, r in ranks]) for _, ranks in layers]
+  reads = _ahead([lambda b=b: read_async(arr, b, leaf, np.float32) for b in boxes])
   tickets = []
-  for (rank, layer, _), data in zip(units, reads):
-    data = data.reshape(leaf.plan.local_shape)
+  for (layer, ranks), box, block in zip(layers, boxes, reads):
     for t in tickets:
       t.wait()
-    tickets = [run.store.write(shard_key(base, rank, layer), data.astype(dtype))
-               for base, dtype in src.keys]
+    tickets = [run.store.write(shard_key(base, rank, layer),
+                               block[local(region, box)].reshape(leaf.plan.local_shape).astype(dtype))
+               for rank, region in ranks for base, dtype in src.keys]
   for t in tickets:
     t.wait()
 
 
 def _stream_nvme_to(path: str, leaf: Leaf, src: Source, run: Run) -> None:
-  """Copy this process's swap-store shards of a source into the checkpoint array at `path`."""
+  """Copy this process's swap-store shards of a source into the checkpoint array at `path`:
+  each layer's shards (read `IN_FLIGHT` ahead) joined into the process's block, one write."""
   arr = ts.open(spec(path)).result()
   base = src.keys[0][0]
   replicated = leaf.layout.axis is None
-  units = [u for u in _units(run, leaf, src) if not replicated or u[0] == 0]
-  key = lambda u: shard_key(base, u[0], u[1])
-  reads = _ahead([lambda u=u: run.store.read(key(u)).wait for u in units])
-  writing: list = []  # at most 2 x IN_FLIGHT shards in host memory
-  for (rank, layer, region), data in zip(units, reads):
-    if len(writing) >= IN_FLIGHT:
+  layers = _by_layer([u for u in _units(run, leaf, src) if not replicated or u[0] == 0])
+  order = [(layer, rank) for layer, ranks in layers for rank, _ in ranks]
+  reads = _ahead([lambda u=u: run.store.read(shard_key(base, u[1], u[0])).wait for u in order])
+  writing: list = []  # at most 2 layers' blocks in host memory besides the reads
+  for layer, ranks in layers:
+    box = clip(_bounding([r for _, r in ranks]), leaf.shape)
+    block = np.empty([x.stop - x.start for x in box], np.float32)
+    for (rank, region), data in zip(ranks, reads):
+      inside = clip(region, leaf.shape)
+      data = data.reshape([x.stop - x.start for x in region])
+      block[local(inside, box)] = data[local(inside, region)]
+    if len(writing) >= 2:
       writing.pop(0).result()
-    clipped = clip(region, leaf.shape)
-    data = data.reshape([s.stop - s.start for s in region])
-    writing.append(arr[clipped].write(np.ascontiguousarray(data[local(clipped, region)])))
+    writing.append(arr[box].write(block))
   for w in writing:
     w.result()
 

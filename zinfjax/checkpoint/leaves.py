@@ -115,13 +115,14 @@ def state_leaves(state) -> list[Leaf]:
   return out
 
 
-def chunks(leaf: Leaf, dp: int) -> list[int]:
-  """One rank's shard of one layer (the unit every tier moves), in logical coordinates."""
+def chunks(leaf: Leaf, dp: int, group: int = 1) -> list[int]:
+  """The chunk shape, in logical coordinates: one layer of `group` ranks' shards (a process's
+  block; 1: one rank's shard, the unit every tier moves)."""
   shape = list(leaf.shape)
   lay = leaf.layout
   if lay is not None:
     if lay.axis is not None:
-      shape[lay.axis] = lay.padded // dp
+      shape[lay.axis] = lay.padded // dp * group
     if lay.stacked:
       shape[0] = 1
   return [max(1, s) for s in shape]
