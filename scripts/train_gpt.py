@@ -241,8 +241,7 @@ def main(argv=None) -> int:
                           open_store_=False).auto
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
-    zero = zero.replace(offload=None, tier_budgets=None, offload_param=auto.offload_param,
-                        offload_optimizer=auto.offload_optimizer)
+    zero = auto.resolve(zero)
   dp = mesh.shape[zero.axis]
   if args.batch_size % (dp * zero.micro_batches):
     raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices x "

@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 import jax
 
 from .config import TIERS, ZeroConfig
+from .optim.nvme import SLOTS
 from .placement import Plan
 
 DEVICE_SHARE = 0.5   # of the device's free memory: the rest is for activations and gathered layers
@@ -79,16 +80,24 @@ def _available_ram() -> int:
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
   """The splits chosen, the budgets they were chosen for and the bytes each tier holds
-  (per device; NVMe with the copies all-or-nothing steps keep)."""
+  (per device; NVMe with the copies all-or-nothing steps keep), and the pinned buffers the
+  run needs (`ZeroConfig.pinned_budget`, raised when the NVMe optimizer needs more)."""
 
   offload_param: str
   offload_optimizer: str
   budgets: dict[str, int]
   need: dict[str, int]
+  pinned_budget: int
+
+  def resolve(self, config: ZeroConfig) -> ZeroConfig:
+    """`config` with the tiers (and pinned budget) this plan chose, ready to build."""
+    return config.replace(offload=None, tier_budgets=None, offload_param=self.offload_param,
+                          offload_optimizer=self.offload_optimizer,
+                          pinned_budget=self.pinned_budget)
 
   def table(self) -> str:
     rows = [f"placement (offload='auto'): params+grads {self.offload_param}, optimizer "
-            f"{self.offload_optimizer}"]
+            f"{self.offload_optimizer}, pinned buffers {_gb(self.pinned_budget)} per process"]
     for tier in TIERS:
       share = self.need[tier] / self.budgets[tier] if self.budgets[tier] else 0.0
       rows.append(f"  {tier:<11} {_gb(self.need[tier]):>11} of {_gb(self.budgets[tier]):>11} "
@@ -119,13 +128,39 @@ def _split(fast: list[tuple[str, int]], slow: str, depth: int) -> str:
   return ",".join(f"{t}:{k}" for t, k in used[:-1]) + f",{used[-1][0]}"
 
 
+def pinned_need(plan: Plan, config: ZeroConfig) -> int:
+  """The `pinned_budget` the plan's NVMe optimizer needs: `SLOTS` buffer sets of its largest
+  part (one rank's shard of one layer: fp32 master, m, v, and the grads and params), which
+  get three quarters of the budget (the rest stages the store's transfers)."""
+  parts = [leaf.local_size for leaf in plan.leaves if any(s.tier == "nvme" for s in leaf.optimizer)]
+  if not parts:
+    return config.pinned_budget
+  per_set = max(parts) * (12 + 2 * plan.dtype("params").itemsize)
+  return max(config.pinned_budget, -(-SLOTS * per_set * 4 // 3 // (1 << 20)) << 20)
+
+
 def plan_placement(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
                    budgets: Mapping[str, int] | None = None) -> AutoPlan:
   """The splits for `config` (offload="auto") under `budgets` (per device; missing tiers
-  take `default_budgets`). `build(config)` makes the plan of a candidate. Raises
-  `PlacementError`, naming each tier's shortfall, when no split fits."""
+  take `default_budgets`). `build(config)` makes the plan of a candidate. The host budget
+  also pays for pinned buffers the NVMe optimizer needs beyond `config.pinned_budget`.
+  Raises `PlacementError`, naming each tier's shortfall, when no split fits."""
   budget = dict(default_budgets(config)) if budgets is None or set(budgets) != set(TIERS) else {}
   budget.update(budgets or {})
+  first = _choose(config, build, budget)
+  pinned = pinned_need(build(first.resolve(config)), config)
+  if pinned <= config.pinned_budget:
+    return first
+  extra = (pinned - config.pinned_budget) // len(jax.local_devices())
+  budget["pinned_host"] = max(0, budget["pinned_host"] - extra)
+  again = _choose(config.replace(pinned_budget=pinned), build, budget)
+  return dataclasses.replace(again, pinned_budget=max(
+      pinned, pinned_need(build(again.resolve(config)), config)))
+
+
+def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
+            budget: dict[str, int]) -> AutoPlan:
+  """The greedy choice (see the module docstring) for one set of budgets."""
   if not config.nvme_paths:
     budget["nvme"] = 0
   base = config.replace(offload=None, tier_budgets=None, offload_param="device",
@@ -167,7 +202,7 @@ def plan_placement(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
     raise PlacementError(
         f"offload='auto': the model's states ({_gb(total)} per device in all) do not fit the "
         f"tiers' budgets even with the fewest layers on the fast tiers: {detail}.{hint}")
-  return AutoPlan(param, optimizer, budget, got)
+  return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,8 +170,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   if config.offload == "auto":  # the tiers, from the budgets, before anything is allocated
     auto = plan_placement(config, lambda c: make_plan(c, layouts, stack_paths, mesh, frozen),
                           config.tier_budgets)
-    config = config.replace(offload=None, tier_budgets=None, offload_param=auto.offload_param,
-                            offload_optimizer=auto.offload_optimizer)
+    config = auto.resolve(config)
   plan = make_plan(config, layouts, stack_paths, mesh, frozen)
   try:
     hyper = _engine_adamw(tx, plan, config)
