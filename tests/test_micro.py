@@ -14,8 +14,9 @@ from helpers import random_batches, text_batches, zero_training
 
 TINY = get_config("tiny")
 STEPS = 4
-# stage 3 runs micro-batches in zinfjax's layer scan; stages 1 and 2 in the model's own `Stack`
-CASES = [(3, 2), (3, 4), (1, 4)]
+# stage 3 runs micro-batches in zinfjax's layer scan (the last case with the activation
+# checkpoints in pinned host memory); stages 1 and 2 in the model's own `Stack`
+CASES = [(3, 2, False), (3, 4, False), (3, 4, True), (1, 4, False)]
 
 
 def gpt(rngs):
@@ -37,16 +38,17 @@ def sgd_runs(mesh, batches):
   grads themselves, so they show the accumulated grads' error (Adam's first steps turn a
   rounding-level grad into a whole lr step)."""
   runs = {}
-  for stage, n in CASES + [(1, 1), (3, 1)]:
-    zero = zinfjax.ZeroConfig(stage=stage, precision="fp32", micro_batches=n)
+  for stage, n, activations in CASES + [(1, 1, False), (3, 1, False)]:
+    zero = zinfjax.ZeroConfig(stage=stage, precision="fp32", micro_batches=n,
+                              offload_activations=activations)
     losses, state = zero_training(gpt, optax.sgd(0.2), zero, mesh, batches, lm_loss)
-    runs[stage, n] = losses, state.full_params()
+    runs[stage, n, activations] = losses, state.full_params()
   return runs
 
 
-@pytest.mark.parametrize("stage,n", CASES)
-def test_micro_batches_give_the_large_batch(stage, n, sgd_runs):
-  (losses, params), (ref_losses, ref_params) = sgd_runs[stage, n], sgd_runs[stage, 1]
+@pytest.mark.parametrize("stage,n,activations", CASES)
+def test_micro_batches_give_the_large_batch(stage, n, activations, sgd_runs):
+  (losses, params), (ref_losses, ref_params) = sgd_runs[stage, n, activations], sgd_runs[stage, 1, False]
   assert losses[-1] < losses[0] - 0.05
   rel = np.abs(losses - ref_losses) / ref_losses
   assert np.all(rel < 1e-6), rel

@@ -21,7 +21,7 @@ from .grads import (LossFn, local_loss_and_grads, nvme_leaf, param_specs, sum_sq
                     with_anchors)
 from .ordering import needs_order, ordered_collectives
 from .offload import swap, tiers
-from .optim.host import UPDATES, HostAdamState, keep_if_not
+from .optim.host import UPDATES, HostAdamState
 from .optim.hyper import clip_scale
 from .inputs import shard_batch
 from .nvme_step import all_or_nothing, checked, with_pipeline
@@ -125,10 +125,15 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   def optax_update(state, grads, norm, ok):
     whole = grads_in(grads, [[(0, l.num_layers)] if l.trainable else [] for l in leaves])
     g32 = plan.unflatten([g[0].astype(jnp.float32) if g else None for g in whole])
-    old = untuple(plan, state.master)
-    updates, opt_state = engine.tx.update(g32, state.opt_state, old)
-    master = keep_if_not(ok, optax.apply_updates(old, updates), old)
-    opt_state = keep_if_not(ok, opt_state, state.opt_state)
+    def apply(g32, opt_state, master):
+      updates, opt_state = engine.tx.update(g32, opt_state, master)
+      return optax.apply_updates(master, updates), opt_state
+
+    args = (g32, state.opt_state, untuple(plan, state.master))
+    # a skipped step does not run the update (a selection after it would keep old and new
+    # states alive together: more memory than the step's own temporaries)
+    master, opt_state = apply(*args) if ok is None else jax.lax.cond(
+        ok, apply, lambda g, o, m: (m, o), *args)
     new = [[(0, l.num_layers, m.astype(plan.compute_dtype))] if m is not None else []
            for l, m in zip(leaves, plan.flatten(master))]
     return retuple(plan, master), opt_state, new

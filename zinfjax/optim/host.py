@@ -34,24 +34,21 @@ class HostAdamState(NamedTuple):
 Updated = tuple[list, list, list, list]  # new masters, moments, compute params
 
 
-def keep_if_not(ok: jax.Array | None, new: Any, old: Any) -> Any:
-  """`new` where `ok` (a scalar bool; None: always), else `old`: a skipped step's states."""
-  if ok is None:
-    return new
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                   mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
   """AdamW on device-resident shards (jnp, bit-identical to optax.adamw). `scalars` are
   (lr, bc1, bc2) and optionally `ok`: False keeps every state as it was."""
   lr, bc1, bc2, *ok = scalars
-  ok = ok[0] if ok else None
-  grads = [g if ok is None else jnp.where(ok, g, jnp.zeros_like(g)) for g in grads]
-  out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
-         for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
-  new_m, new_mu, new_nu = (keep_if_not(ok, [x[i] for x in out], old)
-                           for i, old in enumerate((masters, mus, nus)))
+
+  def run(masters, mus, nus):
+    out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
+           for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
+    return tuple([x[i] for x in out] for i in range(3))
+
+  # a skipped step does not run the update (a selection after it would keep the old and new
+  # states alive together)
+  new_m, new_mu, new_nu = run(masters, mus, nus) if not ok else jax.lax.cond(
+      ok[0], run, lambda *states: states, masters, mus, nus)
   return new_m, new_mu, new_nu, [m.astype(params_dtype) for m in new_m]
 
 
