@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-from bench_step import io_alone, median_step
+from bench_step import io_alone, median_step, setup
 
 
 def parse_args(argv=None):
@@ -49,16 +49,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  flags = os.environ.get("XLA_FLAGS", "")
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+  tokens, config, mesh = setup(args)
   import jax
   import zinfjax
-  from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
+  from zinfjax.models import GPT, TokenDataset, lm_loss
 
-  tokens, vocab = load_tokens(os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt"))
-  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                      seq_len=args.seq_len, vocab_size=vocab)
-  mesh = zinfjax.make_mesh(args.devices)
   root = args.nvme_path or tempfile.mkdtemp(prefix="zinfjax-bench-micro-")
   tx = zinfjax.optim.adamw(1e-4, weight_decay=0.1)
   print(f"GPT {config.num_layers} x {config.hidden} ({config.num_params / 1e6:.1f}M params), "

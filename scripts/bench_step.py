@@ -50,23 +50,31 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-  args = parse_args(argv)
+def setup(args) -> tuple:
+  """(tokens, GPT config, mesh) of a benchmark: `--devices` host devices (set before jax is
+  imported), the shipped text and a GPT of `--layers/--hidden/--heads/--seq-len`."""
   flags = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+  import zinfjax
+  from zinfjax.models import get_config, load_tokens
+  tokens, vocab = load_tokens(os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt"))
+  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                      seq_len=args.seq_len, vocab_size=vocab)
+  return tokens, config, zinfjax.make_mesh(args.devices)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  tokens, config, mesh = setup(args)
   import jax
   import numpy as np
   import zinfjax
-  from zinfjax.models import GPT, TokenDataset, get_config, lm_loss, load_tokens
+  from zinfjax.models import GPT, TokenDataset, lm_loss
   from zinfjax.optim.kernel import AdamConstants, adamw_numpy
   from zinfjax.grads import local_loss_and_grads
   from zinfjax.step import shard_batch
   from jax.sharding import PartitionSpec as P
 
-  tokens, vocab = load_tokens(os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare.txt"))
-  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                      seq_len=args.seq_len, vocab_size=vocab)
-  mesh = zinfjax.make_mesh(args.devices)
   data = TokenDataset(tokens, config.seq_len, args.batch_size, seed=0)
   batches = [next(data) for _ in range(args.steps + 1)]
   root = args.nvme_path or tempfile.mkdtemp(prefix="zinfjax-bench-step-")

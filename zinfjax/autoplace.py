@@ -29,6 +29,7 @@ import jax
 from .config import TIERS, ZeroConfig
 from .optim.nvme import SLOTS
 from .placement import Plan
+from .progress import human_bytes
 
 DEVICE_SHARE = 0.5   # of the device's free memory: the rest is for activations and gathered layers
 HOST_SHARE = 0.5     # of the host's available memory
@@ -40,11 +41,7 @@ class PlacementError(ValueError):
 
 
 def _gb(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if abs(n) < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  return f"{n:.2f} TiB"
+  return human_bytes(n, digits=2)
 
 
 def default_budgets(config: ZeroConfig) -> dict[str, int]:

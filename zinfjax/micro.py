@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def check(batch: int, n: int, where: str = "") -> None:
+def check(batch: int, n: int) -> None:
   """Raise a clear error when a batch of `batch` examples does not split into `n`."""
   if n > 1 and batch % n:
     raise ValueError(
-        f"micro_batches={n} does not divide the batch of {batch} examples{where}; use a batch "
+        f"micro_batches={n} does not divide the batch of {batch} examples; use a batch "
         f"whose size per device is a multiple of {n} (or fewer micro-batches).")
 
 

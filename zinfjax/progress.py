@@ -8,12 +8,12 @@ import time
 from typing import IO, Any
 
 
-def human_bytes(n: float) -> str:
+def human_bytes(n: float, digits: int = 1) -> str:
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
     n /= 1024
-  return f"{n:.1f} TiB"
+  return f"{n:.{digits}f} TiB"
 
 
 def parse_bytes(text: str) -> int:
