@@ -340,14 +340,11 @@ def test_a_failed_background_save_is_reported_at_the_next_check(device_ckpt, mes
   state, _ = zinfjax.train_step(state, W.batches()[5], lm_loss)
   assert ckpt.save(state)
   ckpt.wait()  # step 6 committed
-  real = handler.spec
 
-  def full_disk(path, leaf=None, *args):
-    if leaf is None:  # the background writes open the arrays this way
-      raise OSError(28, "No space left on device", path)
-    return real(path, leaf, *args)
+  def full_disk(items):  # the background writes of whole chunks
+    raise OSError(28, "No space left on device", items[0][0].path)
 
-  monkeypatch.setattr(handler, "spec", full_disk)
+  monkeypatch.setattr(handler, "write_chunks", full_disk)
   state, _ = zinfjax.train_step(state, W.batches()[6], lm_loss)
   assert ckpt.save(state)  # returns before the background writes
   deadline = time.monotonic() + 120
@@ -358,7 +355,7 @@ def test_a_failed_background_save_is_reported_at_the_next_check(device_ckpt, mes
       time.sleep(0.05)
   ckpt.check()  # reported once
   assert ckpt.all_steps() == [6]
-  monkeypatch.setattr(handler, "spec", real)
+  monkeypatch.undo()
   state, _ = zinfjax.train_step(state, W.batches()[7], lm_loss)
   assert ckpt.save(state)  # the directory still takes saves
   ckpt.close()

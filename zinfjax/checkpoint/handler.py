@@ -23,6 +23,7 @@ from orbax.checkpoint._src.futures import future
 from ..placement import Plan, shard_key
 from ..partition import Region, clip, local, norm_region, shifted
 from .leaves import Leaf, Source, chunks
+from .zarr import Array, spec, write_chunks
 
 IN_FLIGHT = 8  # NVMe shards on their way to the checkpoint at once (each one in host memory)
 
@@ -55,22 +56,6 @@ def block_ranks(plan: Plan) -> int:
   ok = len(owners) == n * k and all(len(set(b)) == 1 for b in blocks) and len(
       {b[0] for b in blocks}) == n
   return k if ok else 1
-
-
-def spec(path: str, leaf: Leaf | None = None, dp: int = 1, group: int = 1) -> dict:
-  # an open option, not stored: without it, all-zero chunks (fresh moments) would not be written
-  # many small chunks: keep the disk busy, and do not fsync each chunk file (one syncfs of the
-  # whole checkpoint before it commits, `_durable`, costs what the data costs, not per file)
-  out = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
-         "store_data_equal_to_fill_value": True,
-         "context": {"file_io_concurrency": {"limit": 16}, "file_io_sync": False}}
-  if leaf is None:
-    return {**out, "open": True}
-  metadata = {"shape": list(leaf.shape), "data_type": np.dtype(leaf.dtype).name,
-              "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks(leaf, dp, group)}},
-              "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                         {"name": "crc32c"}]}
-  return {**out, "metadata": metadata, "create": True, "delete_existing": True}
 
 
 def _bounding(regions: list[Region]) -> Region:
@@ -133,8 +118,8 @@ class StateHandler(ocp.AsyncCheckpointHandler):
     run = args.run
     if jax.process_index() == 0:
       group = block_ranks(run.plan)
-      opened = [ts.open(spec(os.fspath(directory / leaf.name), leaf, run.plan.dp, group))
-                for leaf in run.leaves]
+      opened = [ts.open(spec(os.fspath(directory / leaf.name), leaf.shape, leaf.dtype,
+                             chunks(leaf, run.plan.dp, group))) for leaf in run.leaves]
       for o in opened:
         o.result()
     self._sync("created")
@@ -150,14 +135,7 @@ class StateHandler(ocp.AsyncCheckpointHandler):
         writes += [(path, region, data) for region, data in _blocks(leaf, src)]
 
     async def commit():
-      arrays: dict[str, Any] = {}
-      pending = []
-      for path, region, data in writes:
-        if path not in arrays:
-          arrays[path] = ts.open(spec(path)).result()
-        pending.append(arrays[path][region].write(data))
-      for p in pending:
-        p.result()
+      save_blocks(writes)
       _durable(os.fspath(directory))  # on the drive before orbax commits the step
 
     return [future.CommitFutureAwaitingContractedSignals(commit(), name="zinfjax_state")]
@@ -193,6 +171,19 @@ class StateRestore(ocp.args.CheckpointArgs):
   run: Run
 
 
+def save_blocks(writes: list[tuple[str, Region, np.ndarray]]) -> None:
+  """Write (array folder, region, data) blocks: whole chunks by the engine in few calls (the
+  drive kept busy), anything else through tensorstore."""
+  arrays = {path: Array(path) for path, _, _ in writes}
+  whole = [(arrays[p].grid, r, d) for p, r, d in writes
+           if arrays[p].grid is not None and arrays[p].grid.whole(r)]
+  others = [arrays[p].write(r, d) for p, r, d in writes
+            if arrays[p].grid is None or not arrays[p].grid.whole(r)]
+  write_chunks(whole)
+  for wait in others:
+    wait()
+
+
 def read(arr, region: Region, leaf: Leaf, dtype) -> np.ndarray:
   """`region` (storage coordinates) of a stored leaf, zero where it is padding."""
   return read_async(arr, region, leaf, dtype)()
@@ -202,11 +193,11 @@ def read_async(arr, region: Region, leaf: Leaf, dtype) -> Callable[[], np.ndarra
   """Start reading `region`; the returned function waits for it (see `read`). Reads started
   together run in parallel: one small chunk at a time leaves the drive idle."""
   clipped = clip(region, leaf.shape)
-  pending = arr[clipped].read()
+  pending = arr.read(clipped)
 
   def finish() -> np.ndarray:
     try:
-      data = pending.result()
+      data = pending()
     except Exception as e:  # tensorstore reports damaged chunks as ValueError/IOError
       raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
     if clipped == tuple(region):  # no padding in it: the data as read
@@ -281,7 +272,7 @@ def _stream_to_nvme(arr, leaf: Leaf, src: Source, run: Run) -> None:
 def _stream_nvme_to(path: str, leaf: Leaf, src: Source, run: Run) -> None:
   """Copy this process's swap-store shards of a source into the checkpoint array at `path`:
   each layer's shards (read `IN_FLIGHT` ahead) joined into the process's block, one write."""
-  arr = ts.open(spec(path)).result()
+  arr = Array(path)
   base = src.keys[0][0]
   replicated = leaf.layout.axis is None
   layers = _by_layer([u for u in _units(run, leaf, src) if not replicated or u[0] == 0])
@@ -296,10 +287,10 @@ def _stream_nvme_to(path: str, leaf: Leaf, src: Source, run: Run) -> None:
       data = data.reshape([x.stop - x.start for x in region])
       block[local(inside, box)] = data[local(inside, region)]
     if len(writing) >= 2:
-      writing.pop(0).result()
-    writing.append(arr[box].write(block))
-  for w in writing:
-    w.result()
+      writing.pop(0)()
+    writing.append(arr.write(box, block))
+  for wait in writing:
+    wait()
 
 
 def _durable(directory: str) -> None:
@@ -314,16 +305,17 @@ def _durable(directory: str) -> None:
     os.close(fd)
 
 
-def open_checked(path: str, leaf: Leaf):
+def open_checked(path: str, leaf: Leaf) -> Array:
   """The stored array of `leaf`, after checking it is all there."""
   if not os.path.isdir(path):
     raise CheckpointError(f"checkpoint has no array {leaf.name!r} (no folder {path}).")
   try:
-    arr = ts.open(spec(path)).result()
+    arr = Array(path)
+    arr.shape  # noqa: B018 - opens an array that is not plain zarr3 (tensorstore reads it)
   except Exception as e:
     raise CheckpointError(f"checkpoint array {leaf.name!r} at {path} cannot be opened ({e}).") from e
   if arr.shape:
-    chunk = arr.chunk_layout.write_chunk.shape
+    chunk = arr.chunk
     expected = int(np.prod([-(-n // c) for n, c in zip(arr.shape, chunk)], dtype=np.int64))
     found = sum(len(files) for _, _, files in os.walk(os.path.join(path, "c")))
   else:  # a scalar is one chunk file named "c"

@@ -1,0 +1,96 @@
+"""Checkpoint chunk files moved by the engine: plain zarr3, both ways with tensorstore."""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from zinfjax import _engine
+from zinfjax.checkpoint.zarr import Array, Grid, spec, write_chunks
+
+
+def make(path, shape, chunk, dtype=np.float32, codecs=None):
+  s = spec(os.fspath(path), shape, dtype, chunk)
+  if codecs is not None:
+    s["metadata"]["codecs"] = codecs
+  return ts.open(s).result()
+
+
+def random(shape, dtype=np.float32, seed=0):
+  return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def test_crc32c_is_castagnoli():
+  assert _engine.crc32c(b"123456789") == 0xE3069283  # the standard check value
+  assert _engine.crc32c(b"") == 0
+  x = random(1001)
+  assert _engine.crc32c(x) != _engine.crc32c(x[:-1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_engine_writes_what_tensorstore_reads(tmp_path, dtype):
+  """Whole chunks (edge chunks cut by the shape included) written by the engine."""
+  shape, chunk = (3, 10, 7), (1, 4, 7)
+  make(tmp_path / "a", shape, chunk, dtype)
+  grid = Grid.of(os.fspath(tmp_path / "a"))
+  assert grid is not None and grid.chunk == chunk and grid.dtype == np.dtype(dtype)
+  data = random(shape, dtype)
+  write_chunks([(grid, (slice(0, 2), slice(0, 10), slice(0, 7)), data[:2]),
+                (grid, (slice(2, 3), slice(4, 10), slice(0, 7)), data[2:, 4:])])
+  write_chunks([(grid, (slice(2, 3), slice(0, 4), slice(0, 7)), data[2:, :4])])
+  got = make_open(tmp_path / "a").read().result()
+  np.testing.assert_array_equal(got, data)
+
+
+def make_open(path):
+  return ts.open(spec(os.fspath(path))).result()
+
+
+def test_engine_reads_what_tensorstore_wrote_any_region(tmp_path):
+  shape, chunk = (4, 9, 6), (1, 4, 3)
+  arr = make(tmp_path / "a", shape, chunk)
+  data = random(shape, seed=1)
+  arr.write(data).result()
+  stored = Array(os.fspath(tmp_path / "a"))
+  assert stored.grid is not None
+  for region in [(slice(0, 4), slice(0, 9), slice(0, 6)), (slice(1, 2), slice(4, 8), slice(0, 3)),
+                 (slice(1, 3), slice(2, 9), slice(1, 5)), (slice(3, 4), slice(8, 9), slice(5, 6))]:
+    np.testing.assert_array_equal(stored.read(region)(), data[region])
+
+
+def test_a_damaged_or_truncated_chunk_is_refused(tmp_path):
+  arr = make(tmp_path / "a", (2, 8), (1, 8))
+  arr.write(random((2, 8))).result()
+  stored = Array(os.fspath(tmp_path / "a"))
+  path = stored.grid.file((1, 0))
+  raw = bytearray(open(path, "rb").read())
+  raw[5] ^= 1
+  open(path, "wb").write(bytes(raw))
+  with pytest.raises(_engine.CorruptShardError, match="CRC-32C"):
+    stored.read((slice(0, 2), slice(0, 8)))()
+  open(path, "wb").write(bytes(raw[:-3]))
+  with pytest.raises(_engine.CorruptShardError, match="bytes, expected"):
+    stored.read((slice(1, 2), slice(0, 8)))()
+  np.testing.assert_array_equal(stored.read((slice(0, 1), slice(0, 8)))(),
+                                arr[0:1].read().result())  # the sound chunk still reads
+
+
+def test_other_layouts_and_partial_chunks_go_through_tensorstore(tmp_path):
+  # compressed chunks: not plain, read and written by tensorstore
+  codecs = [{"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "zstd", "configuration": {"level": 1}}]
+  make(tmp_path / "z", (4, 6), (2, 3), codecs=codecs)
+  stored = Array(os.fspath(tmp_path / "z"))
+  assert stored.grid is None and stored.shape == (4, 6) and stored.chunk == (2, 3)
+  data = random((4, 6), seed=2)
+  stored.write((slice(0, 4), slice(0, 6)), data)()
+  np.testing.assert_array_equal(stored.read((slice(1, 3), slice(2, 5)))(), data[1:3, 2:5])
+  # a plain array, region cutting chunks: tensorstore writes it (read-modify-write)
+  make(tmp_path / "p", (4, 6), (2, 3))
+  plain = Array(os.fspath(tmp_path / "p"))
+  plain.write((slice(0, 4), slice(0, 6)), data)()
+  plain.write((slice(1, 2), slice(1, 2)), np.full((1, 1), 7.0, np.float32))()
+  data[1, 1] = 7.0
+  np.testing.assert_array_equal(make_open(tmp_path / "p").read().result(), data)
