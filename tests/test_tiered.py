@@ -243,18 +243,33 @@ def test_swap_folder_of_another_run_is_reused_not_grown(tmp_path, mesh, batches)
   store.close()
 
 
-def test_nvme_init_draws_one_layer_at_a_time_with_the_same_values(mesh, tmp_path):
-  """Stacked leaves that live on NVMe are drawn one layer at a time (host memory of one
-  layer, whatever the depth), with the values of the whole-model init bit for bit."""
+@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("pinned_host:3,nvme", "pinned_host:5,nvme"),
+                                         ("device:2,nvme", "device:2,pinned_host")])
+def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, mesh, tmp_path):
+  """Stacked leaves not all on the device are drawn one layer at a time (host memory of one
+  layer beyond what the tiers hold, whatever the depth), each layer put on its tier, with the
+  values of the whole-model init bit for bit: params and master in every tier."""
   from zinfjax.state import layer_initializer, master_initializer
   config = get_config("tiny", num_layers=8)
   factory = lambda r: GPT(config, rngs=r)
   ref = zinfjax.init(factory, make_tx(), zinfjax.ZeroConfig(precision="fp32"), mesh, 7)
-  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optim,
                             nvme_path=str(tmp_path / "nvme"))
-  state = zinfjax.init(factory, make_tx(), zero, mesh, 7)
+  state = zinfjax.init(factory, zinfjax.optim.adamw(1e-3), zero, mesh, 7)
   for got, want in zip(jax.tree.leaves(state.full_params()), jax.tree.leaves(ref.full_params())):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  plan = state.engine.plan
+  for name, tree in (("params", state.params), ("master", state.master)):
+    for leaf, parts in zip(plan.leaves, plan.flatten(tree)):
+      segs = leaf.array_segments(name)
+      assert len(parts) == len(segs), (leaf.name, name)
+      for part, seg in zip(parts, segs):  # each array part in its tier, with its layers' values
+        assert part.sharding.memory_kind == seg.tier and part.shape == leaf.segment_shape(seg)
+  if param != "nvme":
+    fc = next(l for l in plan.leaves if l.name == "blocks/block/fc/kernel")
+    (first,) = plan.flatten(state.master)[fc.index][:1]
+    want = plan.flatten(ref.master)[fc.index][0]
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(want)[:first.shape[0]])
   engine = state.engine
   fc = next(l for l in engine.plan.leaves if l.name == "blocks/block/fc/kernel")
   key = jax.random.key(7)

@@ -23,6 +23,7 @@ from .engine import Engine, ModelFactory, build_engine, leaf_names, with_store
 from .layers import one_layer
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
+from .partition import norm_region
 from .placement import Plan
 from .shards import host_shards
 from .weights.source import as_tree, match
@@ -165,8 +166,10 @@ def _created(stage: int) -> tuple[str, ...]:
 
 
 def _by_layer(plan: Plan, leaf, stage: int) -> bool:
-  """Whether init can draw this leaf one layer at a time: stacked, all of it on NVMe."""
-  return leaf.stacked and all(s.tier == "nvme" for st in _created(stage) for s in leaf.segments(st))
+  """Whether init draws this leaf one layer at a time: stacked, and not all of it on the device
+  (a whole draw would hold the leaf and its RNG temporaries in host memory, or in HBM the
+  leaf was placed elsewhere to spare)."""
+  return leaf.stacked and any(s.tier != "device" for st in _created(stage) for s in leaf.segments(st))
 
 
 def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pipeline,
@@ -199,24 +202,52 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
   return tuple(parts)
 
 
-def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> None:
-  """A stacked leaf that lives on NVMe, drawn and written one layer at a time: host memory
-  holds two layers (one drawn, one being written), whatever the depth."""
+def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> dict[str, tuple]:
+  """A stacked leaf drawn one layer at a time, each layer put on its tier as it comes: NVMe
+  layers written (while the next is drawn), the layers of array segments copied into their
+  devices' host buffers, which become the segment's arrays at the end. Host memory holds two
+  layers beside what the tiers hold anyway, whatever the depth. Returns each created state's
+  array parts, as `_place` does."""
+  plan = engine.plan
   draw = layer_initializer(engine, model_factory, leaf.index)
+  arrays = {(state, seg): _segment_buffers(plan, leaf, state, seg)
+            for state in _created(plan.stage) for seg in leaf.array_segments(state)}
   writing: list = []
   for layer in range(leaf.num_layers):
-    shards = host_shards(draw(key, layer), engine.plan.mesh)
+    x = draw(key, layer)
+    for (state, seg), bufs in arrays.items():
+      if layer in seg:
+        for shard in x.addressable_shards:
+          bufs[shard.device][layer - seg.start] = np.asarray(shard.data)
     tickets: list = []
-    for rank, data in shards.items():
-      for state in _created(engine.plan.stage):
-        if leaf.segments(state):
-          _write(engine.plan, leaf, state, rank, layer, data, engine.store, engine.pipeline,
-                 tickets)
+    on_nvme = [st for st in _created(plan.stage) if leaf.tier(st, layer) == "nvme"]
+    if on_nvme:
+      for rank, data in host_shards(x, plan.mesh).items():
+        for state in on_nvme:
+          _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets)
+    del x
     for t in writing:  # the previous layer's writes ran while this one was drawn
       t.wait()
     writing = tickets
   for t in writing:
     t.wait()
+  out: dict[str, list] = {state: [] for state in _created(plan.stage)}
+  for (state, seg), bufs in arrays.items():
+    sharding = plan.sharding(leaf, seg.tier)
+    shape = leaf.segment_shape(seg)
+    parts = [jax.device_put(buf, jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
+             for d, buf in bufs.items()]
+    out[state].append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
+    bufs.clear()
+  return {state: tuple(parts) for state, parts in out.items()}
+
+
+def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:
+  """Host buffers, one per local device, for an array segment's shards (filled layer by layer)."""
+  shape = leaf.segment_shape(seg)
+  sharding = plan.sharding(leaf, seg.tier)
+  return {d: np.empty([s.stop - s.start for s in norm_region(index, shape)], plan.dtype(state))
+          for d, index in sharding.addressable_devices_indices_map(shape).items()}
 
 
 def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
@@ -270,16 +301,16 @@ def _random_states(engine: Engine, model_factory: ModelFactory, key,
   the factory's initializers."""
   plan = engine.plan
   chosen = list(range(len(plan.leaves))) if only is None else list(only)
-  # without NVMe the whole master is one program; with it one leaf at a time, so host memory
-  # holds at most one leaf while the states stream to the swap store
-  groups = [chosen] if engine.store is None else [[i] for i in chosen]
   masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
-  if engine.store is not None:  # NVMe-only stacked leaves: one layer at a time
-    for i in [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]:
-      _place_by_layer(engine, model_factory, plan.leaves[i], key)
-      masters[i] = ()
-      params[i] = () if plan.stage == 3 else None
-      groups.remove([i])
+  by_layer = [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]
+  for i in by_layer:  # stacked leaves not all on the device: one layer at a time
+    parts = _place_by_layer(engine, model_factory, plan.leaves[i], key)
+    masters[i] = parts["master"]
+    params[i] = parts["params"] if plan.stage == 3 else None
+  rest = [i for i in chosen if i not in by_layer]
+  # without NVMe the rest of the master is one program; with it one leaf at a time, so host
+  # memory holds at most one leaf while the states stream to the swap store
+  groups = ([rest] if rest else []) if engine.store is None else [[i] for i in rest]
   for group in groups:
     values = master_initializer(engine, model_factory, group)(key)
     for i, x in zip(group, values):
