@@ -3,7 +3,8 @@
   python scripts/bench_init.py --preset 2.5b --layers 16 32 --devices 2 --nvme-path /mnt/nvme/x
 
 Each row creates the training state of a GPT preset at one depth in a fresh
-process, params and optimizer on NVMe (stacked leaves are drawn one layer at
+process, params and optimizer on NVMe by default, or split by layer
+(`--offload-param pinned_host:4,nvme`; stacked leaves are drawn one layer at
 a time), and prints the seconds, the bytes the store holds, the write rate
 next to the disk's O_DIRECT write ceiling measured in the same run, and the
 peak RSS: it should stay flat as the model gets deeper.
@@ -29,7 +30,8 @@ def worker(args) -> None:
   from zinfjax.models import GPT, get_config
 
   config = get_config(args.preset, num_layers=args.worker)
-  zero = zinfjax.ZeroConfig(offload_param="nvme", offload_optimizer="nvme",
+  zero = zinfjax.ZeroConfig(offload_param=args.offload_param,
+                            offload_optimizer=args.offload_optimizer,
                             nvme_path=args.nvme_path, pinned_budget=args.pinned_budget_mib << 20)
   mesh = zinfjax.make_mesh(jax.devices()[:args.devices])
   start = time.perf_counter()
@@ -51,6 +53,10 @@ def main() -> None:
   ap.add_argument("--devices", type=int, default=2)
   ap.add_argument("--pinned-budget-mib", type=int, default=4096)
   ap.add_argument("--nvme-path", default="/tmp/zinfjax-bench-init")
+  ap.add_argument("--offload-param", default="nvme",
+                  help="params' tiers, e.g. pinned_host:4,nvme (a fixed number of host layers "
+                       "keeps the host's share equal at every depth)")
+  ap.add_argument("--offload-optimizer", default="nvme")
   ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.worker:
@@ -68,7 +74,9 @@ def main() -> None:
     shutil.rmtree(run, ignore_errors=True)
     out = subprocess.run([sys.executable, __file__, "--worker", str(layers), "--preset", args.preset,
                           "--devices", str(args.devices), "--pinned-budget-mib",
-                          str(args.pinned_budget_mib), "--nvme-path", run],
+                          str(args.pinned_budget_mib), "--nvme-path", run,
+                          "--offload-param", args.offload_param,
+                          "--offload-optimizer", args.offload_optimizer],
                          capture_output=True, text=True)
     if out.returncode:
       raise SystemExit(f"{layers} layers failed:\n{out.stderr[-3000:]}")
@@ -76,7 +84,8 @@ def main() -> None:
     print(rows[-1], flush=True)
   shutil.rmtree(os.path.join(args.nvme_path, "run"), ignore_errors=True)
   gib = 2 ** 30
-  print(f"\nrandom init of GPT {args.preset}, params+optimizer on NVMe ({args.nvme_path}), "
+  print(f"\nrandom init of GPT {args.preset}, params {args.offload_param}, optimizer "
+        f"{args.offload_optimizer} (swap {args.nvme_path}), "
         f"{args.devices} devices; disk O_DIRECT ceiling write {write:.2f} / read {read:.2f} GB/s")
   print(f"{'layers':>6s} {'params':>8s} {'time s':>8s} {'peak RSS GiB':>13s} {'store GB':>9s} "
         f"{'write GB/s':>11s} {'x ceiling':>10s}")

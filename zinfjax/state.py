@@ -8,6 +8,7 @@ array per segment of the leaf on `device` or `pinned_host` (see
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
@@ -30,8 +31,30 @@ from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
 
 
+class _EngineRef:
+  """A state's engine as pytree metadata, held weakly. jax keeps treedefs (of jitted steps'
+  arguments and shardings) in caches keyed weakly on functions the engine itself references:
+  a strong reference there would keep every engine ever built alive, with its swap store's
+  threads and its compiled programs. The `TrainState` holds its engine strongly."""
 
-@jax.tree_util.register_dataclass
+  __slots__ = ("ref",)
+
+  def __init__(self, engine: "Engine"):
+    self.ref = weakref.ref(engine)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _EngineRef) and self.ref == other.ref
+
+  def __hash__(self) -> int:
+    return hash(self.ref)
+
+  def get(self) -> "Engine":
+    engine = self.ref()
+    if engine is None:
+      raise RuntimeError("this TrainState's engine no longer exists (its states were dropped).")
+    return engine
+
+
 @dataclasses.dataclass
 class TrainState:
   """Arrays of a ZeRO run (`engine` is static metadata; `engine.plan` says where all lives)."""
@@ -66,6 +89,14 @@ class TrainState:
   def model(self) -> nnx.Module:
     """An ordinary NNX model holding the current master params (gathered whole)."""
     return nnx.merge(self.engine.graphdef, self.full_params())
+
+
+_FIELDS = ("step", "params", "master", "opt_state")
+jax.tree_util.register_pytree_with_keys(
+    TrainState,
+    lambda s: ([(jax.tree_util.GetAttrKey(f), getattr(s, f)) for f in _FIELDS], _EngineRef(s.engine)),
+    lambda ref, children: TrainState(*children, ref.get()),
+    lambda s: ([getattr(s, f) for f in _FIELDS], _EngineRef(s.engine)))
 
 
 def _whole(plan: Plan, leaf, parts: tuple, store, state: str = "master") -> np.ndarray:

@@ -80,8 +80,9 @@ uint64_t FreeBytes(const std::string& folder) {
 }
 
 std::mutex registry_mu;
-std::map<int64_t, std::shared_ptr<SwapStore>>& Registry() {
-  static auto* registry = new std::map<int64_t, std::shared_ptr<SwapStore>>();
+// Weak: the table finds a store while its owner (Python's AioStore) keeps it, never keeps it.
+std::map<int64_t, std::weak_ptr<SwapStore>>& Registry() {
+  static auto* registry = new std::map<int64_t, std::weak_ptr<SwapStore>>();
   return *registry;
 }
 int64_t next_handle = 1;
@@ -855,14 +856,16 @@ void SwapStore::RaiseDeferred() {
 int64_t RegisterStore(std::shared_ptr<SwapStore> store) {
   std::lock_guard<std::mutex> lock(registry_mu);
   int64_t handle = next_handle++;
-  Registry()[handle] = std::move(store);
+  for (auto it = Registry().begin(); it != Registry().end();)  // forget stores that are gone
+    it = it->second.expired() ? Registry().erase(it) : std::next(it);
+  Registry()[handle] = store;
   return handle;
 }
 
 std::shared_ptr<SwapStore> LookupStore(int64_t handle) {
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = Registry().find(handle);
-  return it == Registry().end() ? nullptr : it->second;
+  return it == Registry().end() ? nullptr : it->second.lock();
 }
 
 void UnregisterStore(int64_t handle) {
