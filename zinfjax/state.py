@@ -251,7 +251,8 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
         for shard in x.addressable_shards:
           bufs[shard.device][layer - seg.start] = np.asarray(shard.data)
     tickets: list = []
-    on_nvme = [st for st in _created(plan.stage) if leaf.tier(st, layer) == "nvme"]
+    on_nvme = [st for st in _created(plan.stage)
+               if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]
     if on_nvme:
       for rank, data in host_shards(x, plan.mesh).items():
         for state in on_nvme:
