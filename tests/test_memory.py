@@ -8,7 +8,7 @@ import pytest
 import zinfjax
 from zinfjax.memory import estimate_memory, tier_bytes
 from zinfjax.models import GPT, GPTConfig, lm_loss
-from zinfjax.state import master_initializer
+from zinfjax.draw import master_initializer
 from zinfjax.step import shard_batch
 
 from helpers import random_batches

@@ -256,7 +256,7 @@ def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, mesh,
   """Stacked leaves not all on the device are drawn one layer at a time (host memory of one
   layer beyond what the tiers hold, whatever the depth), each layer put on its tier, with the
   values of the whole-model init bit for bit: params and master in every tier."""
-  from zinfjax.state import layer_initializer, master_initializer
+  from zinfjax.draw import layer_initializer, master_initializer
   config = get_config("tiny", num_layers=8)
   factory = lambda r: GPT(config, rngs=r)
   ref = zinfjax.init(factory, make_tx(), zinfjax.ZeroConfig(precision="fp32"), mesh, 7)

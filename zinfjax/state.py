@@ -20,13 +20,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
 from .config import ZeroConfig
+from .draw import random_states
 from .engine import Engine, ModelFactory, build_engine, leaf_names, with_store
-from .layers import one_layer
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
-from .partition import norm_region
 from .placement import Plan
-from .shards import host_shards
 from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
 
@@ -159,129 +157,6 @@ def opt_state_shardings(engine: Engine, master: Any) -> Any:
       transform_non_params=lambda x: x if masked(x) else whole, is_leaf=masked)
 
 
-def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None):
-  """`key -> fp32 master leaves` (all, or the indices in `leaves`), jitted straight into their
-  sharded storage form: each device draws only its own shard (partitionable RNG)."""
-  plan = engine.plan
-  chosen = list(range(len(plan.leaves))) if leaves is None else list(leaves)
-
-  def make(key):
-    model = model_factory(nnx.Rngs(key))
-    flat = plan.flatten(nnx.to_pure_dict(nnx.state(model)))
-    return [plan.leaves[i].layout.pad(flat[i].astype(jnp.float32)) for i in chosen]
-
-  shardings = [plan.sharding(plan.leaves[i], "device") for i in chosen]
-  return jax.jit(make, out_shardings=shardings)
-
-
-def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int):
-  """`(key, layer) -> fp32 storage form of one layer of stacked leaf `leaf``, equal to that
-  layer of `master_initializer`'s value bit for bit, drawn in one layer's memory (every
-  `Stack` builds only that block: `zinfjax.layers.one_layer`)."""
-  plan = engine.plan
-  layout = plan.leaves[leaf].layout.layer()
-
-  def make(key, layer):
-    with one_layer(layer):
-      model = model_factory(nnx.Rngs(key))
-    x = plan.flatten(nnx.to_pure_dict(nnx.state(model)))[leaf]
-    return layout.pad(x[0].astype(jnp.float32))
-
-  sharding = NamedSharding(plan.mesh, layout.spec(engine.config.axis))
-  return jax.jit(make, out_shardings=sharding)
-
-
-def _created(stage: int) -> tuple[str, ...]:
-  """The states init creates from a random draw: the master, and under ZeRO-3 the params."""
-  return ("master", "params") if stage == 3 else ("master",)
-
-
-def _by_layer(plan: Plan, leaf, stage: int) -> bool:
-  """Whether init draws this leaf one layer at a time: stacked, and not all of it on the device
-  (a whole draw would hold the leaf and its RNG temporaries in host memory, or in HBM the
-  leaf was placed elsewhere to spare)."""
-  return leaf.stacked and any(s.tier != "device" for st in _created(stage) for s in leaf.segments(st))
-
-
-def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pipeline,
-           tickets: list) -> None:
-  """One rank's fp32 shard of one layer, written as `state`'s NVMe copy."""
-  if state == "master":
-    tickets += pipeline.write_layer(leaf.index, rank, layer, data)
-  elif not leaf.params_with_master(layer):  # else the pipeline wrote the params too
-    tickets.append(store.write(leaf.key("params", rank, layer),
-                               np.asarray(data).astype(plan.dtype(state))))
-
-
-def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets: list) -> tuple:
-  """One leaf's whole storage-form value `x` put on its segments' tiers for `state`."""
-  dtype = plan.dtype(state)
-  parts = []
-  shards = None
-  for seg in leaf.segments(state):
-    if seg.tier != "nvme":
-      piece = x if seg.layers == leaf.num_layers else leaf.take(x, seg)
-      # a program, not device_put: each state gets its own buffers (fp32 params are not the master)
-      put = jax.jit(lambda v: v.astype(dtype), out_shardings=plan.sharding(leaf, seg.tier))
-      parts.append(put(piece))
-      continue
-    shards = host_shards(x, plan.mesh) if shards is None else shards
-    for rank, shard in shards.items():
-      for layer in range(seg.start, seg.stop):
-        _write(plan, leaf, state, rank, layer, shard[layer] if leaf.stacked else shard, store,
-               pipeline, tickets)
-  return tuple(parts)
-
-
-def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> dict[str, tuple]:
-  """A stacked leaf drawn one layer at a time, each layer put on its tier as it comes: NVMe
-  layers written (while the next is drawn), the layers of array segments copied into their
-  devices' host buffers, which become the segment's arrays at the end. Host memory holds two
-  layers beside what the tiers hold anyway, whatever the depth. Returns each created state's
-  array parts, as `_place` does."""
-  plan = engine.plan
-  draw = layer_initializer(engine, model_factory, leaf.index)
-  arrays = {(state, seg): _segment_buffers(plan, leaf, state, seg)
-            for state in _created(plan.stage) for seg in leaf.array_segments(state)}
-  writing: list = []
-  for layer in range(leaf.num_layers):
-    x = draw(key, layer)
-    for (state, seg), bufs in arrays.items():
-      if layer in seg:
-        for shard in x.addressable_shards:
-          bufs[shard.device][layer - seg.start] = np.asarray(shard.data)
-    tickets: list = []
-    on_nvme = [st for st in _created(plan.stage)
-               if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]
-    if on_nvme:
-      for rank, data in host_shards(x, plan.mesh).items():
-        for state in on_nvme:
-          _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets)
-    del x
-    for t in writing:  # the previous layer's writes ran while this one was drawn
-      t.wait()
-    writing = tickets
-  for t in writing:
-    t.wait()
-  out: dict[str, list] = {state: [] for state in _created(plan.stage)}
-  for (state, seg), bufs in arrays.items():
-    sharding = plan.sharding(leaf, seg.tier)
-    shape = leaf.segment_shape(seg)
-    parts = [jax.device_put(buf, jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
-             for d, buf in bufs.items()]
-    out[state].append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
-    bufs.clear()
-  return {state: tuple(parts) for state, parts in out.items()}
-
-
-def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:
-  """Host buffers, one per local device, for an array segment's shards (filled layer by layer)."""
-  shape = leaf.segment_shape(seg)
-  sharding = plan.sharding(leaf, seg.tier)
-  return {d: np.empty([s.stop - s.start for s in norm_region(index, shape)], plan.dtype(state))
-          for d, index in sharding.addressable_devices_indices_map(shape).items()}
-
-
 def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
                 weights: list | None = None) -> TrainState:
   """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`):
@@ -301,10 +176,10 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
     return TrainState(step, plan.abstract("params"), master, opt, engine)
 
   if weights is not None:
-    fresh = lambda i: tuple(x[0] for x in _random_states(engine, model_factory, key, [i]))
+    fresh = lambda i: tuple(x[0] for x in random_states(engine, model_factory, key, [i]))
     masters, params = stream_states(engine, weights, fresh)
   else:
-    masters, params = _random_states(engine, model_factory, key)
+    masters, params = random_states(engine, model_factory, key)
   master = plan.unflatten(masters)
   params = (plan.unflatten(params) if plan.stage == 3 else
             gather_params(plan, master, engine.config.ordered_collectives))
@@ -325,38 +200,6 @@ def _matched(engine: Engine, model_factory: ModelFactory, weights: Any, init_mis
   if init_missing is not None:
     may_miss = leaf_names(nnx.eval_shape(lambda: model_factory(nnx.Rngs(0))), init_missing)
   return match(engine.plan, as_tree(weights), may_miss)
-
-
-def _random_states(engine: Engine, model_factory: ModelFactory, key,
-                   only: list[int] | None = None) -> tuple[list, list]:
-  """(master parts, ZeRO-3 param parts) per leaf (all, or those in `only`, in that order) from
-  the factory's initializers."""
-  plan = engine.plan
-  chosen = list(range(len(plan.leaves))) if only is None else list(only)
-  masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
-  by_layer = [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]
-  for i in by_layer:  # stacked leaves not all on the device: one layer at a time
-    parts = _place_by_layer(engine, model_factory, plan.leaves[i], key)
-    masters[i] = parts["master"]
-    params[i] = parts["params"] if plan.stage == 3 else None
-  rest = [i for i in chosen if i not in by_layer]
-  # without NVMe the rest of the master is one program; with it one leaf at a time, so host
-  # memory holds at most one leaf while the states stream to the swap store
-  groups = ([rest] if rest else []) if engine.store is None else [[i] for i in rest]
-  for group in groups:
-    values = master_initializer(engine, model_factory, group)(key)
-    for i, x in zip(group, values):
-      leaf = plan.leaves[i]
-      masters[i] = _place(plan, leaf, x, "master", engine.store, engine.pipeline, tickets)
-      if plan.stage == 3:
-        params[i] = _place(plan, leaf, x, "params", engine.store, engine.pipeline, tickets)
-      for t in tickets:
-        t.wait()
-      tickets.clear()
-      del x
-  if engine.store is not None:
-    engine.store.sync()
-  return [masters[i] for i in chosen], [params[i] for i in chosen]
 
 
 def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: ZeroConfig,
