@@ -23,7 +23,7 @@ from orbax.checkpoint._src.futures import future
 from ..placement import Plan, shard_key
 from ..partition import Region, clip, local, norm_region, shifted
 from .leaves import Leaf, Source, chunks
-from .zarr import Array, spec, write_chunks
+from .zarr import Array, each, spec, write_chunks
 
 IN_FLIGHT = 8  # NVMe shards on their way to the checkpoint at once (each one in host memory)
 
@@ -194,19 +194,21 @@ def read_async(arr, region: Region, leaf: Leaf, dtype) -> Callable[[], np.ndarra
   together run in parallel: one small chunk at a time leaves the drive idle."""
   clipped = clip(region, leaf.shape)
   pending = arr.read(clipped)
+  return lambda: _padded(pending, clipped, region, leaf, dtype)
 
-  def finish() -> np.ndarray:
-    try:
-      data = pending()
-    except Exception as e:  # tensorstore reports damaged chunks as ValueError/IOError
-      raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
-    if clipped == tuple(region):  # no padding in it: the data as read
-      return data.astype(dtype, copy=False)
-    out = np.zeros([s.stop - s.start for s in region], dtype)
-    out[local(clipped, region)] = data
-    return out
 
-  return finish
+def _padded(data: Callable[[], np.ndarray], clipped: Region, region: Region, leaf: Leaf,
+            dtype) -> np.ndarray:
+  """The data of `clipped` (from `data()`) as `region`, zero where it is padding."""
+  try:
+    x = data()
+  except Exception as e:  # damaged chunks: the engine's CorruptShardError, tensorstore's errors
+    raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
+  if clipped == tuple(region):  # no padding in it: the data as read
+    return x.astype(dtype, copy=False)
+  out = np.zeros([s.stop - s.start for s in region], dtype)
+  out[local(clipped, region)] = x
+  return out
 
 
 def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int = IN_FLIGHT):
@@ -220,8 +222,8 @@ def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int = IN_FLIGHT
 
 def _read_array(arr, leaf: Leaf, src: Source) -> jax.Array:
   """A jax.Array with the target's shape, dtype and sharding (memory kind included): the
-  process's block of the stored leaf read one layer at a time (`IN_FLIGHT` ahead), each
-  layer's chunks read once and sliced into every device's shard."""
+  process's block of the stored leaf read one layer at a time (several at once), each
+  layer's chunks read once and sliced into every device's shard by the thread that read it."""
   target = src.array
   sharding = target.sharding
   placed, regions = [], {}
@@ -233,12 +235,16 @@ def _read_array(arr, leaf: Leaf, src: Source) -> jax.Array:
   # filled whole by the layers below (their box covers every region)
   outs = {k: np.empty([x.stop - x.start for x in r], target.dtype) for k, r in regions.items()}
   pieces = _layers(_bounding(list(regions.values())), leaf.layout is not None and leaf.layout.stacked)
-  got = _ahead([lambda p=p: read_async(arr, p, leaf, target.dtype) for p in pieces])
-  for piece, data in zip(pieces, got):
+
+  def load(piece: Region) -> None:  # on an I/O thread: the read, then its slices
+    clipped = clip(piece, leaf.shape)
+    data = _padded(lambda: arr.read_now(clipped), clipped, piece, leaf, target.dtype)
     for key, region in regions.items():
       inter = _overlap(piece, region)
       if inter is not None:
         outs[key][local(inter, region)] = data[local(inter, piece)]
+
+  each(load, pieces)
   arrays = [jax.device_put(outs[key], jax.sharding.SingleDeviceSharding(
       device, memory_kind=sharding.memory_kind)) for device, key in placed]
   return jax.make_array_from_single_device_arrays(target.shape, sharding, arrays)

@@ -27,6 +27,8 @@ from .. import _engine
 from ..partition import Region, local
 
 THREADS = 8             # engine threads per call: requests in flight on the drive
+IN_FLIGHT = 8           # calls at once (a chunk of a few MB is one request: several calls keep
+                        # the drive's queue full)
 BATCH_BYTES = 256 << 20  # chunk payloads per engine call (copies of edge chunks included)
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
@@ -37,7 +39,7 @@ def _io() -> concurrent.futures.ThreadPoolExecutor:
   """Threads that wait on the engine's calls (the GIL is released in them)."""
   global _pool
   if _pool is None:
-    _pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="zinfjax-ckpt-io")
+    _pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="zinfjax-ckpt-io")
   return _pool
 
 
@@ -145,13 +147,17 @@ class Array:
     return _io().submit(write_chunks, [(self.grid, region, data)]).result
 
   def read(self, region: Region) -> Callable[[], np.ndarray]:
-    """Read `region` (inside the shape); the chunks it touches are read whole, once."""
+    """Start reading `region` (inside the shape); see `read_now`."""
     if self.grid is None:
       return self.ts[region].read().result
-    return _io().submit(self._read, region).result
+    return _io().submit(self.read_now, region).result
 
-  def _read(self, region: Region) -> np.ndarray:
+  def read_now(self, region: Region) -> np.ndarray:
+    """`region` (inside the shape), read before returning; the chunks it touches are read
+    whole, once."""
     grid = self.grid
+    if grid is None:
+      return self.ts[region].read().result()
     indices = grid.indices(region)
     boxes = [grid.box(ix) for ix in indices]
     if len(indices) == 1 and boxes[0] == tuple(region):  # one whole chunk: read in place
@@ -168,6 +174,13 @@ class Array:
                       for b, r in zip(boxes[i], region))
         out[local(inter, region)] = buf[local(inter, boxes[i])]
     return out
+
+
+def each(fn: Callable[[Any], None], items: list) -> None:
+  """`fn` on every item, `IN_FLIGHT` at a time on the I/O threads (e.g. read a chunk and
+  scatter it, the copies of one overlapping the reads of the next); the first error raised."""
+  for _ in _io().map(fn, items):
+    pass
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
