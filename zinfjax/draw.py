@@ -108,10 +108,12 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
   writing: list = []
   for layer in range(leaf.num_layers):
     x = draw(key, layer)
-    for (state, seg), bufs in arrays.items():
-      if layer in seg:
-        for shard in x.addressable_shards:
-          bufs[shard.device][layer - seg.start] = np.asarray(shard.data)
+    held = [(seg, bufs) for (_, seg), bufs in arrays.items() if layer in seg]
+    if held:
+      local = {shard.device: np.asarray(shard.data) for shard in x.addressable_shards}
+      for seg, bufs in held:
+        for device, buf in bufs.items():
+          buf[layer - seg.start] = local[device]
     tickets: list = []
     on_nvme = [st for st in _created(plan.stage)
                if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]

@@ -135,3 +135,9 @@ def clip(region: Region, shape: tuple[int, ...]) -> Region:
 def local(clipped: Region, region: Region) -> Region:
   """`clipped` in the coordinates of the box `region` (where it lands in a region-sized array)."""
   return tuple(slice(c.start - r.start, c.stop - r.start) for c, r in zip(clipped, region))
+
+
+def overlap(a: Region, b: Region) -> Region | None:
+  """The box two regions share, or None if they do not meet."""
+  box = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
+  return None if any(s.start >= s.stop for s in box) else box

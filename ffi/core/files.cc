@@ -109,6 +109,11 @@ std::vector<Piece> Pieces(const std::vector<FileIo>& files) {
   return out;
 }
 
+// Payload bytes at the start of piece `p`; its remaining bytes belong to the trailer.
+size_t Body(const Piece& p, const FileIo& file) {
+  return p.offset < file.bytes ? std::min(p.length, file.bytes - p.offset) : 0;
+}
+
 int OpenFile(const std::string& path, int flags, bool direct, bool* is_direct) {
   int fd = direct ? ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644) : -1;
   *is_direct = fd >= 0;
@@ -154,7 +159,7 @@ void WriteFiles(const std::vector<FileIo>& files, int threads, bool direct) {
     thread_local AlignedBuffer bounce(kPiece);
     const Piece& p = pieces[i];
     const FileIo& file = files[p.file];
-    size_t body = p.offset < file.bytes ? std::min(p.length, file.bytes - p.offset) : 0;
+    size_t body = Body(p, file);
     auto* dst = static_cast<uint8_t*>(bounce.data());
     std::memcpy(dst, static_cast<const uint8_t*>(file.data) + p.offset, body);
     for (size_t b = body; b < p.length; ++b)  // the trailer's bytes in this piece
@@ -206,7 +211,7 @@ void ReadFiles(const std::vector<FileIo>& files, int threads, bool direct) {
       if (r == 0) throw CorruptShard(file.path + " ended early (truncated while being read)");
       got += static_cast<size_t>(r);
     }
-    size_t body = p.offset < file.bytes ? std::min(p.length, file.bytes - p.offset) : 0;
+    size_t body = Body(p, file);
     std::memcpy(static_cast<uint8_t*>(file.data) + p.offset, src, body);
     for (size_t b = body; b < p.length; ++b) trailers[p.file * kTrailer + (p.offset + b - file.bytes)] = src[b];
   });

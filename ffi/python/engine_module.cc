@@ -71,17 +71,20 @@ std::vector<ShardIo> ShardIos(const std::vector<std::string>& keys, const std::v
   return out;
 }
 
-// The files of a write_files / read_files call (the buffers outlive the call).
-std::vector<FileIo> FileIos(const std::vector<std::string>& paths, const std::vector<py::buffer>& bufs,
-                            bool writable) {
+// write_files / read_files: the buffers taken with the GIL (they outlive the call), the I/O
+// without it.
+template <void (*Run)(const std::vector<FileIo>&, int, bool), bool kWritable>
+void FilesCall(const std::vector<std::string>& paths, const std::vector<py::buffer>& bufs,
+               int threads, bool direct) {
   if (bufs.size() != paths.size()) throw EngineError("paths and buffers must have the same length");
-  std::vector<FileIo> out;
+  std::vector<FileIo> files;
   for (size_t i = 0; i < paths.size(); ++i) {
-    py::buffer_info info = bufs[i].request(writable);
+    py::buffer_info info = bufs[i].request(kWritable);
     RequireContiguous(info);
-    out.push_back({paths[i], info.ptr, Bytes(info)});
+    files.push_back({paths[i], info.ptr, Bytes(info)});
   }
-  return out;
+  py::gil_scoped_release release;
+  Run(files, threads, direct);
 }
 
 }  // namespace
@@ -116,19 +119,11 @@ PYBIND11_MODULE(_engine, m) {
     py::gil_scoped_release release;
     return Crc32c(info.ptr, Bytes(info));
   }, py::arg("data"), "CRC-32C (Castagnoli) of a buffer's bytes, as zarr's crc32c codec has it.");
-  m.def("write_files", [](const std::vector<std::string>& paths, const std::vector<py::buffer>& bufs,
-                          int threads, bool direct) {
-    std::vector<FileIo> files = FileIos(paths, bufs, false);
-    py::gil_scoped_release release;
-    WriteFiles(files, threads, direct);
-  }, py::arg("paths"), py::arg("buffers"), py::arg("threads") = 8, py::arg("direct") = true,
+  m.def("write_files", &FilesCall<WriteFiles, false>, py::arg("paths"), py::arg("buffers"),
+        py::arg("threads") = 8, py::arg("direct") = true,
         "Write each buffer as a whole file followed by its CRC-32C (4 bytes, little-endian).");
-  m.def("read_files", [](const std::vector<std::string>& paths, const std::vector<py::buffer>& outs,
-                         int threads, bool direct) {
-    std::vector<FileIo> files = FileIos(paths, outs, true);
-    py::gil_scoped_release release;
-    ReadFiles(files, threads, direct);
-  }, py::arg("paths"), py::arg("outs"), py::arg("threads") = 8, py::arg("direct") = true,
+  m.def("read_files", &FilesCall<ReadFiles, true>, py::arg("paths"), py::arg("outs"),
+        py::arg("threads") = 8, py::arg("direct") = true,
         "Read files written by write_files into `outs`, checking each one's size and CRC-32C.");
   m.def("build_info", []() {
     py::dict info;

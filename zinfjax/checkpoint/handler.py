@@ -21,7 +21,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
 from ..placement import Plan, shard_key
-from ..partition import Region, clip, local, norm_region, shifted
+from ..partition import Region, clip, local, norm_region, overlap, shifted
 from .leaves import Leaf, Source, chunks
 from .zarr import Array, each, spec, write_chunks
 
@@ -61,11 +61,6 @@ def block_ranks(plan: Plan) -> int:
 def _bounding(regions: list[Region]) -> Region:
   return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
                for i in range(len(regions[0])))
-
-
-def _overlap(a: Region, b: Region) -> Region | None:
-  box = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
-  return None if any(s.start >= s.stop for s in box) else box
 
 
 def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
@@ -174,11 +169,14 @@ class StateRestore(ocp.args.CheckpointArgs):
 def save_blocks(writes: list[tuple[str, Region, np.ndarray]]) -> None:
   """Write (array folder, region, data) blocks: whole chunks by the engine in few calls (the
   drive kept busy), anything else through tensorstore."""
-  arrays = {path: Array(path) for path, _, _ in writes}
-  whole = [(arrays[p].grid, r, d) for p, r, d in writes
-           if arrays[p].grid is not None and arrays[p].grid.whole(r)]
-  others = [arrays[p].write(r, d) for p, r, d in writes
-            if arrays[p].grid is None or not arrays[p].grid.whole(r)]
+  grids: dict[str, Array] = {}
+  whole, others = [], []
+  for path, region, data in writes:
+    arr = grids.setdefault(path, Array(path))
+    if arr.grid is not None and arr.grid.whole(region):
+      whole.append((arr.grid, region, data))
+    else:
+      others.append(arr.write(region, data))
   write_chunks(whole)
   for wait in others:
     wait()
@@ -240,7 +238,7 @@ def _read_array(arr, leaf: Leaf, src: Source) -> jax.Array:
     clipped = clip(piece, leaf.shape)
     data = _padded(lambda: arr.read_now(clipped), clipped, piece, leaf, target.dtype)
     for key, region in regions.items():
-      inter = _overlap(piece, region)
+      inter = overlap(piece, region)
       if inter is not None:
         outs[key][local(inter, region)] = data[local(inter, piece)]
 

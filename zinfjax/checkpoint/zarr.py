@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from .. import _engine
-from ..partition import Region, local
+from ..partition import Region, clip, local, overlap
 
 THREADS = 8             # engine threads per call: requests in flight on the drive
 IN_FLIGHT = 8           # calls at once (a chunk of a few MB is one request: several calls keep
@@ -109,7 +109,7 @@ class Grid:
 def _payload(grid: Grid, index: tuple[int, ...], region: Region, data: np.ndarray) -> np.ndarray:
   """Chunk `index` of `data` (which holds `region`) as the chunk's full C-order array."""
   box = grid.box(index)
-  inside = tuple(slice(b.start, min(b.stop, n)) for b, n in zip(box, grid.shape))
+  inside = clip(box, grid.shape)
   piece = data[local(inside, region)]
   if inside == box:
     return np.ascontiguousarray(piece, grid.dtype)
@@ -159,20 +159,19 @@ class Array:
     if grid is None:
       return self.ts[region].read().result()
     indices = grid.indices(region)
-    boxes = [grid.box(ix) for ix in indices]
-    if len(indices) == 1 and boxes[0] == tuple(region):  # one whole chunk: read in place
-      out = np.empty([s.stop - s.start for s in region], grid.dtype)
+    out = np.empty([s.stop - s.start for s in region], grid.dtype)
+    if len(indices) == 1 and grid.box(indices[0]) == tuple(region):  # one whole chunk: in place
       _engine.read_files([grid.file(indices[0])], [_bytes(out)], THREADS)
       return out
-    out = np.empty([s.stop - s.start for s in region], grid.dtype)
-    for start in range(0, len(indices), _per_batch(grid)):
-      part = list(range(start, min(len(indices), start + _per_batch(grid))))
-      bufs = [np.empty([b.stop - b.start for b in boxes[i]], grid.dtype) for i in part]
-      _engine.read_files([grid.file(indices[i]) for i in part], [_bytes(b) for b in bufs], THREADS)
-      for i, buf in zip(part, bufs):
-        inter = tuple(slice(max(b.start, r.start), min(b.stop, r.stop))
-                      for b, r in zip(boxes[i], region))
-        out[local(inter, region)] = buf[local(inter, boxes[i])]
+    per_call = max(1, BATCH_BYTES // (int(np.prod(grid.chunk)) * grid.dtype.itemsize))
+    for start in range(0, len(indices), per_call):
+      part = indices[start:start + per_call]
+      boxes = [grid.box(ix) for ix in part]
+      bufs = [np.empty([b.stop - b.start for b in box], grid.dtype) for box in boxes]
+      _engine.read_files([grid.file(ix) for ix in part], [_bytes(b) for b in bufs], THREADS)
+      for box, buf in zip(boxes, bufs):
+        inter = overlap(box, region)
+        out[local(inter, region)] = buf[local(inter, box)]
     return out
 
 
@@ -186,10 +185,6 @@ def each(fn: Callable[[Any], None], items: list) -> None:
 def _bytes(a: np.ndarray) -> np.ndarray:
   """A C-contiguous array's bytes (the buffer protocol has no bfloat16)."""
   return a.reshape(-1).view(np.uint8)
-
-
-def _per_batch(grid: Grid) -> int:
-  return max(1, BATCH_BYTES // (int(np.prod(grid.chunk)) * grid.dtype.itemsize))
 
 
 def write_chunks(items: list[tuple[Grid, Region, np.ndarray]]) -> None:
