@@ -9,6 +9,7 @@ import tensorstore as ts
 
 from zinfjax import _engine
 from zinfjax.checkpoint.zarr import Array, Grid, spec, write_chunks
+from zinfjax.offload.aligned import aligned_empty
 
 
 def make(path, shape, chunk, dtype=np.float32, codecs=None):
@@ -27,6 +28,36 @@ def test_crc32c_is_castagnoli():
   assert _engine.crc32c(b"") == 0
   x = random(1001)
   assert _engine.crc32c(x) != _engine.crc32c(x[:-1])
+
+
+@pytest.mark.parametrize("nbytes", [4, 4092, 4096, 5000, (9 << 20) + 12])
+def test_files_in_place_match_the_staged_path(tmp_path, nbytes):
+  """A payload in an aligned buffer with room (`sizes`) is written and read with no staging
+  copy: the files are byte for byte those of the staged path, and read back the same."""
+  payload = random(nbytes // 4, seed=nbytes).view(np.uint8)
+  room = aligned_empty(_engine.align_up(nbytes + 4), np.uint8)
+  room[:nbytes] = payload
+  staged, in_place = os.fspath(tmp_path / "staged"), os.fspath(tmp_path / "in_place")
+  _engine.write_files([staged], [payload.copy()])
+  _engine.write_files([in_place], [room], sizes=[nbytes])
+  with open(staged, "rb") as a, open(in_place, "rb") as b:
+    assert a.read() == b.read()
+  assert os.path.getsize(in_place) == nbytes + 4
+  for path in (staged, in_place):
+    out = aligned_empty(_engine.align_up(nbytes + 4), np.uint8)
+    out.fill(7)
+    _engine.read_files([path], [out], sizes=[nbytes])
+    np.testing.assert_array_equal(out[:nbytes], payload)
+  with pytest.raises(_engine.EngineError, match="less than its size"):
+    _engine.read_files([in_place], [room[:8]], sizes=[nbytes + 8])
+  flipped = aligned_empty(_engine.align_up(nbytes + 4), np.uint8)
+  with open(in_place, "r+b") as f:  # a damaged byte is refused on the in-place path too
+    f.seek(nbytes // 2)
+    byte = f.read(1)
+    f.seek(nbytes // 2)
+    f.write(bytes([byte[0] ^ 1]))
+  with pytest.raises(_engine.CorruptShardError, match="CRC-32C"):
+    _engine.read_files([in_place], [flipped], sizes=[nbytes])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])

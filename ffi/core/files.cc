@@ -114,6 +114,13 @@ size_t Body(const Piece& p, const FileIo& file) {
   return p.offset < file.bytes ? std::min(p.length, file.bytes - p.offset) : 0;
 }
 
+// Whether piece I/O can use the caller's buffer itself: aligned, with room for the trailer and
+// the padding of the last O_DIRECT block.
+bool InPlace(const FileIo& file, bool direct) {
+  return direct && reinterpret_cast<uintptr_t>(file.data) % kAlignment == 0 &&
+         file.room >= AlignUp(file.bytes + kTrailer);
+}
+
 int OpenFile(const std::string& path, int flags, bool direct, bool* is_direct) {
   int fd = direct ? ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644) : -1;
   *is_direct = fd >= 0;
@@ -160,8 +167,9 @@ void WriteFiles(const std::vector<FileIo>& files, int threads, bool direct) {
     const Piece& p = pieces[i];
     const FileIo& file = files[p.file];
     size_t body = Body(p, file);
-    auto* dst = static_cast<uint8_t*>(bounce.data());
-    std::memcpy(dst, static_cast<const uint8_t*>(file.data) + p.offset, body);
+    bool in_place = InPlace(file, fds.direct[p.file]);
+    auto* dst = in_place ? static_cast<uint8_t*>(file.data) + p.offset : static_cast<uint8_t*>(bounce.data());
+    if (!in_place) std::memcpy(dst, static_cast<const uint8_t*>(file.data) + p.offset, body);
     for (size_t b = body; b < p.length; ++b)  // the trailer's bytes in this piece
       dst[b] = trailers[p.file * kTrailer + (p.offset + b - file.bytes)];
     size_t n = fds.direct[p.file] ? AlignUp(p.length) : p.length;
@@ -201,7 +209,8 @@ void ReadFiles(const std::vector<FileIo>& files, int threads, bool direct) {
     thread_local AlignedBuffer bounce(kPiece);
     const Piece& p = pieces[i];
     const FileIo& file = files[p.file];
-    auto* src = static_cast<uint8_t*>(bounce.data());
+    bool in_place = InPlace(file, fds.direct[p.file]);
+    auto* src = in_place ? static_cast<uint8_t*>(file.data) + p.offset : static_cast<uint8_t*>(bounce.data());
     size_t n = fds.direct[p.file] ? AlignUp(p.length) : p.length;
     size_t got = 0;
     while (got < p.length) {
@@ -212,7 +221,7 @@ void ReadFiles(const std::vector<FileIo>& files, int threads, bool direct) {
       got += static_cast<size_t>(r);
     }
     size_t body = Body(p, file);
-    std::memcpy(static_cast<uint8_t*>(file.data) + p.offset, src, body);
+    if (!in_place) std::memcpy(static_cast<uint8_t*>(file.data) + p.offset, src, body);
     for (size_t b = body; b < p.length; ++b) trailers[p.file * kTrailer + (p.offset + b - file.bytes)] = src[b];
   });
   ParallelFor(files.size(), threads, [&](size_t f) {

@@ -18,11 +18,15 @@ namespace zinfjax {
 // previous result. Uses the SSE4.2 instruction where the CPU has it.
 uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 
-// One file's payload: written from or read into `data` (`bytes` long).
+// One file's payload: written from or read into `data` (`bytes` long). Where `data` is
+// aligned and `room` (its usable bytes, at least `bytes`) holds the trailer and the
+// O_DIRECT padding, the drive reads and writes it in place, with no staging copy; the bytes
+// past the payload are then the engine's to use.
 struct FileIo {
   std::string path;
   void* data;
   size_t bytes;
+  size_t room = 0;
 };
 
 // Creates (or replaces) each file as its payload followed by the payload's CRC-32C.

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,16 +73,22 @@ std::vector<ShardIo> ShardIos(const std::vector<std::string>& keys, const std::v
 }
 
 // write_files / read_files: the buffers taken with the GIL (they outlive the call), the I/O
-// without it.
+// without it. With `sizes`, each buffer holds a payload of that many bytes and the rest of it
+// is room the engine may use (the trailer and O_DIRECT padding: then no staging copy).
 template <void (*Run)(const std::vector<FileIo>&, int, bool), bool kWritable>
 void FilesCall(const std::vector<std::string>& paths, const std::vector<py::buffer>& bufs,
-               int threads, bool direct) {
-  if (bufs.size() != paths.size()) throw EngineError("paths and buffers must have the same length");
+               int threads, bool direct, const std::optional<std::vector<size_t>>& sizes) {
+  if (bufs.size() != paths.size() || (sizes && sizes->size() != paths.size()))
+    throw EngineError("paths, buffers and sizes must have the same length");
   std::vector<FileIo> files;
   for (size_t i = 0; i < paths.size(); ++i) {
-    py::buffer_info info = bufs[i].request(kWritable);
+    py::buffer_info info = bufs[i].request(kWritable || sizes.has_value());
     RequireContiguous(info);
-    files.push_back({paths[i], info.ptr, Bytes(info)});
+    size_t room = Bytes(info), bytes = sizes ? (*sizes)[i] : room;
+    if (bytes > room)
+      throw EngineError("buffer for " + paths[i] + " holds " + std::to_string(room) +
+                        " bytes, less than its size " + std::to_string(bytes));
+    files.push_back({paths[i], info.ptr, bytes, sizes ? room : 0});
   }
   py::gil_scoped_release release;
   Run(files, threads, direct);
@@ -120,10 +127,10 @@ PYBIND11_MODULE(_engine, m) {
     return Crc32c(info.ptr, Bytes(info));
   }, py::arg("data"), "CRC-32C (Castagnoli) of a buffer's bytes, as zarr's crc32c codec has it.");
   m.def("write_files", &FilesCall<WriteFiles, false>, py::arg("paths"), py::arg("buffers"),
-        py::arg("threads") = 8, py::arg("direct") = true,
+        py::arg("threads") = 8, py::arg("direct") = true, py::arg("sizes") = py::none(),
         "Write each buffer as a whole file followed by its CRC-32C (4 bytes, little-endian).");
   m.def("read_files", &FilesCall<ReadFiles, true>, py::arg("paths"), py::arg("outs"),
-        py::arg("threads") = 8, py::arg("direct") = true,
+        py::arg("threads") = 8, py::arg("direct") = true, py::arg("sizes") = py::none(),
         "Read files written by write_files into `outs`, checking each one's size and CRC-32C.");
   m.def("build_info", []() {
     py::dict info;

@@ -8,6 +8,7 @@ place), and on restore streamed from the checkpoint into the store.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import os
@@ -21,19 +22,15 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
 from ..placement import Plan, shard_key
-from ..partition import Region, clip, local, norm_region, overlap, shifted
+from ..partition import Region, clip, local, norm_region, shifted
+from .arrays import LeafRead, bounding, checked, read_leaves
+from .errors import CheckpointError
+from ..offload.aligned import aligned_empty
 from .leaves import Leaf, Source, chunks
-from .zarr import Array, each, spec, write_chunks
+from .zarr import BATCH_BYTES, Array, spec, trim, write_chunks
 
-IN_FLIGHT = 8  # NVMe shards on their way to the checkpoint at once (each one in host memory)
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be restored here (missing, damaged, or from another run)."""
-
-
-class CheckpointMismatch(CheckpointError):
-  """A sound checkpoint of another model or optimizer: no other step of it restores here."""
+IN_FLIGHT = 8     # layers of NVMe shards read ahead between the store and the checkpoint
+WRITES_AHEAD = 4  # layers being written behind them (each one in host memory)
 
 
 @dataclasses.dataclass
@@ -58,11 +55,6 @@ def block_ranks(plan: Plan) -> int:
   return k if ok else 1
 
 
-def _bounding(regions: list[Region]) -> Region:
-  return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
-               for i in range(len(regions[0])))
-
-
 def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
   """This process's shards of an array source, copied to host memory (the state is donated
   next) as one block per run of adjacent shards: (region inside the logical shape, data)."""
@@ -70,7 +62,7 @@ def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
             for sh in src.array.addressable_shards if not sh.replica_id]
   if not shards:  # another process holds the copy that is written
     return []
-  box = _bounding([r for r, _ in shards])
+  box = bounding([r for r, _ in shards])
   dense = sum(int(np.prod([x.stop - x.start for x in r])) for r, _ in shards) == int(
       np.prod([x.stop - x.start for x in box]))
   groups = [(box, shards)] if dense else [(r, [(r, sh)]) for r, sh in shards]
@@ -83,13 +75,6 @@ def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
       data[local(inside, clipped)] = np.asarray(sh.data)[local(inside, r)]
     out.append((clipped, data))
   return out
-
-
-def _layers(region: Region, stacked: bool) -> list[Region]:
-  """`region` one layer at a time (a stacked leaf: host memory holds a layer), else whole."""
-  if not stacked:
-    return [region]
-  return [(slice(l, l + 1),) + tuple(region[1:]) for l in range(region[0].start, region[0].stop)]
 
 
 def _units(run: Run, leaf: Leaf, src: Source):
@@ -118,19 +103,23 @@ class StateHandler(ocp.AsyncCheckpointHandler):
       for o in opened:
         o.result()
     self._sync("created")
-    writes: list[tuple[str, Region, np.ndarray]] = []
+    writes = _Writes()  # array blocks written in the background while the next are copied
+    nvme: list[tuple[str, Leaf, Source]] = []
     for leaf in run.leaves:
       path = os.fspath(directory / leaf.name)
       for src in leaf.sources:
         if src.derived:
           continue
-        if src.array is None:  # NVMe: stream now, shard by shard, before the next step rewrites it
-          _stream_nvme_to(path, leaf, src, run)
+        if src.array is None:  # NVMe: streamed below, before the next step rewrites it
+          nvme.append((path, leaf, src))
           continue
-        writes += [(path, region, data) for region, data in _blocks(leaf, src)]
+        for region, data in _blocks(leaf, src):
+          writes.add(path, region, data)
+    writes.flush()
+    _stream_nvme_to(nvme, run)
 
     async def commit():
-      save_blocks(writes)
+      writes.wait()
       _durable(os.fspath(directory))  # on the drive before orbax commits the step
 
     return [future.CommitFutureAwaitingContractedSignals(commit(), name="zinfjax_state")]
@@ -144,13 +133,20 @@ class StateHandler(ocp.AsyncCheckpointHandler):
   def restore(self, directory, args: "StateRestore") -> dict[str, jax.Array]:
     run = args.run
     out = {}
-    for leaf in run.leaves:
-      arr = open_checked(os.fspath(directory / leaf.name), leaf)
-      for k, src in enumerate(leaf.sources):
-        if src.keys:
-          _stream_to_nvme(arr, leaf, src, run)
-        if src.array is not None:
-          out[f"{leaf.name}#{k}"] = _read_array(arr, leaf, src)
+    try:  # every array is checked before any is read
+      arrs = [open_checked(os.fspath(directory / leaf.name), leaf) for leaf in run.leaves]
+      _stream_to_nvme([(arr, leaf, src) for leaf, arr in zip(run.leaves, arrs)
+                       for src in leaf.sources if src.keys], run)
+      reads, names = [], []
+      for leaf, arr in zip(run.leaves, arrs):
+        arrays = [(k, src) for k, src in enumerate(leaf.sources) if src.array is not None]
+        if arrays:
+          reads.append(LeafRead(arr, leaf, [src for _, src in arrays]))
+          names.append([f"{leaf.name}#{k}" for k, _ in arrays])
+      for keys, xs in zip(names, read_leaves(reads)):
+        out.update(zip(keys, xs))
+    finally:
+      trim()
     return out
 
 
@@ -164,6 +160,37 @@ class StateSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class StateRestore(ocp.args.CheckpointArgs):
   run: Run
+
+
+class _Writes:
+  """Blocks handed to `save_blocks` in batches of about `BATCH_BYTES`, one batch at a time on
+  a writer thread (each batch keeps the drive's queue full by itself)."""
+
+  _thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+  def __init__(self):
+    self.batch: list[tuple[str, Region, np.ndarray]] = []
+    self.size = 0
+    self.started: list[concurrent.futures.Future] = []
+
+  def add(self, path: str, region: Region, data: np.ndarray) -> None:
+    self.batch.append((path, region, data))
+    self.size += data.nbytes
+    if self.size >= BATCH_BYTES:
+      self.flush()
+
+  def flush(self) -> None:
+    if self.batch:
+      if _Writes._thread is None:
+        _Writes._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-ckpt-save")
+      self.started.append(_Writes._thread.submit(save_blocks, self.batch))
+    self.batch, self.size = [], 0
+
+  def wait(self) -> None:
+    """Wait for every batch; the first error is raised (after all have ended)."""
+    concurrent.futures.wait(self.started)
+    for f in self.started:
+      f.result()
 
 
 def save_blocks(writes: list[tuple[str, Region, np.ndarray]]) -> None:
@@ -198,10 +225,7 @@ def read_async(arr, region: Region, leaf: Leaf, dtype) -> Callable[[], np.ndarra
 def _padded(data: Callable[[], np.ndarray], clipped: Region, region: Region, leaf: Leaf,
             dtype) -> np.ndarray:
   """The data of `clipped` (from `data()`) as `region`, zero where it is padding."""
-  try:
-    x = data()
-  except Exception as e:  # damaged chunks: the engine's CorruptShardError, tensorstore's errors
-    raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
+  x = checked(leaf, data)
   if clipped == tuple(region):  # no padding in it: the data as read
     return x.astype(dtype, copy=False)
   out = np.zeros([s.stop - s.start for s in region], dtype)
@@ -218,36 +242,6 @@ def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int = IN_FLIGHT
     yield running.pop(0)()
 
 
-def _read_array(arr, leaf: Leaf, src: Source) -> jax.Array:
-  """A jax.Array with the target's shape, dtype and sharding (memory kind included): the
-  process's block of the stored leaf read one layer at a time (several at once), each
-  layer's chunks read once and sliced into every device's shard by the thread that read it."""
-  target = src.array
-  sharding = target.sharding
-  placed, regions = [], {}
-  for device, index in sharding.addressable_devices_indices_map(target.shape).items():
-    region = shifted(norm_region(index, target.shape), leaf.layout, src.start)
-    key = tuple((x.start, x.stop) for x in region)
-    regions.setdefault(key, region)  # replicated targets read each region once
-    placed.append((device, key))
-  # filled whole by the layers below (their box covers every region)
-  outs = {k: np.empty([x.stop - x.start for x in r], target.dtype) for k, r in regions.items()}
-  pieces = _layers(_bounding(list(regions.values())), leaf.layout is not None and leaf.layout.stacked)
-
-  def load(piece: Region) -> None:  # on an I/O thread: the read, then its slices
-    clipped = clip(piece, leaf.shape)
-    data = _padded(lambda: arr.read_now(clipped), clipped, piece, leaf, target.dtype)
-    for key, region in regions.items():
-      inter = overlap(piece, region)
-      if inter is not None:
-        outs[key][local(inter, region)] = data[local(inter, piece)]
-
-  each(load, pieces)
-  arrays = [jax.device_put(outs[key], jax.sharding.SingleDeviceSharding(
-      device, memory_kind=sharding.memory_kind)) for device, key in placed]
-  return jax.make_array_from_single_device_arrays(target.shape, sharding, arrays)
-
-
 def _by_layer(units: list) -> list[tuple[int, list]]:
   """(layer, [(rank, region)]) of `_units`, layer by layer."""
   layers: dict[int, list] = {}
@@ -256,41 +250,48 @@ def _by_layer(units: list) -> list[tuple[int, list]]:
   return sorted(layers.items())
 
 
-def _stream_to_nvme(arr, leaf: Leaf, src: Source, run: Run) -> None:
-  """Write this process's swap-store shards of a source from the checkpoint: its block of each
-  layer read once (`IN_FLIGHT` layers ahead), sliced per rank."""
-  layers = _by_layer(list(_units(run, leaf, src)))
-  boxes = [_bounding([r for _, r in ranks]) for _, ranks in layers]
-  reads = _ahead([lambda b=b: read_async(arr, b, leaf, np.float32) for b in boxes])
-  tickets = []
-  for (layer, ranks), box, block in zip(layers, boxes, reads):
-    for t in tickets:
-      t.wait()
-    tickets = [run.store.write(shard_key(base, rank, layer),
-                               block[local(region, box)].reshape(leaf.plan.local_shape).astype(dtype))
-               for rank, region in ranks for base, dtype in src.keys]
-  for t in tickets:
+def _stream_to_nvme(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
+  """Write this process's swap-store shards of NVMe sources (array, leaf, source) from the
+  checkpoint, all in one stream: each layer's block read once (`IN_FLIGHT` layers ahead),
+  sliced per rank and written as one transfer (`WRITES_AHEAD` layers in flight)."""
+  units = [(arr, leaf, src, layer, ranks, bounding([r for _, r in ranks]))
+           for arr, leaf, src in items for layer, ranks in _by_layer(list(_units(run, leaf, src)))]
+  reads = _ahead([lambda u=u: read_async(u[0], u[5], u[1], np.float32) for u in units])
+  writing: list = []
+  for (_, leaf, src, layer, ranks, box), block in zip(units, reads):
+    shards = [np.ascontiguousarray(block[local(region, box)]).reshape(leaf.plan.local_shape)
+              for _, region in ranks]
+    writing.append(run.store.write_many([
+        (shard_key(base, rank, layer), shard.astype(dtype, copy=False))
+        for (rank, _), shard in zip(ranks, shards) for base, dtype in src.keys]))
+    if len(writing) > WRITES_AHEAD:
+      writing.pop(0).wait()
+  for t in writing:
     t.wait()
 
 
-def _stream_nvme_to(path: str, leaf: Leaf, src: Source, run: Run) -> None:
-  """Copy this process's swap-store shards of a source into the checkpoint array at `path`:
-  each layer's shards (read `IN_FLIGHT` ahead) joined into the process's block, one write."""
-  arr = Array(path)
-  base = src.keys[0][0]
-  replicated = leaf.layout.axis is None
-  layers = _by_layer([u for u in _units(run, leaf, src) if not replicated or u[0] == 0])
-  order = [(layer, rank) for layer, ranks in layers for rank, _ in ranks]
-  reads = _ahead([lambda u=u: run.store.read(shard_key(base, u[1], u[0])).wait for u in order])
-  writing: list = []  # at most 2 layers' blocks in host memory besides the reads
-  for layer, ranks in layers:
-    box = clip(_bounding([r for _, r in ranks]), leaf.shape)
-    block = np.empty([x.stop - x.start for x in box], np.float32)
-    for (rank, region), data in zip(ranks, reads):
+def _stream_nvme_to(items: list[tuple[str, Leaf, Source]], run: Run) -> None:
+  """Copy this process's swap-store shards of NVMe sources (array folder, leaf, source) into
+  the checkpoint, all in one stream: each layer's shards (`IN_FLIGHT` layers ahead) joined
+  into the process's block, one write (`WRITES_AHEAD` in flight)."""
+  units = []
+  for path, leaf, src in items:
+    arr = Array(path)
+    replicated = leaf.layout.axis is None
+    units += [(arr, leaf, src.keys[0], layer, ranks) for layer, ranks in
+              _by_layer([u for u in _units(run, leaf, src) if not replicated or u[0] == 0])]
+  reads = _ahead([lambda u=u: run.store.read_many([
+      (shard_key(u[2][0], rank, u[3]), aligned_empty(u[1].plan.local_shape, u[2][1]))
+      for rank, _ in u[4]]).wait for u in units])
+  writing: list = []  # `WRITES_AHEAD` layers' blocks in host memory besides the reads
+  for (arr, leaf, _, _, ranks), shards in zip(units, reads):
+    box = clip(bounding([r for _, r in ranks]), leaf.shape)
+    block = np.empty([x.stop - x.start for x in box], leaf.dtype)
+    for (rank, region), data in zip(ranks, shards):
       inside = clip(region, leaf.shape)
       data = data.reshape([x.stop - x.start for x in region])
       block[local(inside, box)] = data[local(inside, region)]
-    if len(writing) >= 2:
+    if len(writing) >= WRITES_AHEAD:
       writing.pop(0)()
     writing.append(arr.write(box, block))
   for wait in writing:

@@ -14,7 +14,7 @@ import fcntl
 import os
 import threading
 
-from .handler import CheckpointError
+from .errors import CheckpointError
 
 NAME = ".zinfjax-lock"
 _held: dict[str, list[int]] = {}  # directory -> [fd, users]

@@ -35,7 +35,8 @@ from ..optim.host import HostAdamState
 from ..partition import key_name
 from ..state import TrainState, make_states
 from . import lock as dirlock
-from .handler import CheckpointError, CheckpointMismatch, Run, StateHandler, StateRestore, StateSave, open_checked, read
+from .errors import CheckpointError, CheckpointMismatch
+from .handler import Run, StateHandler, StateRestore, StateSave, open_checked, read
 from .leaves import Leaf, state_leaves
 
 FORMAT = "zinfjax-checkpoint/1"

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import os
+import threading
 from typing import Any, Callable
 
 import ml_dtypes
@@ -24,12 +25,15 @@ import numpy as np
 import tensorstore as ts
 
 from .. import _engine
+from ..offload.aligned import aligned_empty
 from ..partition import Region, clip, local, overlap
 
 THREADS = 8             # engine threads per call: requests in flight on the drive
 IN_FLIGHT = 8           # calls at once (a chunk of a few MB is one request: several calls keep
                         # the drive's queue full)
 BATCH_BYTES = 256 << 20  # chunk payloads per engine call (copies of edge chunks included)
+MIN_SCRATCH = 8 << 20   # smallest staging buffer for chunk reads
+TRAILER = 4             # bytes of a chunk file's CRC-32C
 PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -155,24 +159,70 @@ class Array:
   def read_now(self, region: Region) -> np.ndarray:
     """`region` (inside the shape), read before returning; the chunks it touches are read
     whole, once."""
+    out = np.empty([s.stop - s.start for s in region], self.grid.dtype if self.grid else self.ts.dtype.numpy_dtype)
+
+    def put(box: Region, data: np.ndarray) -> None:
+      inter = overlap(box, region)
+      out[local(inter, region)] = data[local(inter, box)]
+
+    self.scan(region, put)
+    return out
+
+  def scan(self, region: Region, fn: Callable[[Region, np.ndarray], None]) -> None:
+    """Read the chunks that `region` (inside the shape) touches, whole and once each, and call
+    `fn(box, data)` for each on this thread: `data` holds the chunk's `box` (clipped to the
+    shape) and is valid only during the call (its buffer is reused)."""
     grid = self.grid
     if grid is None:
-      return self.ts[region].read().result()
+      fn(tuple(region), self.ts[region].read().result())
+      return
     indices = grid.indices(region)
-    out = np.empty([s.stop - s.start for s in region], grid.dtype)
-    if len(indices) == 1 and grid.box(indices[0]) == tuple(region):  # one whole chunk: in place
-      _engine.read_files([grid.file(indices[0])], [_bytes(out)], THREADS)
-      return out
-    per_call = max(1, BATCH_BYTES // (int(np.prod(grid.chunk)) * grid.dtype.itemsize))
+    nbytes = int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize
+    room = _engine.align_up(nbytes + TRAILER)  # aligned, with room for trailer and padding:
+    per_call = max(1, BATCH_BYTES // room)     # the drive reads into it with no staging copy
     for start in range(0, len(indices), per_call):
       part = indices[start:start + per_call]
-      boxes = [grid.box(ix) for ix in part]
-      bufs = [np.empty([b.stop - b.start for b in box], grid.dtype) for box in boxes]
-      _engine.read_files([grid.file(ix) for ix in part], [_bytes(b) for b in bufs], THREADS)
-      for box, buf in zip(boxes, bufs):
-        inter = overlap(box, region)
-        out[local(inter, region)] = buf[local(inter, box)]
-    return out
+      with _scratch(room * len(part)) as buf:
+        views = [buf[i * room:(i + 1) * room] for i in range(len(part))]
+        _engine.read_files([grid.file(ix) for ix in part], views, THREADS, sizes=[nbytes] * len(part))
+        for ix, view in zip(part, views):
+          box = grid.box(ix)
+          inside = clip(box, grid.shape)
+          data = view[:nbytes].view(grid.dtype).reshape([b.stop - b.start for b in box])
+          fn(inside, data[local(inside, box)])
+
+
+class _scratch:
+  """A staging buffer of at least `nbytes` from a shared free list: `with _scratch(n) as buf`.
+  Buffers come in power-of-two sizes from 8 MiB and are touched once when made, so the drive
+  reads into mapped (huge) pages: a fresh buffer per read halves the read rate. `trim()`
+  frees the list."""
+
+  _free: dict[int, list[np.ndarray]] = {}
+  _lock = threading.Lock()
+
+  def __init__(self, nbytes: int):
+    self.nbytes = nbytes
+    self.size = max(MIN_SCRATCH, 1 << (nbytes - 1).bit_length())
+
+  def __enter__(self) -> np.ndarray:
+    with self._lock:
+      free = self._free.get(self.size)
+      self.buf = free.pop() if free else None
+    if self.buf is None:
+      self.buf = aligned_empty(self.size, np.uint8)
+      self.buf.fill(0)
+    return self.buf[:self.nbytes]
+
+  def __exit__(self, *exc) -> None:
+    with self._lock:
+      self._free.setdefault(self.size, []).append(self.buf)
+
+
+def trim() -> None:
+  """Free the staging buffers that reads and writes keep for reuse."""
+  with _scratch._lock:
+    _scratch._free.clear()
 
 
 def each(fn: Callable[[Any], None], items: list) -> None:

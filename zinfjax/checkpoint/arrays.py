@@ -1,0 +1,134 @@
+"""Restoring array sources: the stored leaves read chunk by chunk into every device's buffer.
+
+Leaves are read in groups of about `GROUP_BYTES`, all their chunks in one
+stream over the I/O threads (a leaf at a time drains the drive's queue at
+every small leaf), each chunk scattered into the devices' buffers by the
+thread that read it. The buffers are aligned, so on a CPU platform the
+arrays take them over with no copy; on a GPU, `device_put` copies each group
+before the next is read (host memory holds one group).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ..offload.aligned import aligned_empty
+from ..partition import Region, clip, local, norm_region, overlap, shifted
+from .errors import CheckpointError
+from .leaves import Leaf, Source
+from .zarr import Array, each
+
+GROUP_BYTES = 1 << 30  # host buffers filled before they become arrays
+
+
+def checked(leaf: Leaf, read: Callable[[], Any]) -> Any:
+  """`read()`, with damaged chunks (the engine's CorruptShardError, tensorstore's errors)
+  raised as a CheckpointError naming the leaf."""
+  try:
+    return read()
+  except Exception as e:
+    raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
+
+
+def bounding(regions: list[Region]) -> Region:
+  """The smallest box holding every region."""
+  return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
+               for i in range(len(regions[0])))
+
+
+def layers(region: Region, stacked: bool) -> list[Region]:
+  """`region` one layer at a time (a stacked leaf: host memory holds a layer), else whole."""
+  if not stacked:
+    return [region]
+  return [(slice(l, l + 1),) + tuple(region[1:]) for l in range(region[0].start, region[0].stop)]
+
+
+class LeafRead:
+  """The array sources of one leaf (e.g. the master and the compute params cast from it),
+  read from its stored array once: `jobs` fill the host buffers, `arrays` makes them
+  jax.Arrays with the targets' shapes, dtypes and shardings (memory kinds included)."""
+
+  def __init__(self, arr: Array, leaf: Leaf, srcs: list[Source]):
+    self.arr, self.leaf, self.srcs = arr, leaf, srcs
+    self.placed, self.regions = [], {}
+    for src in srcs:
+      target = src.array
+      devices = []
+      for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
+        region = shifted(norm_region(index, target.shape), leaf.layout, src.start)
+        key = tuple((x.start, x.stop) for x in region)
+        self.regions.setdefault(key, region)  # targets that share a region read it once
+        devices.append((device, key))
+      self.placed.append(devices)
+    self.outs: dict = {}
+    self.nbytes = sum(int(np.prod([x.stop - x.start for x in r])) for r in self.regions.values()
+                      ) * np.dtype(leaf.dtype).itemsize
+
+  def jobs(self) -> list[Callable[[], None]]:
+    """One read per layer of the leaf (each a layer's chunks, scattered as they come)."""
+    self.outs = {k: _host_buffer(r, self.leaf) for k, r in self.regions.items()}
+    stacked = self.leaf.layout is not None and self.leaf.layout.stacked
+    return [lambda p=p: self._load(p) for p in layers(bounding(list(self.regions.values())), stacked)]
+
+  def _load(self, piece: Region) -> None:
+    clipped = clip(piece, self.leaf.shape)
+    if all(s.start < s.stop for s in clipped):  # else all padding
+      checked(self.leaf, lambda: self.arr.scan(clipped, self._put))
+
+  def _put(self, box: Region, data: np.ndarray) -> None:  # on an I/O thread, while it is held
+    for key, region in self.regions.items():
+      inter = overlap(box, region)
+      if inter is not None:
+        self.outs[key][local(inter, region)] = data[local(inter, box)]
+
+  def arrays(self) -> list[jax.Array]:
+    """One jax.Array per source, from the filled buffers (which it may take over)."""
+    taken: set = set()
+    out = []
+    for src, devices in zip(self.srcs, self.placed):
+      sharding = src.array.sharding
+      bufs = [_own(self.outs[key], np.dtype(src.array.dtype), key, taken) for _, key in devices]
+      parts = jax.device_put(bufs, [jax.sharding.SingleDeviceSharding(
+          device, memory_kind=sharding.memory_kind) for device, _ in devices])
+      out.append(jax.make_array_from_single_device_arrays(src.array.shape, sharding, parts))
+    self.outs = {}
+    return out
+
+
+def read_leaves(reads: list[LeafRead]) -> list[list[jax.Array]]:
+  """`arrays()` of every read, the reads of a group of leaves (about `GROUP_BYTES`) in one
+  stream over the I/O threads."""
+  out: list[list[jax.Array]] = []
+  start = 0
+  while start < len(reads):
+    stop, size = start, 0
+    while stop < len(reads) and (stop == start or size + reads[stop].nbytes <= GROUP_BYTES):
+      size += reads[stop].nbytes
+      stop += 1
+    group = reads[start:stop]
+    each(lambda job: job(), [job for r in group for job in r.jobs()])
+    out += [r.arrays() for r in group]
+    start = stop
+  return out
+
+
+def _host_buffer(region: Region, leaf: Leaf) -> np.ndarray:
+  """An aligned host buffer for `region` of a leaf, zero where the region is padding."""
+  buf = aligned_empty([x.stop - x.start for x in region], leaf.dtype)
+  if clip(region, leaf.shape) != tuple(region):
+    buf.fill(0)
+  return buf
+
+
+def _own(buf: np.ndarray, dtype: np.dtype, key, taken: set) -> np.ndarray:
+  """`buf` for one device array: itself the first time it is wanted in its dtype, else an
+  aligned copy (cast to `dtype`): an array may take over its buffer, so none is shared."""
+  if buf.dtype == dtype and key not in taken:
+    taken.add(key)
+    return buf
+  out = aligned_empty(buf.shape, dtype)
+  np.copyto(out, buf, casting="unsafe")
+  return out
