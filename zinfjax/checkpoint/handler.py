@@ -21,11 +21,11 @@ import tensorstore as ts
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
+from ..offload.aligned import aligned_empty
 from ..placement import Plan, shard_key
 from ..partition import Region, clip, local, norm_region, shifted
 from .arrays import LeafRead, bounding, checked, read_leaves
 from .errors import CheckpointError
-from ..offload.aligned import aligned_empty
 from .leaves import Leaf, Source, chunks
 from .zarr import BATCH_BYTES, Array, spec, trim, write_chunks
 

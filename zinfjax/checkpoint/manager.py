@@ -37,6 +37,7 @@ from ..state import TrainState, make_states
 from . import lock as dirlock
 from .errors import CheckpointError, CheckpointMismatch
 from .handler import Run, StateHandler, StateRestore, StateSave, open_checked, read
+from .zarr import trim
 from .leaves import Leaf, state_leaves
 
 FORMAT = "zinfjax-checkpoint/1"
@@ -276,7 +277,9 @@ def master_params(directory: str | os.PathLike, step: int | None = None) -> Iter
       continue
     leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
     arr = open_checked(os.path.join(folder, name), leaf)
-    yield name[len(prefix):], read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
+    data = read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
+    trim()  # the staging buffers of this leaf's reads
+    yield name[len(prefix):], data
 
 
 def _restore_targets(target) -> list[Leaf]:

@@ -159,7 +159,8 @@ class Array:
   def read_now(self, region: Region) -> np.ndarray:
     """`region` (inside the shape), read before returning; the chunks it touches are read
     whole, once."""
-    out = np.empty([s.stop - s.start for s in region], self.grid.dtype if self.grid else self.ts.dtype.numpy_dtype)
+    dtype = self.grid.dtype if self.grid is not None else self.ts.dtype.numpy_dtype
+    out = np.empty([s.stop - s.start for s in region], dtype)
 
     def put(box: Region, data: np.ndarray) -> None:
       inter = overlap(box, region)
@@ -220,7 +221,7 @@ class _scratch:
 
 
 def trim() -> None:
-  """Free the staging buffers that reads and writes keep for reuse."""
+  """Free the staging buffers that chunk reads keep for reuse (after a restore or export)."""
   with _scratch._lock:
     _scratch._free.clear()
 
