@@ -55,9 +55,32 @@ def block_ranks(plan: Plan) -> int:
   return k if ok else 1
 
 
-def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
-  """This process's shards of an array source, copied to host memory (the state is donated
-  next) as one block per run of adjacent shards: (region inside the logical shape, data)."""
+@dataclasses.dataclass
+class _Block:
+  """A run of adjacent shards of one source, copied to host memory (the state is donated
+  next) and joined into one block later, by the writer: `region` inside the logical shape."""
+
+  region: Region
+  shape: tuple[int, ...]                     # the leaf's logical shape
+  parts: list[tuple[Region, np.ndarray]]     # each shard's region (maybe padded) and its copy
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.nbytes for _, x in self.parts)
+
+  def join(self) -> np.ndarray:
+    if len(self.parts) == 1 and tuple(self.parts[0][0]) == tuple(self.region):
+      return self.parts[0][1]  # one shard with no padding: as copied
+    data = np.empty([s.stop - s.start for s in self.region], self.parts[0][1].dtype)
+    for r, x in self.parts:
+      inside = clip(r, self.shape)
+      data[local(inside, self.region)] = x[local(inside, r)]
+    return data
+
+
+def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
+  """This process's shards of an array source, copied to host memory (contiguous copies: the
+  joins wait for the writer) as one block per run of adjacent shards."""
   shards = [(shifted(norm_region(sh.index, src.array.shape), leaf.layout, src.start), sh)
             for sh in src.array.addressable_shards if not sh.replica_id]
   if not shards:  # another process holds the copy that is written
@@ -66,15 +89,9 @@ def _blocks(leaf: Leaf, src: Source) -> list[tuple[Region, np.ndarray]]:
   dense = sum(int(np.prod([x.stop - x.start for x in r])) for r, _ in shards) == int(
       np.prod([x.stop - x.start for x in box]))
   groups = [(box, shards)] if dense else [(r, [(r, sh)]) for r, sh in shards]
-  out = []
-  for region, members in groups:
-    clipped = clip(region, leaf.shape)
-    data = np.empty([x.stop - x.start for x in clipped], np.dtype(src.array.dtype))
-    for r, sh in members:
-      inside = clip(r, leaf.shape)
-      data[local(inside, clipped)] = np.asarray(sh.data)[local(inside, r)]
-    out.append((clipped, data))
-  return out
+  return [_Block(clip(region, leaf.shape), leaf.shape,
+                 [(r, np.array(sh.data, copy=True)) for r, sh in members])
+          for region, members in groups]
 
 
 def _units(run: Run, leaf: Leaf, src: Source):
@@ -113,8 +130,8 @@ class StateHandler(ocp.AsyncCheckpointHandler):
         if src.array is None:  # NVMe: streamed below, before the next step rewrites it
           nvme.append((path, leaf, src))
           continue
-        for region, data in _blocks(leaf, src):
-          writes.add(path, region, data)
+        for block in _blocks(leaf, src):
+          writes.add(path, block)
     writes.flush()
     _stream_nvme_to(nvme, run)
 
@@ -163,19 +180,19 @@ class StateRestore(ocp.args.CheckpointArgs):
 
 
 class _Writes:
-  """Blocks handed to `save_blocks` in batches of about `BATCH_BYTES`, one batch at a time on
-  a writer thread (each batch keeps the drive's queue full by itself)."""
+  """Blocks joined and handed to `save_blocks` in batches of about `BATCH_BYTES`, one batch at
+  a time on a writer thread (each batch keeps the drive's queue full by itself)."""
 
   _thread: concurrent.futures.ThreadPoolExecutor | None = None
 
   def __init__(self):
-    self.batch: list[tuple[str, Region, np.ndarray]] = []
+    self.batch: list[tuple[str, _Block]] = []
     self.size = 0
     self.started: list[concurrent.futures.Future] = []
 
-  def add(self, path: str, region: Region, data: np.ndarray) -> None:
-    self.batch.append((path, region, data))
-    self.size += data.nbytes
+  def add(self, path: str, block: _Block) -> None:
+    self.batch.append((path, block))
+    self.size += block.nbytes
     if self.size >= BATCH_BYTES:
       self.flush()
 
@@ -183,7 +200,9 @@ class _Writes:
     if self.batch:
       if _Writes._thread is None:
         _Writes._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-ckpt-save")
-      self.started.append(_Writes._thread.submit(save_blocks, self.batch))
+      batch = self.batch
+      self.started.append(_Writes._thread.submit(
+          lambda: save_blocks([(path, b.region, b.join()) for path, b in batch])))
     self.batch, self.size = [], 0
 
   def wait(self) -> None:
