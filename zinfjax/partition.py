@@ -141,3 +141,9 @@ def overlap(a: Region, b: Region) -> Region | None:
   """The box two regions share, or None if they do not meet."""
   box = tuple(slice(max(x.start, y.start), min(x.stop, y.stop)) for x, y in zip(a, b))
   return None if any(s.start >= s.stop for s in box) else box
+
+
+def bounding(regions: list[Region]) -> Region:
+  """The smallest box holding every region."""
+  return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
+               for i in range(len(regions[0])))

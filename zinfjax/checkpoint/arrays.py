@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from ..offload.aligned import aligned_empty
-from ..partition import Region, clip, local, norm_region, overlap, shifted
+from ..partition import Region, bounding, clip, local, norm_region, overlap, shifted
 from .errors import CheckpointError
 from .leaves import Leaf, Source
 from .zarr import Array, each
@@ -31,12 +31,6 @@ def checked(leaf: Leaf, read: Callable[[], Any]) -> Any:
     return read()
   except Exception as e:
     raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
-
-
-def bounding(regions: list[Region]) -> Region:
-  """The smallest box holding every region."""
-  return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))
-               for i in range(len(regions[0])))
 
 
 def layers(region: Region, stacked: bool) -> list[Region]:

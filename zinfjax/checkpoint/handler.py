@@ -23,8 +23,8 @@ from orbax.checkpoint._src.futures import future
 
 from ..offload.aligned import aligned_empty
 from ..placement import Plan, shard_key
-from ..partition import Region, clip, local, norm_region, shifted
-from .arrays import LeafRead, bounding, checked, read_leaves
+from ..partition import Region, bounding, clip, local, norm_region, shifted
+from .arrays import LeafRead, checked, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
 from .zarr import BATCH_BYTES, Array, spec, trim, write_chunks
@@ -57,8 +57,9 @@ def block_ranks(plan: Plan) -> int:
 
 @dataclasses.dataclass
 class _Block:
-  """A run of adjacent shards of one source, copied to host memory (the state is donated
-  next) and joined into one block later, by the writer: `region` inside the logical shape."""
+  """A run of adjacent shards of one source in host memory (copies: the state is donated
+  next, or NVMe shards just read), joined into one block when it is written: `region` inside
+  the logical shape."""
 
   region: Region
   shape: tuple[int, ...]                     # the leaf's logical shape
@@ -304,15 +305,12 @@ def _stream_nvme_to(items: list[tuple[str, Leaf, Source]], run: Run) -> None:
       for rank, _ in u[4]]).wait for u in units])
   writing: list = []  # `WRITES_AHEAD` layers' blocks in host memory besides the reads
   for (arr, leaf, _, _, ranks), shards in zip(units, reads):
-    box = clip(bounding([r for _, r in ranks]), leaf.shape)
-    block = np.empty([x.stop - x.start for x in box], leaf.dtype)
-    for (rank, region), data in zip(ranks, shards):
-      inside = clip(region, leaf.shape)
-      data = data.reshape([x.stop - x.start for x in region])
-      block[local(inside, box)] = data[local(inside, region)]
+    block = _Block(clip(bounding([r for _, r in ranks]), leaf.shape), leaf.shape,
+                   [(region, data.reshape([x.stop - x.start for x in region]))
+                    for (_, region), data in zip(ranks, shards)])
     if len(writing) >= WRITES_AHEAD:
       writing.pop(0)()
-    writing.append(arr.write(box, block))
+    writing.append(arr.write(block.region, block.join()))
   for wait in writing:
     wait()
 
