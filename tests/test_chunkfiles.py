@@ -86,11 +86,96 @@ def test_engine_writes_what_tensorstore_reads(tmp_path, dtype):
   grid = Grid.of(os.fspath(tmp_path / "a"))
   assert grid is not None and grid.chunk == chunk and grid.dtype == np.dtype(dtype)
   data = random(shape, dtype)
-  write_chunks([(grid, (slice(0, 2), slice(0, 10), slice(0, 7)), data[:2]),
-                (grid, (slice(2, 3), slice(4, 10), slice(0, 7)), data[2:, 4:])])
-  write_chunks([(grid, (slice(2, 3), slice(0, 4), slice(0, 7)), data[2:, :4])])
+  whole = (slice(0, 2), slice(0, 10), slice(0, 7))
+  write_chunks([(grid, whole, [(whole, data[:2])]),
+                (grid, (slice(2, 3), slice(4, 10), slice(0, 7)), [((slice(2, 3), slice(4, 10), slice(0, 7)), data[2:, 4:])])])
+  write_chunks([(grid, (slice(2, 3), slice(0, 4), slice(0, 7)), [((slice(2, 3), slice(0, 4), slice(0, 7)), data[2:, :4])])])
   got = make_open(tmp_path / "a").read().result()
   np.testing.assert_array_equal(got, data)
+
+
+def test_chunks_gathered_from_shards_on_any_axis(tmp_path):
+  """Chunks made by the engine from shards split on the last axis (each chunk's rows
+  interleave the shards), the last shard padded past the shape, as devices hold them."""
+  shape, chunk = (3, 5, 10), (1, 5, 10)
+  make(tmp_path / "a", shape, chunk)
+  grid = Grid.of(os.fspath(tmp_path / "a"))
+  data = random(shape, seed=3)
+  parts = []
+  for k in range(3):  # 4 columns each: the last shard's 2 columns past the shape are padding
+    region = (slice(0, 3), slice(0, 5), slice(4 * k, 4 * k + 4))
+    shard = np.full((3, 5, 4), np.nan, np.float32)
+    shard[..., :min(4, 10 - 4 * k)] = data[..., 4 * k:4 * k + 4]
+    parts.append((region, shard))
+  write_chunks([(grid, (slice(0, 3), slice(0, 5), slice(0, 10)), parts)])
+  np.testing.assert_array_equal(make_open(tmp_path / "a").read().result(), data)
+  with pytest.raises(ValueError, match="not covered"):  # a shard missing: refused, not zeroed
+    write_chunks([(grid, (slice(0, 3), slice(0, 5), slice(0, 10)), parts[:2])])
+
+
+def test_chunks_scattered_into_every_target(tmp_path):
+  """One read fills several buffers (device shards, one padded past the shape, one of another
+  dtype) with their parts of each chunk."""
+  shape, chunk = (4, 6, 5), (2, 6, 5)
+  arr = make(tmp_path / "a", shape, chunk)
+  data = random(shape, seed=4)
+  special = np.array([0x7FC00000, 0xFFC00001, 0x7F800000, 0x7F7FFFFF, 0x00000001, 0x80008000,
+                      0x3F808000, 0x3F818000, 0x3F80FFFF], np.uint32).view(np.float32)
+  data[1:3, 0, :] = special[:5]  # NaNs, inf, the largest float, denormals, halfway cases
+  data[2:4, 1, :4] = special[5:].reshape(1, 4).repeat(2, 0)
+  arr.write(data).result()
+  stored = Array(os.fspath(tmp_path / "a"))
+  boxes = [(slice(0, 4), slice(0, 6), slice(2 * k, 2 * k + 2)) for k in range(3)]
+  outs = [np.zeros((4, 6, 2), np.float32) for _ in boxes]
+  cast = np.zeros((4, 6, 2), ml_dtypes.bfloat16)
+  stored.scatter((slice(1, 4), slice(0, 6), slice(0, 5)), list(zip(boxes, outs)) + [(boxes[1], cast)])
+  for box, out in zip(boxes, outs):
+    want = np.zeros((4, 6, 2), np.float32)
+    inside = data[1:, :, box[2]]
+    want[1:, :, :inside.shape[-1]] = inside
+    np.testing.assert_array_equal(out, want)
+  # cast by the engine as numpy casts (round to nearest even, NaN kept), bit for bit
+  np.testing.assert_array_equal(cast[1:].view(np.uint16),
+                                data[1:, :, 2:4].astype(ml_dtypes.bfloat16).view(np.uint16))
+  ints = np.zeros((4, 6, 2), np.int32)  # any other cast is numpy's
+  with np.errstate(invalid="ignore"):  # NaN to int
+    stored.scatter((slice(0, 4), slice(0, 6), slice(0, 5)), [(boxes[0], ints)])
+    np.testing.assert_array_equal(ints, data[..., :2].astype(np.int32))
+
+
+def test_engine_box_copies_match_numpy(tmp_path):
+  """Strided, reversed, transposed and bfloat16 boxes copied into and out of a file's payload;
+  copies that do not fit are refused before any I/O."""
+  rng = np.random.default_rng(5)
+  nbytes = 6 * 8 * 4
+  room = _engine.align_up(nbytes + 4)
+  buf = aligned_empty(room, np.uint8)
+  payload = buf[:nbytes].view(np.float32).reshape(6, 8)
+  a, b = rng.random((3, 8), dtype=np.float32), rng.random((10, 16), dtype=np.float32)
+  path = os.fspath(tmp_path / "x")
+  _engine.write_files([path], [buf], sizes=[nbytes], copies=[[(payload[:3], a), (payload[3:], b[2:5, 1::2])]])
+  want = np.concatenate([a, b[2:5, 1::2]])
+  out = np.zeros((6, 8), np.float32)
+  _engine.read_files([path], [out])
+  np.testing.assert_array_equal(out, want)
+  into = aligned_empty(room, np.uint8)
+  read = into[:nbytes].view(np.float32).reshape(6, 8)
+  t, r = np.zeros((8, 6), np.float32), np.zeros((20, 20), np.float32)
+  bf = np.zeros((6, 16), ml_dtypes.bfloat16)
+  _engine.read_files([path], [into], sizes=[nbytes], copies=[[
+      (t.T, read), (r[::-2, 3:11][:6], read), (bf, into[:nbytes].view(ml_dtypes.bfloat16).reshape(6, 16))]])
+  np.testing.assert_array_equal(t.T, want)
+  np.testing.assert_array_equal(r[::-2, 3:11][:6], want)
+  np.testing.assert_array_equal(bf.view(np.uint16), want.view(np.uint16).reshape(6, 16))
+  frozen = np.zeros((6, 8), np.float32)
+  frozen.flags.writeable = False
+  for copy, match in [((t, read), "shapes or dtypes"), ((read, bf[:, :8]), "shapes or dtypes"),
+                      ((t.T, out), "outside"),
+                      ((frozen, read), "read-only")]:
+    with pytest.raises(_engine.EngineError, match=match):
+      _engine.read_files([path], [into], sizes=[nbytes], copies=[[copy]])
+  with pytest.raises(_engine.EngineError, match="outside"):  # a gather must fill the payload
+    _engine.write_files([path], [buf], sizes=[nbytes], copies=[[(out, payload)]])
 
 
 def make_open(path):
@@ -134,12 +219,12 @@ def test_other_layouts_and_partial_chunks_go_through_tensorstore(tmp_path):
   stored = Array(os.fspath(tmp_path / "z"))
   assert stored.grid is None and stored.shape == (4, 6) and stored.chunk == (2, 3)
   data = random((4, 6), seed=2)
-  stored.write((slice(0, 4), slice(0, 6)), data)()
+  stored.write((slice(0, 4), slice(0, 6)), [((slice(0, 4), slice(0, 6)), data)])()
   np.testing.assert_array_equal(stored.read((slice(1, 3), slice(2, 5)))(), data[1:3, 2:5])
   # a plain array, region cutting chunks: tensorstore writes it (read-modify-write)
   make(tmp_path / "p", (4, 6), (2, 3))
   plain = Array(os.fspath(tmp_path / "p"))
-  plain.write((slice(0, 4), slice(0, 6)), data)()
-  plain.write((slice(1, 2), slice(1, 2)), np.full((1, 1), 7.0, np.float32))()
+  plain.write((slice(0, 4), slice(0, 6)), [((slice(0, 4), slice(0, 6)), data)])()
+  plain.write((slice(1, 2), slice(1, 2)), [((slice(1, 2), slice(1, 2)), np.full((1, 1), 7.0, np.float32))])()
   data[1, 1] = 7.0
   np.testing.assert_array_equal(make_open(tmp_path / "p").read().result(), data)

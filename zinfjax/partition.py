@@ -143,6 +143,11 @@ def overlap(a: Region, b: Region) -> Region | None:
   return None if any(s.start >= s.stop for s in box) else box
 
 
+def size(region: Region) -> int:
+  """Elements in a box."""
+  return math.prod(s.stop - s.start for s in region)
+
+
 def bounding(regions: list[Region]) -> Region:
   """The smallest box holding every region."""
   return tuple(slice(min(r[i].start for r in regions), max(r[i].stop for r in regions))

@@ -3,7 +3,7 @@
 Leaves are read in groups of about `GROUP_BYTES`, all their chunks in one
 stream over the I/O threads (a leaf at a time drains the drive's queue at
 every small leaf), each chunk scattered into the devices' buffers by the
-thread that read it. The buffers are aligned, so on a CPU platform the
+engine thread that read it. The buffers are aligned, so on a CPU platform the
 arrays take them over with no copy; on a GPU, `device_put` copies each group
 before the next is read (host memory holds one group).
 """
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from ..offload.aligned import aligned_empty
-from ..partition import Region, bounding, clip, local, norm_region, overlap, shifted
+from ..partition import Region, bounding, clip, norm_region, shifted, size
 from .errors import CheckpointError
 from .leaves import Leaf, Source
 from .zarr import Array, each
@@ -42,41 +42,37 @@ def layers(region: Region, stacked: bool) -> list[Region]:
 
 class LeafRead:
   """The array sources of one leaf (e.g. the master and the compute params cast from it),
-  read from its stored array once: `jobs` fill the host buffers, `arrays` makes them
-  jax.Arrays with the targets' shapes, dtypes and shardings (memory kinds included)."""
+  read from its stored array once: `jobs` fill the host buffers (the engine scatters each
+  chunk into every buffer, cast on the way), `arrays` makes them jax.Arrays with the
+  targets' shapes, dtypes and shardings (memory kinds included)."""
 
   def __init__(self, arr: Array, leaf: Leaf, srcs: list[Source]):
     self.arr, self.leaf, self.srcs = arr, leaf, srcs
     self.placed, self.regions = [], {}
     for src in srcs:
       target = src.array
+      dtype = np.dtype(target.dtype)
       devices = []
       for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
         region = shifted(norm_region(index, target.shape), leaf.layout, src.start)
-        key = tuple((x.start, x.stop) for x in region)
+        key = (tuple((x.start, x.stop) for x in region), dtype)
         self.regions.setdefault(key, region)  # targets that share a region read it once
         devices.append((device, key))
       self.placed.append(devices)
     self.outs: dict = {}
-    self.nbytes = sum(int(np.prod([x.stop - x.start for x in r])) for r in self.regions.values()
-                      ) * np.dtype(leaf.dtype).itemsize
+    self.nbytes = sum(size(r) * key[1].itemsize for key, r in self.regions.items())
 
   def jobs(self) -> list[Callable[[], None]]:
     """One read per layer of the leaf (each a layer's chunks, scattered as they come)."""
-    self.outs = {k: _host_buffer(r, self.leaf) for k, r in self.regions.items()}
+    self.outs = {k: _host_buffer(r, k[1], self.leaf) for k, r in self.regions.items()}
     stacked = self.leaf.layout is not None and self.leaf.layout.stacked
     return [lambda p=p: self._load(p) for p in layers(bounding(list(self.regions.values())), stacked)]
 
   def _load(self, piece: Region) -> None:
     clipped = clip(piece, self.leaf.shape)
     if all(s.start < s.stop for s in clipped):  # else all padding
-      checked(self.leaf, lambda: self.arr.scan(clipped, self._put))
-
-  def _put(self, box: Region, data: np.ndarray) -> None:  # on an I/O thread, while it is held
-    for key, region in self.regions.items():
-      inter = overlap(box, region)
-      if inter is not None:
-        self.outs[key][local(inter, region)] = data[local(inter, box)]
+      targets = [(region, self.outs[key]) for key, region in self.regions.items()]
+      checked(self.leaf, lambda: self.arr.scatter(clipped, targets))
 
   def arrays(self) -> list[jax.Array]:
     """One jax.Array per source, from the filled buffers (which it may take over)."""
@@ -84,7 +80,7 @@ class LeafRead:
     out = []
     for src, devices in zip(self.srcs, self.placed):
       sharding = src.array.sharding
-      bufs = [_own(self.outs[key], np.dtype(src.array.dtype), key, taken) for _, key in devices]
+      bufs = [_own(self.outs[key], key, taken) for _, key in devices]
       parts = jax.device_put(bufs, [jax.sharding.SingleDeviceSharding(
           device, memory_kind=sharding.memory_kind) for device, _ in devices])
       out.append(jax.make_array_from_single_device_arrays(src.array.shape, sharding, parts))
@@ -109,20 +105,20 @@ def read_leaves(reads: list[LeafRead]) -> list[list[jax.Array]]:
   return out
 
 
-def _host_buffer(region: Region, leaf: Leaf) -> np.ndarray:
+def _host_buffer(region: Region, dtype: np.dtype, leaf: Leaf) -> np.ndarray:
   """An aligned host buffer for `region` of a leaf, zero where the region is padding."""
-  buf = aligned_empty([x.stop - x.start for x in region], leaf.dtype)
+  buf = aligned_empty([x.stop - x.start for x in region], dtype)
   if clip(region, leaf.shape) != tuple(region):
     buf.fill(0)
   return buf
 
 
-def _own(buf: np.ndarray, dtype: np.dtype, key, taken: set) -> np.ndarray:
-  """`buf` for one device array: itself the first time it is wanted in its dtype, else an
-  aligned copy (cast to `dtype`): an array may take over its buffer, so none is shared."""
-  if buf.dtype == dtype and key not in taken:
+def _own(buf: np.ndarray, key, taken: set) -> np.ndarray:
+  """`buf` for one device array: itself the first time it is wanted, else an aligned copy (an
+  array may take over its buffer, so none is shared)."""
+  if key not in taken:
     taken.add(key)
     return buf
-  out = aligned_empty(buf.shape, dtype)
-  np.copyto(out, buf, casting="unsafe")
+  out = aligned_empty(buf.shape, buf.dtype)
+  np.copyto(out, buf)
   return out

@@ -27,7 +27,7 @@ from ..partition import Region, bounding, clip, local, norm_region, shifted
 from .arrays import LeafRead, checked, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
-from .zarr import BATCH_BYTES, Array, spec, trim, write_chunks
+from .zarr import BATCH_BYTES, Array, Part, spec, trim, write_chunks
 
 IN_FLIGHT = 8     # layers of NVMe shards read ahead between the store and the checkpoint
 WRITES_AHEAD = 4  # layers being written behind them (each one in host memory)
@@ -58,25 +58,15 @@ def block_ranks(plan: Plan) -> int:
 @dataclasses.dataclass
 class _Block:
   """A run of adjacent shards of one source in host memory (copies: the state is donated
-  next, or NVMe shards just read), joined into one block when it is written: `region` inside
-  the logical shape."""
+  next, or NVMe shards just read), written as one region: `region` inside the logical shape,
+  each chunk gathered from the parts by the engine."""
 
   region: Region
-  shape: tuple[int, ...]                     # the leaf's logical shape
-  parts: list[tuple[Region, np.ndarray]]     # each shard's region (maybe padded) and its copy
+  parts: list[Part]     # each shard's region (maybe padded past the shape) and its copy
 
   @property
   def nbytes(self) -> int:
     return sum(x.nbytes for _, x in self.parts)
-
-  def join(self) -> np.ndarray:
-    if len(self.parts) == 1 and tuple(self.parts[0][0]) == tuple(self.region):
-      return self.parts[0][1]  # one shard with no padding: as copied
-    data = np.empty([s.stop - s.start for s in self.region], self.parts[0][1].dtype)
-    for r, x in self.parts:
-      inside = clip(r, self.shape)
-      data[local(inside, self.region)] = x[local(inside, r)]
-    return data
 
 
 def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
@@ -90,8 +80,7 @@ def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
   dense = sum(int(np.prod([x.stop - x.start for x in r])) for r, _ in shards) == int(
       np.prod([x.stop - x.start for x in box]))
   groups = [(box, shards)] if dense else [(r, [(r, sh)]) for r, sh in shards]
-  return [_Block(clip(region, leaf.shape), leaf.shape,
-                 [(r, np.array(sh.data, copy=True)) for r, sh in members])
+  return [_Block(clip(region, leaf.shape), [(r, np.array(sh.data, copy=True)) for r, sh in members])
           for region, members in groups]
 
 
@@ -203,7 +192,7 @@ class _Writes:
         _Writes._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-ckpt-save")
       batch = self.batch
       self.started.append(_Writes._thread.submit(
-          lambda: save_blocks([(path, b.region, b.join()) for path, b in batch])))
+          lambda: save_blocks([(path, b.region, b.parts) for path, b in batch])))
     self.batch, self.size = [], 0
 
   def wait(self) -> None:
@@ -213,17 +202,17 @@ class _Writes:
       f.result()
 
 
-def save_blocks(writes: list[tuple[str, Region, np.ndarray]]) -> None:
-  """Write (array folder, region, data) blocks: whole chunks by the engine in few calls (the
+def save_blocks(writes: list[tuple[str, Region, list[Part]]]) -> None:
+  """Write (array folder, region, parts) blocks: whole chunks by the engine in few calls (the
   drive kept busy), anything else through tensorstore."""
   grids: dict[str, Array] = {}
   whole, others = [], []
-  for path, region, data in writes:
+  for path, region, parts in writes:
     arr = grids.setdefault(path, Array(path))
     if arr.grid is not None and arr.grid.whole(region):
-      whole.append((arr.grid, region, data))
+      whole.append((arr.grid, region, parts))
     else:
-      others.append(arr.write(region, data))
+      others.append(arr.write(region, parts))
   write_chunks(whole)
   for wait in others:
     wait()
@@ -305,12 +294,11 @@ def _stream_nvme_to(items: list[tuple[str, Leaf, Source]], run: Run) -> None:
       for rank, _ in u[4]]).wait for u in units])
   writing: list = []  # `WRITES_AHEAD` layers' blocks in host memory besides the reads
   for (arr, leaf, _, _, ranks), shards in zip(units, reads):
-    block = _Block(clip(bounding([r for _, r in ranks]), leaf.shape), leaf.shape,
-                   [(region, data.reshape([x.stop - x.start for x in region]))
-                    for (_, region), data in zip(ranks, shards)])
+    parts = [(region, data.reshape([x.stop - x.start for x in region]))
+             for (_, region), data in zip(ranks, shards)]
     if len(writing) >= WRITES_AHEAD:
       writing.pop(0)()
-    writing.append(arr.write(block.region, block.join()))
+    writing.append(arr.write(clip(bounding([r for _, r in ranks]), leaf.shape), parts))
   for wait in writing:
     wait()
 

@@ -5,7 +5,10 @@ any of them): every chunk is its little-endian bytes followed by their CRC-32C.
 Whole chunks of such arrays are written and read here by the engine's file
 path (`_engine.write_files` / `read_files`: O_DIRECT, 8 MiB pieces over several
 threads, every chunk's CRC-32C made and checked in C++), which runs at the
-drive's speed where tensorstore's per-chunk codec path does not. A region that
+drive's speed where tensorstore's per-chunk codec path does not. The engine also
+gathers each chunk from the parts that hold it (e.g. the shards of 8 devices)
+and scatters it into the buffers that want it, on the thread that moves the
+file, so no Python copy stands between the drive and the arrays. A region that
 does not cover whole chunks, or an array in any other zarr layout, goes through
 tensorstore.
 """
@@ -26,7 +29,7 @@ import tensorstore as ts
 
 from .. import _engine
 from ..offload.aligned import aligned_empty
-from ..partition import Region, clip, local, overlap
+from ..partition import Region, clip, local, overlap, size
 
 THREADS = 8             # engine threads per call: requests in flight on the drive
 IN_FLIGHT = 8           # calls at once (a chunk of a few MB is one request: several calls keep
@@ -110,16 +113,43 @@ class Grid:
                for s, c, n in zip(region, self.chunk, self.shape))
 
 
-def _payload(grid: Grid, index: tuple[int, ...], region: Region, data: np.ndarray) -> np.ndarray:
-  """Chunk `index` of `data` (which holds `region`) as the chunk's full C-order array."""
+Part = tuple[Region, np.ndarray]  # a box of an array (it may reach past the shape) and its data
+
+
+def join(region: Region, parts: list[Part], shape: tuple[int, ...]) -> np.ndarray:
+  """`region` as one array, from the `parts` that cover it (inside `shape`)."""
+  if len(parts) == 1 and tuple(parts[0][0]) == tuple(region):
+    return parts[0][1]
+  data = np.empty([s.stop - s.start for s in region], parts[0][1].dtype)
+  for r, x in parts:
+    inter = overlap(clip(r, shape), region)
+    if inter is not None:
+      data[local(inter, region)] = x[local(inter, r)]
+  return data
+
+
+def _at(a: np.ndarray, index: tuple) -> np.ndarray:
+  """The view `a[index]`, also for a 0-d array (where `a[()]` is a scalar, not a view)."""
+  return a[(*index, ...)]
+
+
+def _gathers(grid: Grid, index: tuple[int, ...], parts: list[Part], payload: np.ndarray) -> list:
+  """(payload view, part view) copies that make chunk `index`'s full C-order `payload` from
+  `parts`; beyond the shape the payload is zeroed (the fill value)."""
   box = grid.box(index)
   inside = clip(box, grid.shape)
-  piece = data[local(inside, region)]
-  if inside == box:
-    return np.ascontiguousarray(piece, grid.dtype)
-  full = np.zeros([b.stop - b.start for b in box], grid.dtype)  # beyond the shape: fill value
-  full[local(inside, box)] = piece
-  return full
+  copies, covered = [], 0
+  for r, x in parts:
+    inter = overlap(clip(r, grid.shape), inside)
+    if inter is not None:
+      copies.append((_at(payload, local(inter, box)), _at(x.astype(grid.dtype, copy=False), local(inter, r))))
+      covered += size(inter)
+  if covered != size(inside):
+    raise ValueError(f"chunk {index} of {grid.path} is not covered by the parts given "
+                     f"({covered} of {size(inside)} elements)")
+  if inside != box:
+    payload.fill(0)
+  return copies
 
 
 class Array:
@@ -144,11 +174,11 @@ class Array:
   def chunk(self) -> tuple[int, ...]:
     return self.grid.chunk if self.grid is not None else tuple(self.ts.chunk_layout.write_chunk.shape)
 
-  def write(self, region: Region, data: np.ndarray) -> Callable[[], None]:
-    """Write `data` to `region` (inside the shape)."""
+  def write(self, region: Region, parts: list[Part]) -> Callable[[], None]:
+    """Write `region` (inside the shape) from the `parts` that cover it."""
     if self.grid is None or not self.grid.whole(region):
-      return self.ts[region].write(data).result
-    return _io().submit(write_chunks, [(self.grid, region, data)]).result
+      return self.ts[region].write(join(region, parts, self.shape)).result
+    return _io().submit(write_chunks, [(self.grid, region, parts)]).result
 
   def read(self, region: Region) -> Callable[[], np.ndarray]:
     """Start reading `region` (inside the shape); see `read_now`."""
@@ -161,36 +191,54 @@ class Array:
     whole, once."""
     dtype = self.grid.dtype if self.grid is not None else self.ts.dtype.numpy_dtype
     out = np.empty([s.stop - s.start for s in region], dtype)
-
-    def put(box: Region, data: np.ndarray) -> None:
-      inter = overlap(box, region)
-      out[local(inter, region)] = data[local(inter, box)]
-
-    self.scan(region, put)
+    self.scatter(region, [(region, out)])
     return out
 
-  def scan(self, region: Region, fn: Callable[[Region, np.ndarray], None]) -> None:
-    """Read the chunks that `region` (inside the shape) touches, whole and once each, and call
-    `fn(box, data)` for each on this thread: `data` holds the chunk's `box` (clipped to the
-    shape) and is valid only during the call (its buffer is reused)."""
+  def scatter(self, region: Region, targets: list[Part]) -> None:
+    """Read the chunks that `region` (inside the shape) touches, whole and once each, into the
+    `targets` (box, buffer): each gets the part of `region` inside its box. The engine copies
+    each chunk out as soon as it is read and checked (float32 into bfloat16 cast on the way);
+    a target of any other dtype is cast here."""
     grid = self.grid
     if grid is None:
-      fn(tuple(region), self.ts[region].read().result())
+      _copy_into(region, self.ts[region].read().result(), targets)
       return
     indices = grid.indices(region)
     nbytes = int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize
     room = _engine.align_up(nbytes + TRAILER)  # aligned, with room for trailer and padding:
     per_call = max(1, BATCH_BYTES // room)     # the drive reads into it with no staging copy
+    same = [t for t in targets if _engine_casts(grid.dtype, t[1].dtype)]
+    cast = [t for t in targets if not _engine_casts(grid.dtype, t[1].dtype)]
     for start in range(0, len(indices), per_call):
       part = indices[start:start + per_call]
       with _scratch(room * len(part)) as buf:
         views = [buf[i * room:(i + 1) * room] for i in range(len(part))]
-        _engine.read_files([grid.file(ix) for ix in part], views, THREADS, sizes=[nbytes] * len(part))
+        chunks = []
         for ix, view in zip(part, views):
           box = grid.box(ix)
-          inside = clip(box, grid.shape)
+          inside = overlap(clip(box, grid.shape), region)
           data = view[:nbytes].view(grid.dtype).reshape([b.stop - b.start for b in box])
-          fn(inside, data[local(inside, box)])
+          chunks.append((inside, _at(data, local(inside, box))))
+        copies = [[(_at(out, local(inter, r)), _at(data, local(inter, inside)))
+                   for r, out in same if (inter := overlap(inside, r)) is not None]
+                  for inside, data in chunks]
+        _engine.read_files([grid.file(ix) for ix in part], views, THREADS,
+                           sizes=[nbytes] * len(part), copies=copies)
+        for inside, data in chunks:
+          _copy_into(inside, data, cast)
+
+
+def _engine_casts(src: np.dtype, dst: np.dtype) -> bool:
+  """Whether the engine's copies move `src` items into `dst` ones (the same, or f32 to bf16)."""
+  return src == dst or (src == np.float32 and dst == ml_dtypes.bfloat16)
+
+
+def _copy_into(region: Region, data: np.ndarray, targets: list[Part]) -> None:
+  """Copy `data` (holding `region`) into each target (box, buffer) where they meet."""
+  for r, out in targets:
+    inter = overlap(region, r)
+    if inter is not None:
+      out[local(inter, r)] = data[local(inter, region)]
 
 
 class _scratch:
@@ -233,30 +281,41 @@ def each(fn: Callable[[Any], None], items: list) -> None:
     pass
 
 
-def _bytes(a: np.ndarray) -> np.ndarray:
-  """A C-contiguous array's bytes (the buffer protocol has no bfloat16)."""
-  return a.reshape(-1).view(np.uint8)
+def write_chunks(items: list[tuple[Grid, Region, list[Part]]]) -> None:
+  """Write whole chunks: each item is a region of whole chunks of a grid and the parts that
+  cover it. The engine gathers each chunk from its parts into a staging buffer and writes it
+  from there, about `BATCH_BYTES` a call."""
+  files = [(grid, index, parts) for grid, region, parts in items for index in grid.indices(region)]
+  batch: list = []
+  size_ = 0
+  for grid, index, parts in files:
+    batch.append((grid, index, parts))
+    size_ += _room(grid)
+    if size_ >= BATCH_BYTES:
+      _write_batch(batch)
+      batch, size_ = [], 0
+  _write_batch(batch)
 
 
-def write_chunks(items: list[tuple[Grid, Region, np.ndarray]]) -> None:
-  """Write whole chunks: each item is a region of whole chunks of a grid and its data."""
-  files: list[tuple[str, np.ndarray]] = []
-  size = 0
-  for grid, region, data in items:
-    for index in grid.indices(region):
-      payload = _payload(grid, index, region, data)
-      files.append((grid.file(index), payload))
-      size += payload.nbytes
-      if size >= BATCH_BYTES:
-        _flush(files)
-        size = 0
-  _flush(files)
+def _room(grid: Grid) -> int:
+  return _engine.align_up(int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize + TRAILER)
 
 
-def _flush(files: list[tuple[str, np.ndarray]]) -> None:
-  folders = {os.path.dirname(p) for p, _ in files}
-  for folder in folders:
+def _write_batch(batch: list[tuple[Grid, tuple[int, ...], list[Part]]]) -> None:
+  if not batch:
+    return
+  paths = [grid.file(index) for grid, index, _ in batch]
+  for folder in {os.path.dirname(p) for p in paths}:
     os.makedirs(folder, exist_ok=True)
-  if files:
-    _engine.write_files([p for p, _ in files], [_bytes(a) for _, a in files], THREADS)
-  files.clear()
+  rooms = [_room(grid) for grid, _, _ in batch]
+  offsets = np.cumsum([0] + rooms)
+  with _scratch(int(offsets[-1])) as buf:
+    views, sizes, copies = [], [], []
+    for (grid, index, parts), at, room in zip(batch, offsets, rooms):
+      nbytes = int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize
+      view = buf[at:at + room]
+      payload = view[:nbytes].view(grid.dtype).reshape(grid.chunk)
+      views.append(view)
+      sizes.append(nbytes)
+      copies.append(_gathers(grid, index, parts, payload))
+    _engine.write_files(paths, views, THREADS, sizes=sizes, copies=copies)
