@@ -31,6 +31,7 @@ from .zarr import BATCH_BYTES, Array, Part, spec, trim, write_chunks
 
 IN_FLIGHT = 8     # layers of NVMe shards read ahead between the store and the checkpoint
 WRITES_AHEAD = 4  # layers being written behind them (each one in host memory)
+FIRST_BATCH = 16 << 20  # bytes of the first batch a save writes (then twice as many, up to BATCH_BYTES)
 
 
 @dataclasses.dataclass
@@ -170,8 +171,9 @@ class StateRestore(ocp.args.CheckpointArgs):
 
 
 class _Writes:
-  """Blocks joined and handed to `save_blocks` in batches of about `BATCH_BYTES`, one batch at
-  a time on a writer thread (each batch keeps the drive's queue full by itself)."""
+  """Blocks handed to `save_blocks` in batches, one batch at a time on a writer thread (each
+  batch keeps the drive's queue full by itself). Batches grow from `FIRST_BATCH` to
+  `BATCH_BYTES`, so the drive starts while the first shards are still being copied."""
 
   _thread: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -183,7 +185,7 @@ class _Writes:
   def add(self, path: str, block: _Block) -> None:
     self.batch.append((path, block))
     self.size += block.nbytes
-    if self.size >= BATCH_BYTES:
+    if self.size >= min(BATCH_BYTES, FIRST_BATCH << len(self.started)):
       self.flush()
 
   def flush(self) -> None:
