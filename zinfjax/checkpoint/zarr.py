@@ -107,6 +107,17 @@ class Grid:
     return list(itertools.product(*[range(s.start // c, -(-s.stop // c))
                                      for s, c in zip(region, self.chunk)]))
 
+  @property
+  def chunk_bytes(self) -> int:
+    """A chunk's payload bytes."""
+    return int(np.prod(self.chunk, dtype=np.int64)) * self.dtype.itemsize
+
+  @property
+  def room(self) -> int:
+    """A chunk's staging bytes: aligned, with room for its trailer and the O_DIRECT padding
+    (so the drive reads and writes it in place)."""
+    return _engine.align_up(self.chunk_bytes + TRAILER)
+
   def whole(self, region: Region) -> bool:
     """Whether `region` is a union of whole chunks (the edge chunks cut by the shape count)."""
     return all(s.start % c == 0 and (s.stop % c == 0 or s.stop == n)
@@ -142,7 +153,7 @@ def _gathers(grid: Grid, index: tuple[int, ...], parts: list[Part], payload: np.
   for r, x in parts:
     inter = overlap(clip(r, grid.shape), inside)
     if inter is not None:
-      copies.append((_at(payload, local(inter, box)), _at(x.astype(grid.dtype, copy=False), local(inter, r))))
+      copies.append((_at(payload, local(inter, box)), _at(x, local(inter, r))))
       covered += size(inter)
   if covered != size(inside):
     raise ValueError(f"chunk {index} of {grid.path} is not covered by the parts given "
@@ -204,9 +215,8 @@ class Array:
       _copy_into(region, self.ts[region].read().result(), targets)
       return
     indices = grid.indices(region)
-    nbytes = int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize
-    room = _engine.align_up(nbytes + TRAILER)  # aligned, with room for trailer and padding:
-    per_call = max(1, BATCH_BYTES // room)     # the drive reads into it with no staging copy
+    nbytes, room = grid.chunk_bytes, grid.room
+    per_call = max(1, BATCH_BYTES // room)
     same = [t for t in targets if _engine_casts(grid.dtype, t[1].dtype)]
     cast = [t for t in targets if not _engine_casts(grid.dtype, t[1].dtype)]
     for start in range(0, len(indices), per_call):
@@ -285,37 +295,28 @@ def write_chunks(items: list[tuple[Grid, Region, list[Part]]]) -> None:
   """Write whole chunks: each item is a region of whole chunks of a grid and the parts that
   cover it. The engine gathers each chunk from its parts into a staging buffer and writes it
   from there, about `BATCH_BYTES` a call."""
-  files = [(grid, index, parts) for grid, region, parts in items for index in grid.indices(region)]
-  batch: list = []
-  size_ = 0
-  for grid, index, parts in files:
-    batch.append((grid, index, parts))
-    size_ += _room(grid)
-    if size_ >= BATCH_BYTES:
-      _write_batch(batch)
-      batch, size_ = [], 0
-  _write_batch(batch)
-
-
-def _room(grid: Grid) -> int:
-  return _engine.align_up(int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize + TRAILER)
+  files = []
+  for grid, region, parts in items:
+    parts = [(r, x.astype(grid.dtype, copy=False)) for r, x in parts]  # the stored dtype
+    files += [(grid, index, parts) for index in grid.indices(region)]
+  start, size_ = 0, 0
+  for i, (grid, _, _) in enumerate(files):
+    size_ += grid.room
+    if size_ >= BATCH_BYTES or i == len(files) - 1:
+      _write_batch(files[start:i + 1])
+      start, size_ = i + 1, 0
 
 
 def _write_batch(batch: list[tuple[Grid, tuple[int, ...], list[Part]]]) -> None:
-  if not batch:
-    return
   paths = [grid.file(index) for grid, index, _ in batch]
   for folder in {os.path.dirname(p) for p in paths}:
     os.makedirs(folder, exist_ok=True)
-  rooms = [_room(grid) for grid, _, _ in batch]
-  offsets = np.cumsum([0] + rooms)
+  offsets = np.cumsum([0] + [grid.room for grid, _, _ in batch])
   with _scratch(int(offsets[-1])) as buf:
-    views, sizes, copies = [], [], []
-    for (grid, index, parts), at, room in zip(batch, offsets, rooms):
-      nbytes = int(np.prod(grid.chunk, dtype=np.int64)) * grid.dtype.itemsize
-      view = buf[at:at + room]
-      payload = view[:nbytes].view(grid.dtype).reshape(grid.chunk)
+    views, copies = [], []
+    for (grid, index, parts), at in zip(batch, offsets):
+      view = buf[at:at + grid.room]
       views.append(view)
-      sizes.append(nbytes)
-      copies.append(_gathers(grid, index, parts, payload))
+      copies.append(_gathers(grid, index, parts, view[:grid.chunk_bytes].view(grid.dtype).reshape(grid.chunk)))
+    sizes = [grid.chunk_bytes for grid, _, _ in batch]
     _engine.write_files(paths, views, THREADS, sizes=sizes, copies=copies)
