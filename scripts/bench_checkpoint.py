@@ -25,6 +25,37 @@ def folder_bytes(path: str) -> int:
   return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
+def chunk_files_alone(step_folder: str, in_flight: int = 8) -> float:
+  """GB/s of reading (and CRC-checking) every chunk file of a step with the engine alone, 8
+  files at a time, no arrays made: the drive's rate for this checkpoint's file sizes."""
+  import threading
+  from concurrent.futures import ThreadPoolExecutor
+
+  import numpy as np
+  from zinfjax import _engine
+  from zinfjax.offload.aligned import aligned_empty
+  files = []  # each zarr array's chunks: the file `c` (a scalar) or the files under `c/`
+  for r, _, fs in os.walk(step_folder):
+    if "zarr.json" in fs:
+      c = os.path.join(r, "c")
+      files += [c] if os.path.isfile(c) else [os.path.join(d, f) for d, _, cs in os.walk(c) for f in cs]
+  sizes = {f: os.path.getsize(f) - 4 for f in files}
+  local = threading.local()
+
+  def read(path: str) -> None:
+    room = _engine.align_up(sizes[path] + 4)
+    if getattr(local, "buf", None) is None or local.buf.size < room:
+      local.buf = aligned_empty(room, np.uint8)
+      local.buf.fill(0)
+    _engine.read_files([path], [local.buf[:room]], sizes=[sizes[path]])
+
+  with ThreadPoolExecutor(in_flight) as pool:
+    list(pool.map(read, files[:in_flight * 4]))  # buffers made and touched
+    t0 = time.perf_counter()
+    list(pool.map(read, files))
+  return sum(sizes.values()) / (time.perf_counter() - t0) / 1e9
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--layers", type=int, default=24)
@@ -108,9 +139,12 @@ def main(argv=None) -> int:
       del restored
     blocked, committed = min(times, key=lambda t: t[1])
     restore_s, reads_s, cpu_s = min(restores)
-    rows.append((tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s))
+    alone = chunk_files_alone(os.path.join(folder, str(args.rounds)))
+    rows.append((tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
+                 alone))
     print(f"{tier}: {nbytes / 1e9:.2f} GB saved, blocked {blocked:.2f} s, committed {committed:.2f} s, "
-          f"restored {restore_s:.2f} s (handler {reads_s:.2f} s); all rounds: {times} {restores}",
+          f"restored {restore_s:.2f} s (handler {reads_s:.2f} s); chunk files alone {alone:.2f} GB/s; "
+          f"all rounds: {times} {restores}",
           flush=True)
   _, *after = disk_ceiling(root, 1 << 30)
   disk_w, disk_r = max(before[0], after[0]), max(before[1], after[1])
@@ -122,18 +156,20 @@ def main(argv=None) -> int:
         "checkpoint (and for NVMe states first reads them from the swap store); a restore reads "
         "it (and for NVMe states writes the swap store). `restore s` includes building the "
         "engine; `reads s` is the checkpoint handler alone, and its CPU time is that of all the "
-        "process's threads while it ran.\n")
+        "process's threads while it ran. `files alone` reads the checkpoint's chunk files with "
+        "the engine and nothing else (8 at a time): the drive's rate for these file sizes.\n")
   print("| states on | checkpoint GB | swap store GB | save blocks s | save committed s | "
         "save: disk's time s | save of disk | restore s | reads s | restore: disk's time s | "
-        "restore of disk (reads only) | CPU s in reads (cores busy) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s in rows:
+        "restore of disk (reads only) | CPU s in reads (cores busy) | files alone GB/s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s, alone in rows:
     save_disk = nbytes / 1e9 / disk_w + read_bytes / 1e9 / disk_r
     restore_disk = nbytes / 1e9 / disk_r + store_bytes / 1e9 / disk_w
     print(f"| {tier} | {nbytes / 1e9:.2f} | {store_bytes / 1e9:.2f} | {blocked:.2f} | "
           f"{committed:.2f} | {save_disk:.2f} | {save_disk / committed:.0%} | {restore_s:.2f} | "
           f"{reads_s:.2f} | {restore_disk:.2f} | {restore_disk / restore_s:.0%} "
-          f"({restore_disk / reads_s:.0%}) | {cpu_s:.2f} ({cpu_s / reads_s:.1f} of {os.cpu_count()}) |")
+          f"({restore_disk / reads_s:.0%}) | {cpu_s:.2f} ({cpu_s / reads_s:.1f} of {os.cpu_count()}) | "
+          f"{alone:.2f} |")
   if not args.folder:
     shutil.rmtree(root, ignore_errors=True)
   return 0
