@@ -64,7 +64,7 @@ class LeafRead:
 
   def jobs(self) -> list[Callable[[], None]]:
     """One read per layer of the leaf (each a layer's chunks, scattered as they come)."""
-    self.outs = {k: _host_buffer(r, k[1], self.leaf) for k, r in self.regions.items()}
+    self.outs = {k: host_buffer(r, k[1], self.leaf) for k, r in self.regions.items()}
     stacked = self.leaf.layout is not None and self.leaf.layout.stacked
     return [lambda p=p: self._load(p) for p in layers(bounding(list(self.regions.values())), stacked)]
 
@@ -105,7 +105,7 @@ def read_leaves(reads: list[LeafRead]) -> list[list[jax.Array]]:
   return out
 
 
-def _host_buffer(region: Region, dtype: np.dtype, leaf: Leaf) -> np.ndarray:
+def host_buffer(region: Region, dtype: np.dtype, leaf: Leaf) -> np.ndarray:
   """An aligned host buffer for `region` of a leaf, zero where the region is padding."""
   buf = aligned_empty([x.stop - x.start for x in region], dtype)
   if clip(region, leaf.shape) != tuple(region):

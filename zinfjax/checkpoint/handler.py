@@ -23,8 +23,8 @@ from orbax.checkpoint._src.futures import future
 
 from ..offload.aligned import aligned_empty
 from ..placement import Plan, shard_key
-from ..partition import Region, bounding, clip, local, norm_region, shifted
-from .arrays import LeafRead, checked, read_leaves
+from ..partition import Region, bounding, clip, norm_region, shifted
+from .arrays import LeafRead, checked, host_buffer, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
 from .zarr import BATCH_BYTES, Array, Part, spec, trim, write_chunks
@@ -220,27 +220,12 @@ def save_blocks(writes: list[tuple[str, Region, list[Part]]]) -> None:
     wait()
 
 
-def read(arr, region: Region, leaf: Leaf, dtype) -> np.ndarray:
-  """`region` (storage coordinates) of a stored leaf, zero where it is padding."""
-  return read_async(arr, region, leaf, dtype)()
-
-
-def read_async(arr, region: Region, leaf: Leaf, dtype) -> Callable[[], np.ndarray]:
-  """Start reading `region`; the returned function waits for it (see `read`). Reads started
-  together run in parallel: one small chunk at a time leaves the drive idle."""
-  clipped = clip(region, leaf.shape)
-  pending = arr.read(clipped)
-  return lambda: _padded(pending, clipped, region, leaf, dtype)
-
-
-def _padded(data: Callable[[], np.ndarray], clipped: Region, region: Region, leaf: Leaf,
-            dtype) -> np.ndarray:
-  """The data of `clipped` (from `data()`) as `region`, zero where it is padding."""
-  x = checked(leaf, data)
-  if clipped == tuple(region):  # no padding in it: the data as read
-    return x.astype(dtype, copy=False)
-  out = np.zeros([s.stop - s.start for s in region], dtype)
-  out[local(clipped, region)] = x
+def read(arr: Array, region: Region, leaf: Leaf, dtype) -> np.ndarray:
+  """`region` (storage coordinates) of a stored leaf in `dtype`, zero where it is padding."""
+  out = host_buffer(region, dtype, leaf)
+  box = clip(region, leaf.shape)
+  if all(s.start < s.stop for s in box):
+    checked(leaf, lambda: arr.scatter(box, [(region, out)]))
   return out
 
 
@@ -263,18 +248,26 @@ def _by_layer(units: list) -> list[tuple[int, list]]:
 
 def _stream_to_nvme(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
   """Write this process's swap-store shards of NVMe sources (array, leaf, source) from the
-  checkpoint, all in one stream: each layer's block read once (`IN_FLIGHT` layers ahead),
-  sliced per rank and written as one transfer (`WRITES_AHEAD` layers in flight)."""
-  units = [(arr, leaf, src, layer, ranks, bounding([r for _, r in ranks]))
-           for arr, leaf, src in items for layer, ranks in _by_layer(list(_units(run, leaf, src)))]
-  reads = _ahead([lambda u=u: read_async(u[0], u[5], u[1], np.float32) for u in units])
+  checkpoint, all in one stream: each layer's chunks read once (`IN_FLIGHT` layers ahead) and
+  scattered by the engine into every rank's shard in every stored dtype, the layer's shards
+  written as one transfer (`WRITES_AHEAD` layers in flight)."""
+  units = [(arr, leaf, src, layer, ranks) for arr, leaf, src in items
+           for layer, ranks in _by_layer(list(_units(run, leaf, src)))]
+
+  def start(arr: Array, leaf: Leaf, src: Source, ranks: list) -> Callable[[], list]:
+    shards = [(region, host_buffer(region, dtype, leaf)) for _, region in ranks for _, dtype in src.keys]
+    box = clip(bounding([r for _, r in ranks]), leaf.shape)
+    if any(s.start >= s.stop for s in box):  # all padding
+      return lambda: shards
+    wait = arr.scatter_async(box, shards)
+    return lambda: (checked(leaf, wait), shards)[1]
+
+  reads = _ahead([lambda u=u: start(u[0], u[1], u[2], u[4]) for u in units])
   writing: list = []
-  for (_, leaf, src, layer, ranks, box), block in zip(units, reads):
-    shards = [np.ascontiguousarray(block[local(region, box)]).reshape(leaf.plan.local_shape)
-              for _, region in ranks]
-    writing.append(run.store.write_many([
-        (shard_key(base, rank, layer), shard.astype(dtype, copy=False))
-        for (rank, _), shard in zip(ranks, shards) for base, dtype in src.keys]))
+  for (_, leaf, src, layer, ranks), shards in zip(units, reads):
+    keys = [shard_key(base, rank, layer) for rank, _ in ranks for base, _ in src.keys]
+    writing.append(run.store.write_many([(key, buf.reshape(leaf.plan.local_shape))
+                                         for key, (_, buf) in zip(keys, shards)]))
     if len(writing) > WRITES_AHEAD:
       writing.pop(0).wait()
   for t in writing:

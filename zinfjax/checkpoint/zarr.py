@@ -205,6 +205,10 @@ class Array:
     self.scatter(region, [(region, out)])
     return out
 
+  def scatter_async(self, region: Region, targets: list[Part]) -> Callable[[], None]:
+    """Start `scatter` on the I/O threads; the returned function waits for it."""
+    return _io().submit(self.scatter, region, targets).result
+
   def scatter(self, region: Region, targets: list[Part]) -> None:
     """Read the chunks that `region` (inside the shape) touches, whole and once each, into the
     `targets` (box, buffer): each gets the part of `region` inside its box. The engine copies
