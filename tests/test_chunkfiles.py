@@ -228,3 +228,20 @@ def test_other_layouts_and_partial_chunks_go_through_tensorstore(tmp_path):
   plain.write((slice(1, 2), slice(1, 2)), [((slice(1, 2), slice(1, 2)), np.full((1, 1), 7.0, np.float32))])()
   data[1, 1] = 7.0
   np.testing.assert_array_equal(make_open(tmp_path / "p").read().result(), data)
+
+
+def test_a_failing_file_stops_the_call_with_its_name(tmp_path):
+  """An error in one file of a call (no folder to create it in, a file missing) is raised
+  naming it, after the call's other threads stop: nothing hangs."""
+  nbytes = 3 << 20  # several files, each a piece, over the engine's threads
+  bufs = [random((nbytes // 4,), seed=i) for i in range(12)]
+  paths = [os.fspath(tmp_path / f"f{i}") for i in range(12)]
+  paths[7] = os.fspath(tmp_path / "missing" / "f7")
+  with pytest.raises(_engine.EngineError, match="missing/f7"):
+    _engine.write_files(paths, bufs, 4)
+  paths[7] = os.fspath(tmp_path / "f7")
+  _engine.write_files(paths, bufs, 4)
+  os.remove(paths[3])
+  outs = [np.empty_like(b) for b in bufs]
+  with pytest.raises(_engine.EngineError, match="f3"):
+    _engine.read_files(paths, outs, 4)
