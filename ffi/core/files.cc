@@ -223,10 +223,6 @@ struct Fds {  // closes what it opened, whatever happens
   }
 };
 
-}  // namespace
-
-namespace {
-
 // float32 to bfloat16, round to nearest even; NaN becomes the quiet NaN of its sign.
 void F32ToBf16(uint8_t* dst, const uint8_t* src, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -236,6 +232,44 @@ void F32ToBf16(uint8_t* dst, const uint8_t* src, size_t n) {
                                                  : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
     std::memcpy(dst + 2 * i, &h, 2);
   }
+}
+
+void WritePiece(const Piece& p, const FileIo& file, int fd, bool direct, const uint8_t* trailer) {
+  thread_local AlignedBuffer bounce(kPiece);
+  size_t body = Body(p, file);
+  bool in_place = InPlace(file, direct);
+  auto* dst = in_place ? static_cast<uint8_t*>(file.data) + p.offset : static_cast<uint8_t*>(bounce.data());
+  if (!in_place) std::memcpy(dst, static_cast<const uint8_t*>(file.data) + p.offset, body);
+  for (size_t b = body; b < p.length; ++b) dst[b] = trailer[p.offset + b - file.bytes];  // the trailer's bytes
+  size_t n = direct ? AlignUp(p.length) : p.length;
+  std::memset(dst + p.length, 0, n - p.length);
+  for (size_t done = 0; done < n;) {
+    ssize_t w = ::pwrite(fd, dst + done, n - done, static_cast<off_t>(p.offset + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno == ENOSPC)
+      throw NoSpace("no space left on the drive writing " + file.path + " (" + std::to_string(file.bytes) +
+                    " bytes)");
+    if (w <= 0) throw EngineError(SysError("cannot write " + file.path, w < 0 ? errno : EIO));
+    done += static_cast<size_t>(w);
+  }
+}
+
+void ReadPiece(const Piece& p, const FileIo& file, int fd, bool direct, uint8_t* trailer) {
+  thread_local AlignedBuffer bounce(kPiece);
+  bool in_place = InPlace(file, direct);
+  auto* src = in_place ? static_cast<uint8_t*>(file.data) + p.offset : static_cast<uint8_t*>(bounce.data());
+  size_t n = direct ? AlignUp(p.length) : p.length;
+  size_t got = 0;
+  while (got < p.length) {
+    ssize_t r = ::pread(fd, src + got, n - got, static_cast<off_t>(p.offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw EngineError(SysError("cannot read " + file.path, errno));
+    if (r == 0) throw CorruptShard(file.path + " ended early (truncated while being read)");
+    got += static_cast<size_t>(r);
+  }
+  size_t body = Body(p, file);
+  if (!in_place) std::memcpy(static_cast<uint8_t*>(file.data) + p.offset, src, body);
+  for (size_t b = body; b < p.length; ++b) trailer[p.offset + b - file.bytes] = src[b];
 }
 
 }  // namespace
@@ -282,48 +316,6 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
 #endif
   return ~CrcSoftware(p, n, c);
 }
-
-namespace {
-
-void WritePiece(const Piece& p, const FileIo& file, int fd, bool direct, const uint8_t* trailer) {
-  thread_local AlignedBuffer bounce(kPiece);
-  size_t body = Body(p, file);
-  bool in_place = InPlace(file, direct);
-  auto* dst = in_place ? static_cast<uint8_t*>(file.data) + p.offset : static_cast<uint8_t*>(bounce.data());
-  if (!in_place) std::memcpy(dst, static_cast<const uint8_t*>(file.data) + p.offset, body);
-  for (size_t b = body; b < p.length; ++b) dst[b] = trailer[p.offset + b - file.bytes];  // the trailer's bytes
-  size_t n = direct ? AlignUp(p.length) : p.length;
-  std::memset(dst + p.length, 0, n - p.length);
-  for (size_t done = 0; done < n;) {
-    ssize_t w = ::pwrite(fd, dst + done, n - done, static_cast<off_t>(p.offset + done));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && errno == ENOSPC)
-      throw NoSpace("no space left on the drive writing " + file.path + " (" + std::to_string(file.bytes) +
-                    " bytes)");
-    if (w <= 0) throw EngineError(SysError("cannot write " + file.path, w < 0 ? errno : EIO));
-    done += static_cast<size_t>(w);
-  }
-}
-
-void ReadPiece(const Piece& p, const FileIo& file, int fd, bool direct, uint8_t* trailer) {
-  thread_local AlignedBuffer bounce(kPiece);
-  bool in_place = InPlace(file, direct);
-  auto* src = in_place ? static_cast<uint8_t*>(file.data) + p.offset : static_cast<uint8_t*>(bounce.data());
-  size_t n = direct ? AlignUp(p.length) : p.length;
-  size_t got = 0;
-  while (got < p.length) {
-    ssize_t r = ::pread(fd, src + got, n - got, static_cast<off_t>(p.offset + got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw EngineError(SysError("cannot read " + file.path, errno));
-    if (r == 0) throw CorruptShard(file.path + " ended early (truncated while being read)");
-    got += static_cast<size_t>(r);
-  }
-  size_t body = Body(p, file);
-  if (!in_place) std::memcpy(static_cast<uint8_t*>(file.data) + p.offset, src, body);
-  for (size_t b = body; b < p.length; ++b) trailer[p.offset + b - file.bytes] = src[b];
-}
-
-}  // namespace
 
 void WriteFiles(const std::vector<FileIo>& files, int threads, bool direct) {
   Fds fds(files.size());

@@ -19,7 +19,7 @@ from ..offload.aligned import aligned_empty
 from ..partition import Region, bounding, clip, norm_region, shifted, size
 from .errors import CheckpointError
 from .leaves import Leaf, Source
-from .zarr import Array, each
+from .zarr import Array, Part, each
 
 GROUP_BYTES = 1 << 30  # host buffers filled before they become arrays
 
@@ -31,6 +31,14 @@ def checked(leaf: Leaf, read: Callable[[], Any]) -> Any:
     return read()
   except Exception as e:
     raise CheckpointError(f"checkpoint array {leaf.name!r} is damaged or truncated ({e}).") from e
+
+
+def fill(arr: Array, leaf: Leaf, region: Region, targets: list[Part]) -> None:
+  """Read `region` (storage coordinates) of a stored leaf into the `targets` (box, buffer);
+  the padding past the shape is not read (the buffers hold zeros there)."""
+  clipped = clip(region, leaf.shape)
+  if all(s.start < s.stop for s in clipped):  # else all padding
+    checked(leaf, lambda: arr.scatter(clipped, targets))
 
 
 def layers(region: Region, stacked: bool) -> list[Region]:
@@ -69,10 +77,7 @@ class LeafRead:
     return [lambda p=p: self._load(p) for p in layers(bounding(list(self.regions.values())), stacked)]
 
   def _load(self, piece: Region) -> None:
-    clipped = clip(piece, self.leaf.shape)
-    if all(s.start < s.stop for s in clipped):  # else all padding
-      targets = [(region, self.outs[key]) for key, region in self.regions.items()]
-      checked(self.leaf, lambda: self.arr.scatter(clipped, targets))
+    fill(self.arr, self.leaf, piece, [(region, self.outs[key]) for key, region in self.regions.items()])
 
   def arrays(self) -> list[jax.Array]:
     """One jax.Array per source, from the filled buffers (which it may take over)."""

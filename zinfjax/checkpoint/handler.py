@@ -24,10 +24,10 @@ from orbax.checkpoint._src.futures import future
 from ..offload.aligned import aligned_empty
 from ..placement import Plan, shard_key
 from ..partition import Region, bounding, clip, norm_region, shifted
-from .arrays import LeafRead, checked, host_buffer, read_leaves
+from .arrays import LeafRead, fill, host_buffer, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
-from .zarr import BATCH_BYTES, Array, Part, spec, trim, write_chunks
+from .zarr import BATCH_BYTES, Array, Part, background, spec, trim, write_chunks
 
 IN_FLIGHT = 8     # layers of NVMe shards read ahead between the store and the checkpoint
 WRITES_AHEAD = 4  # layers being written behind them (each one in host memory)
@@ -71,8 +71,9 @@ class _Block:
 
 
 def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
-  """This process's shards of an array source, copied to host memory (contiguous copies: the
-  joins wait for the writer) as one block per run of adjacent shards."""
+  """This process's shards of an array source, copied to host memory as they are (contiguous
+  copies; the engine gathers the chunks from them when it writes) as one block per run of
+  adjacent shards."""
   shards = [(shifted(norm_region(sh.index, src.array.shape), leaf.layout, src.start), sh)
             for sh in src.array.addressable_shards if not sh.replica_id]
   if not shards:  # another process holds the copy that is written
@@ -223,9 +224,7 @@ def save_blocks(writes: list[tuple[str, Region, list[Part]]]) -> None:
 def read(arr: Array, region: Region, leaf: Leaf, dtype) -> np.ndarray:
   """`region` (storage coordinates) of a stored leaf in `dtype`, zero where it is padding."""
   out = host_buffer(region, dtype, leaf)
-  box = clip(region, leaf.shape)
-  if all(s.start < s.stop for s in box):
-    checked(leaf, lambda: arr.scatter(box, [(region, out)]))
+  fill(arr, leaf, region, [(region, out)])
   return out
 
 
@@ -256,11 +255,8 @@ def _stream_to_nvme(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
 
   def start(arr: Array, leaf: Leaf, src: Source, ranks: list) -> Callable[[], list]:
     shards = [(region, host_buffer(region, dtype, leaf)) for _, region in ranks for _, dtype in src.keys]
-    box = clip(bounding([r for _, r in ranks]), leaf.shape)
-    if any(s.start >= s.stop for s in box):  # all padding
-      return lambda: shards
-    wait = arr.scatter_async(box, shards)
-    return lambda: (checked(leaf, wait), shards)[1]
+    wait = background(fill, arr, leaf, bounding([r for _, r in ranks]), shards)
+    return lambda: (wait(), shards)[1]
 
   reads = _ahead([lambda u=u: start(u[0], u[1], u[2], u[4]) for u in units])
   writing: list = []

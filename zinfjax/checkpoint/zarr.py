@@ -50,6 +50,11 @@ def _io() -> concurrent.futures.ThreadPoolExecutor:
   return _pool
 
 
+def background(fn: Callable[..., Any], *args) -> Callable[[], Any]:
+  """Start `fn(*args)` on the I/O threads; the returned function waits for its result."""
+  return _io().submit(fn, *args).result
+
+
 def spec(path: str, shape=None, dtype=None, chunk=None) -> dict:
   """tensorstore's spec of the array at `path`: to open it, or (given shape, dtype and chunk
   shape) to create it with the plain codecs."""
@@ -189,13 +194,13 @@ class Array:
     """Write `region` (inside the shape) from the `parts` that cover it."""
     if self.grid is None or not self.grid.whole(region):
       return self.ts[region].write(join(region, parts, self.shape)).result
-    return _io().submit(write_chunks, [(self.grid, region, parts)]).result
+    return background(write_chunks, [(self.grid, region, parts)])
 
   def read(self, region: Region) -> Callable[[], np.ndarray]:
     """Start reading `region` (inside the shape); see `read_now`."""
     if self.grid is None:
       return self.ts[region].read().result
-    return _io().submit(self.read_now, region).result
+    return background(self.read_now, region)
 
   def read_now(self, region: Region) -> np.ndarray:
     """`region` (inside the shape), read before returning; the chunks it touches are read
@@ -204,10 +209,6 @@ class Array:
     out = np.empty([s.stop - s.start for s in region], dtype)
     self.scatter(region, [(region, out)])
     return out
-
-  def scatter_async(self, region: Region, targets: list[Part]) -> Callable[[], None]:
-    """Start `scatter` on the I/O threads; the returned function waits for it."""
-    return _io().submit(self.scatter, region, targets).result
 
   def scatter(self, region: Region, targets: list[Part]) -> None:
     """Read the chunks that `region` (inside the shape) touches, whole and once each, into the
