@@ -64,6 +64,8 @@ def main(argv=None) -> int:
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--folder", default=None, help="where checkpoints and swap files go (default: temp)")
   p.add_argument("--rounds", type=int, default=2, help="timed saves and restores per tier (best shown)")
+  p.add_argument("--tiers", nargs="+", default=["device", "pinned_host", "nvme"],
+                 choices=["device", "pinned_host", "nvme"], help="placements measured, in turn")
   args = p.parse_args(argv)
   flags = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
   os.makedirs(root, exist_ok=True)
   tool, *before = disk_ceiling(root, 1 << 30)
   rows = []
-  for tier in ("device", "pinned_host", "nvme"):
+  for tier in args.tiers:
     zero = zinfjax.ZeroConfig(offload_param=tier, offload_optimizer=tier,
                               nvme_path=os.path.join(root, f"nvme_{tier}"))
     tx = optax.adamw(1e-3) if tier == "device" else zinfjax.optim.adamw(1e-3)

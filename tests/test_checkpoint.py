@@ -108,6 +108,38 @@ def test_restore_nvme_checkpoint_onto_4_devices_in_pinned_host(straight, tmp_pat
     np.testing.assert_allclose(resumed[k], v, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+def test_nvme_streams_in_groups_of_one_layer_equal_one_group(straight, tmp_path, mesh, monkeypatch):
+  """The NVMe streams move shards in groups (one swap-store transfer and one chunk-file call
+  each). A restore and a save with every layer its own group (many groups in flight) give
+  the same swap-store shards and the same chunk files as with all of them in one group."""
+  from zinfjax.checkpoint import handler
+  run = straight("nvme")
+  param, optimizer, precision = PLACEMENTS["nvme"]
+  outs = []
+  for name, group_bytes in (("one", handler.GROUP_BYTES), ("many", 1)):
+    monkeypatch.setattr(handler, "GROUP_BYTES", group_bytes)
+    zero = W.zero_config(param, optimizer, precision, str(tmp_path / f"nvme-{name}"))
+    state, _ = Checkpointer(run["ckpt"]).restore(W.model_factory, W.make_tx(optimizer), zero, mesh)
+    store = state.engine.store
+    shards = {k: store.read(k).wait() for k in store.keys() if not k.startswith("g/")}
+    with Checkpointer(tmp_path / name) as ckpt:
+      ckpt.save(state)
+    store.close()
+    chunks = {}
+    for root, _, files in os.walk(tmp_path / name / str(SAVE_AT)):
+      for f in files:
+        path = os.path.join(root, f)
+        if os.sep + "c" + os.sep in path or f == "c":
+          with open(path, "rb") as fh:
+            chunks[os.path.relpath(path, tmp_path / name)] = fh.read()
+    outs.append((shards, chunks))
+  (shards_one, chunks_one), (shards_many, chunks_many) = outs
+  assert len(shards_one) > 10 and shards_one.keys() == shards_many.keys()
+  for k in shards_one:
+    np.testing.assert_array_equal(shards_many[k], shards_one[k], err_msg=k)
+  assert len(chunks_one) > 10 and chunks_one == chunks_many
+
+
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mesh):
   ckpt_dir = tmp_path / "ckpt"
   out = worker("--ckpt", ckpt_dir, "--steps", 6, "--save-at", 2, "--save-at", 4,

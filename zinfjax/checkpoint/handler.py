@@ -23,14 +23,15 @@ from orbax.checkpoint._src.futures import future
 
 from ..offload.aligned import aligned_empty
 from ..placement import Plan, shard_key
-from ..partition import Region, bounding, clip, norm_region, shifted
+from ..partition import Region, bounding, clip, norm_region, shifted, size
 from .arrays import LeafRead, fill, host_buffer, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
 from .zarr import BATCH_BYTES, Array, Part, background, spec, trim, write_chunks
 
-IN_FLIGHT = 8     # layers of NVMe shards read ahead between the store and the checkpoint
-WRITES_AHEAD = 4  # layers being written behind them (each one in host memory)
+GROUP_BYTES = 32 << 20  # NVMe shards per swap-store transfer and chunk-file call (whole layers)
+IN_FLIGHT = 2     # groups of NVMe shards read ahead between the store and the checkpoint
+WRITES_AHEAD = 2  # groups being written behind them (each one in host memory)
 FIRST_BATCH = 16 << 20  # bytes of the first batch a save writes (then twice as many, up to BATCH_BYTES)
 
 
@@ -113,17 +114,17 @@ class StateHandler(ocp.AsyncCheckpointHandler):
         o.result()
     self._sync("created")
     writes = _Writes()  # array blocks written in the background while the next are copied
-    nvme: list[tuple[str, Leaf, Source]] = []
+    nvme: list[tuple[Array, Leaf, Source]] = []
     for leaf in run.leaves:
-      path = os.fspath(directory / leaf.name)
+      arr = Array(os.fspath(directory / leaf.name))
       for src in leaf.sources:
         if src.derived:
           continue
         if src.array is None:  # NVMe: streamed below, before the next step rewrites it
-          nvme.append((path, leaf, src))
+          nvme.append((arr, leaf, src))
           continue
         for block in _blocks(leaf, src):
-          writes.add(path, block)
+          writes.add(arr, block)
     writes.flush()
     _stream_nvme_to(nvme, run)
 
@@ -179,12 +180,12 @@ class _Writes:
   _thread: concurrent.futures.ThreadPoolExecutor | None = None
 
   def __init__(self):
-    self.batch: list[tuple[str, _Block]] = []
+    self.batch: list[tuple[Array, _Block]] = []
     self.size = 0
     self.started: list[concurrent.futures.Future] = []
 
-  def add(self, path: str, block: _Block) -> None:
-    self.batch.append((path, block))
+  def add(self, arr: Array, block: _Block) -> None:
+    self.batch.append((arr, block))
     self.size += block.nbytes
     if self.size >= min(BATCH_BYTES, FIRST_BATCH << len(self.started)):
       self.flush()
@@ -195,7 +196,7 @@ class _Writes:
         _Writes._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-ckpt-save")
       batch = self.batch
       self.started.append(_Writes._thread.submit(
-          lambda: save_blocks([(path, b.region, b.parts) for path, b in batch])))
+          lambda: save_blocks([(arr, b.region, b.parts) for arr, b in batch])))
     self.batch, self.size = [], 0
 
   def wait(self) -> None:
@@ -205,13 +206,11 @@ class _Writes:
       f.result()
 
 
-def save_blocks(writes: list[tuple[str, Region, list[Part]]]) -> None:
-  """Write (array folder, region, parts) blocks: whole chunks by the engine in few calls (the
-  drive kept busy), anything else through tensorstore."""
-  grids: dict[str, Array] = {}
+def save_blocks(writes: list[tuple[Array, Region, list[Part]]]) -> None:
+  """Write (array, region, parts) blocks: whole chunks by the engine in few calls (the drive
+  kept busy), anything else through tensorstore."""
   whole, others = [], []
-  for path, region, parts in writes:
-    arr = grids.setdefault(path, Array(path))
+  for arr, region, parts in writes:
     if arr.grid is not None and arr.grid.whole(region):
       whole.append((arr.grid, region, parts))
     else:
@@ -228,7 +227,7 @@ def read(arr: Array, region: Region, leaf: Leaf, dtype) -> np.ndarray:
   return out
 
 
-def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int = IN_FLIGHT):
+def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int):
   """Yield the results of `starts` in order, with up to `depth` of them started ahead."""
   running = [start() for start in starts[:depth]]
   for i in range(len(starts)):
@@ -237,59 +236,101 @@ def _ahead(starts: list[Callable[[], Callable[[], Any]]], depth: int = IN_FLIGHT
     yield running.pop(0)()
 
 
-def _by_layer(units: list) -> list[tuple[int, list]]:
-  """(layer, [(rank, region)]) of `_units`, layer by layer."""
-  layers: dict[int, list] = {}
-  for rank, layer, region in units:
-    layers.setdefault(layer, []).append((rank, region))
-  return sorted(layers.items())
+@dataclasses.dataclass
+class _Unit:
+  """One layer of one NVMe source: this process's ranks' swap-store shards of it."""
+
+  arr: Array
+  leaf: Leaf
+  src: Source
+  layer: int
+  ranks: list[tuple[int, Region]]  # (rank, region in storage coordinates)
+
+  @property
+  def region(self) -> Region:
+    return bounding([r for _, r in self.ranks])
+
+  def keys(self, base: str) -> list[str]:
+    return [shard_key(base, rank, self.layer) for rank, _ in self.ranks]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(size(r) for _, r in self.ranks) * sum(np.dtype(d).itemsize for _, d in self.src.keys)
+
+
+def _units_of(items: list[tuple[Array, Leaf, Source]], run: Run, first_rank: bool = False) -> list[_Unit]:
+  """Every layer of each NVMe source (array, leaf, source) as a `_Unit` (`first_rank`: of a
+  replicated leaf, rank 0's shard alone)."""
+  out = []
+  for arr, leaf, src in items:
+    layers: dict[int, list] = {}
+    for rank, layer, region in _units(run, leaf, src):
+      if not (first_rank and leaf.layout.axis is None and rank):
+        layers.setdefault(layer, []).append((rank, region))
+    out += [_Unit(arr, leaf, src, layer, ranks) for layer, ranks in sorted(layers.items())]
+  return out
+
+
+def _groups(units: list[_Unit]) -> list[list[_Unit]]:
+  """`units` in order, packed into groups of about `GROUP_BYTES` (a larger unit alone): one
+  swap-store transfer and one chunk-file call each, enough requests to keep the drive busy
+  where one layer's shards are small."""
+  groups, size_ = [], 0
+  for u in units:
+    if not groups or size_ + u.nbytes > GROUP_BYTES:
+      groups.append([])
+      size_ = 0
+    groups[-1].append(u)
+    size_ += u.nbytes
+  return groups
 
 
 def _stream_to_nvme(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
   """Write this process's swap-store shards of NVMe sources (array, leaf, source) from the
-  checkpoint, all in one stream: each layer's chunks read once (`IN_FLIGHT` layers ahead) and
-  scattered by the engine into every rank's shard in every stored dtype, the layer's shards
-  written as one transfer (`WRITES_AHEAD` layers in flight)."""
-  units = [(arr, leaf, src, layer, ranks) for arr, leaf, src in items
-           for layer, ranks in _by_layer(list(_units(run, leaf, src)))]
+  checkpoint, all in one stream: each layer's chunks read once (`IN_FLIGHT` groups ahead)
+  and scattered by the engine into every rank's shard in every stored dtype, each group's
+  shards written as one transfer (`WRITES_AHEAD` groups in flight)."""
+  groups = _groups(_units_of(items, run))
 
-  def start(arr: Array, leaf: Leaf, src: Source, ranks: list) -> Callable[[], list]:
-    shards = [(region, host_buffer(region, dtype, leaf)) for _, region in ranks for _, dtype in src.keys]
-    wait = background(fill, arr, leaf, bounding([r for _, r in ranks]), shards)
-    return lambda: (wait(), shards)[1]
+  def start(group: list[_Unit]) -> Callable[[], list]:
+    shards, waits = [], []
+    for u in group:
+      bufs = [(region, host_buffer(region, dtype, u.leaf)) for _, region in u.ranks for _, dtype in u.src.keys]
+      keys = [shard_key(base, rank, u.layer) for rank, _ in u.ranks for base, _ in u.src.keys]
+      waits.append(background(fill, u.arr, u.leaf, u.region, bufs))
+      shards += [(key, buf.reshape(u.leaf.plan.local_shape)) for key, (_, buf) in zip(keys, bufs)]
+    return lambda: ([w() for w in waits], shards)[1]
 
-  reads = _ahead([lambda u=u: start(u[0], u[1], u[2], u[4]) for u in units])
   writing: list = []
-  for (_, leaf, src, layer, ranks), shards in zip(units, reads):
-    keys = [shard_key(base, rank, layer) for rank, _ in ranks for base, _ in src.keys]
-    writing.append(run.store.write_many([(key, buf.reshape(leaf.plan.local_shape))
-                                         for key, (_, buf) in zip(keys, shards)]))
+  for shards in _ahead([lambda g=g: start(g) for g in groups], IN_FLIGHT):
+    writing.append(run.store.write_many(shards))
     if len(writing) > WRITES_AHEAD:
       writing.pop(0).wait()
   for t in writing:
     t.wait()
 
 
-def _stream_nvme_to(items: list[tuple[str, Leaf, Source]], run: Run) -> None:
-  """Copy this process's swap-store shards of NVMe sources (array folder, leaf, source) into
-  the checkpoint, all in one stream: each layer's shards (`IN_FLIGHT` layers ahead) joined
-  into the process's block, one write (`WRITES_AHEAD` in flight)."""
-  units = []
-  for path, leaf, src in items:
-    arr = Array(path)
-    replicated = leaf.layout.axis is None
-    units += [(arr, leaf, src.keys[0], layer, ranks) for layer, ranks in
-              _by_layer([u for u in _units(run, leaf, src) if not replicated or u[0] == 0])]
-  reads = _ahead([lambda u=u: run.store.read_many([
-      (shard_key(u[2][0], rank, u[3]), aligned_empty(u[1].plan.local_shape, u[2][1]))
-      for rank, _ in u[4]]).wait for u in units])
-  writing: list = []  # `WRITES_AHEAD` layers' blocks in host memory besides the reads
-  for (arr, leaf, _, _, ranks), shards in zip(units, reads):
-    parts = [(region, data.reshape([x.stop - x.start for x in region]))
-             for (_, region), data in zip(ranks, shards)]
+def _stream_nvme_to(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
+  """Copy this process's swap-store shards of NVMe sources (array, leaf, source) into the
+  checkpoint, all in one stream: each group's shards read as one transfer (`IN_FLIGHT`
+  groups ahead), its chunks gathered from them and written by one engine call
+  (`WRITES_AHEAD` groups in flight)."""
+  groups = _groups(_units_of(items, run, first_rank=True))
+
+  def start(group: list[_Unit]) -> Callable[[], list]:
+    reads = [(key, aligned_empty(u.leaf.plan.local_shape, u.src.keys[0][1]))
+             for u in group for key in u.keys(u.src.keys[0][0])]
+    return run.store.read_many(reads).wait
+
+  writing: list = []  # `WRITES_AHEAD` groups in host memory besides the reads
+  for group, shards in zip(groups, _ahead([lambda g=g: start(g) for g in groups], IN_FLIGHT)):
+    blocks, shards = [], iter(shards)
+    for u in group:
+      parts = [(region, next(shards).reshape([x.stop - x.start for x in region])) for _, region in u.ranks]
+      blocks.append((u.arr, clip(u.region, u.leaf.shape), parts))
     if len(writing) >= WRITES_AHEAD:
       writing.pop(0)()
-    writing.append(arr.write(clip(bounding([r for _, r in ranks]), leaf.shape), parts))
+    writing.append(background(save_blocks, blocks))
   for wait in writing:
     wait()
 
