@@ -5,6 +5,7 @@ import os
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -250,21 +251,42 @@ def test_swap_folder_of_another_run_is_reused_not_grown(tmp_path, mesh, batches)
   store.close()
 
 
-@pytest.mark.parametrize("param,optim", [("nvme", "nvme"), ("pinned_host:3,nvme", "pinned_host:5,nvme"),
-                                         ("device:2,nvme", "device:2,pinned_host")])
-def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, mesh, tmp_path):
+@pytest.mark.parametrize("param,optim,precision", [
+    ("nvme", "nvme", "fp32"), ("nvme", "nvme", "bf16"), ("pinned_host:3,nvme", "pinned_host:5,nvme", "fp32"),
+    ("device:2,nvme", "device:2,pinned_host", "fp32")])
+def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, precision, mesh, tmp_path):
   """Stacked leaves not all on the device are drawn one layer at a time (host memory of one
   layer beyond what the tiers hold, whatever the depth), each layer put on its tier, with the
-  values of the whole-model init bit for bit: params and master in every tier."""
+  values of the whole-model init bit for bit: params (bf16 ones cast by XLA) and master in
+  every tier, and NVMe moments all zero."""
   from zinfjax.draw import layer_initializer, master_initializer
   config = get_config("tiny", num_layers=8)
   factory = lambda r: GPT(config, rngs=r)
-  ref = zinfjax.init(factory, make_tx(), zinfjax.ZeroConfig(precision="fp32"), mesh, 7)
-  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optim,
+  ref = zinfjax.init(factory, make_tx(), zinfjax.ZeroConfig(precision=precision), mesh, 7)
+  zero = zinfjax.ZeroConfig(precision=precision, offload_param=param, offload_optimizer=optim,
                             nvme_path=str(tmp_path / "nvme"))
   state = zinfjax.init(factory, zinfjax.optim.adamw(1e-3), zero, mesh, 7)
   for got, want in zip(jax.tree.leaves(state.full_params()), jax.tree.leaves(ref.full_params())):
+    assert got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  moments = [k for k in state.engine.store.keys() if k.startswith(("o/m/", "o/v/"))]
+  assert bool(moments) == ("nvme" in optim)
+  assert not any(state.engine.store.read(k).wait().any() for k in moments)
+  if precision == "bf16":  # the NVMe shards: fp32 master and bf16 params, those of the reference
+    plan, store, checked = state.engine.plan, state.engine.store, 0
+    for name, dtype in (("master", np.float32), ("params", jnp.bfloat16)):
+      for leaf, (full,) in zip(plan.leaves, plan.flatten(getattr(ref, name))):
+        for rank in plan.ranks:
+          for layer in range(leaf.num_layers if leaf.stacked else 1):
+            if leaf.tier(name, layer) == "nvme":
+              got = store.read(leaf.key(name, rank, layer)).wait()
+              want = np.asarray(full)[plan.region(leaf, rank, layer)].reshape(got.shape)
+              assert got.dtype == dtype
+              np.testing.assert_array_equal(got, want)
+              checked += 1
+    assert checked > 200
+    store.close()
+    return
   plan = state.engine.plan
   for name, tree in (("params", state.params), ("master", state.master)):
     for leaf, parts in zip(plan.leaves, plan.flatten(tree)):

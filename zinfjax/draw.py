@@ -66,13 +66,23 @@ def _by_layer(plan: Plan, leaf, stage: int) -> bool:
 
 
 def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pipeline,
-           tickets: list) -> None:
-  """One rank's fp32 shard of one layer, written as `state`'s NVMe copy."""
+           tickets: list, low=None) -> None:
+  """One rank's fp32 shard of one layer, written as `state`'s NVMe copy (`low`: the same
+  shard already in the compute params' dtype, if made)."""
   if state == "master":
-    tickets += pipeline.write_layer(leaf.index, rank, layer, data)
+    tickets += pipeline.write_layer(leaf.index, rank, layer, data, low)
   elif not leaf.params_with_master(layer):  # else the pipeline wrote the params too
-    tickets.append(store.write(leaf.key("params", rank, layer),
-                               np.asarray(data).astype(plan.dtype(state))))
+    low = np.asarray(data).astype(plan.dtype(state)) if low is None else low
+    tickets.append(store.write(leaf.key("params", rank, layer), low))
+
+
+def _cast(plan: Plan):
+  """`x -> x` in the compute params' dtype, by XLA (several times numpy's bf16 cast, and on
+  its own threads), or None when the params are fp32."""
+  dtype = plan.dtype("params")
+  if np.dtype(dtype) == np.float32:
+    return None
+  return jax.jit(lambda x: x.astype(dtype))
 
 
 def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets: list) -> tuple:
@@ -105,9 +115,16 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
   draw = layer_initializer(engine, model_factory, leaf.index)
   arrays = {(state, seg): _segment_buffers(plan, leaf, state, seg)
             for state in _created(plan.stage) for seg in leaf.array_segments(state)}
+  cast = _cast(plan)
+  nvme_at = lambda layer: [st for st in _created(plan.stage)
+                           if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]
   writing: list = []
+  x = draw(key, 0)
   for layer in range(leaf.num_layers):
-    x = draw(key, layer)
+    on_nvme = nvme_at(layer)
+    low = host_shards(cast(x), plan.mesh) if on_nvme and cast is not None else {}
+    # the next layer is drawn while this one is copied and written (host memory: 3 layers)
+    ahead = draw(key, layer + 1) if layer + 1 < leaf.num_layers else None
     held = [(seg, bufs) for (_, seg), bufs in arrays.items() if layer in seg]
     if held:
       local = {shard.device: np.asarray(shard.data) for shard in x.addressable_shards}
@@ -115,13 +132,12 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
         for device, buf in bufs.items():
           buf[layer - seg.start] = local[device]
     tickets: list = []
-    on_nvme = [st for st in _created(plan.stage)
-               if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]
     if on_nvme:
       for rank, data in host_shards(x, plan.mesh).items():
         for state in on_nvme:
-          _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets)
-    del x
+          _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets,
+                 low.get(rank))
+    x = ahead
     for t in writing:  # the previous layer's writes ran while this one was drawn
       t.wait()
     writing = tickets
@@ -175,4 +191,6 @@ def random_states(engine: Engine, model_factory: ModelFactory, key,
       del x
   if engine.store is not None:
     engine.store.sync()
+    if engine.pipeline is not None:
+      engine.pipeline.release_zeros()
   return [masters[i] for i in chosen], [params[i] for i in chosen]

@@ -107,6 +107,7 @@ class NvmePipeline:
                      for state in ("master", "params", "grads")}
     self._nvme = self._on_nvme["master"]
     self._slots: list[dict[str, np.ndarray]] = []
+    self._zero_buf: np.ndarray | None = None
     self._scalars = jax.jit(hyper.scalars)
     self.last_step: dict[str, float] = {}
     self.set_order(grad_write_order(plan))  # until the step has seen the stacks' order
@@ -166,17 +167,35 @@ class NvmePipeline:
             for name, buf in self._slot(k).items()}
 
   # ---------------------------------------------------------------- init
-  def write_layer(self, leaf: int, rank: int, layer: int, master: np.ndarray) -> list:
+  def write_layer(self, leaf: int, rank: int, layer: int, master: np.ndarray,
+                  params: np.ndarray | None = None) -> list:
     """Store one rank's fp32 master shard of one layer with zero moments, and its compute
-    params when they live on NVMe; returns the write tickets."""
+    params when they live on NVMe (`params`: that cast, if the caller has it; else cast
+    here); returns the write tickets."""
     part = Part(leaf, rank, layer, 0)
     data = np.ascontiguousarray(master, np.float32)
-    zeros = np.zeros_like(data)
+    zeros = self._zeros(data.shape)
     tickets = [self.store.write(self.key(s, part), x)
                for s, x in (("master", data), ("mu", zeros), ("nu", zeros))]
     if self.on_nvme("params", part):
-      tickets.append(self.store.write(self.key("params", part), data.astype(self.params_dtype)))
+      params = data.astype(self.params_dtype) if params is None else params
+      tickets.append(self.store.write(self.key("params", part), params))
     return tickets
+
+  def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only fp32 zero shard of `shape`, a view of one buffer (as large as the largest
+    shard asked for) that every write of fresh moments shares: zero-filling a new buffer per
+    write cost init as much as drawing the master. `release_zeros` frees it."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if self._zero_buf is None or self._zero_buf.size < n:
+      self._zero_buf = aligned_empty(n, np.float32)  # writes in flight keep the old one alive
+      self._zero_buf.fill(0)
+      self._zero_buf.flags.writeable = False
+    return self._zero_buf[:n].reshape(shape)
+
+  def release_zeros(self) -> None:
+    """Drop the shared zero shard (after init or a weight load)."""
+    self._zero_buf = None
 
   # ---------------------------------------------------------------- step
   def grad_keys(self) -> list[str]:

@@ -109,6 +109,8 @@ def stream_states(engine, tensors: list[Tensor | None], fresh=None) -> tuple[lis
   writes.drain()
   if store is not None:
     store.sync()
+    if pipeline is not None:
+      pipeline.release_zeros()
   return masters, params
 
 
