@@ -36,10 +36,11 @@ def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None)
   return jax.jit(make, out_shardings=shardings)
 
 
-def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int):
+def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int, low=None):
   """`(key, layer) -> fp32 storage form of one layer of stacked leaf `leaf``, equal to that
   layer of `master_initializer`'s value bit for bit, drawn in one layer's memory (every
-  `Stack` builds only that block: `zinfjax.layers.one_layer`)."""
+  `Stack` builds only that block: `zinfjax.layers.one_layer`). With a dtype `low`, the
+  program returns (that, the same cast to `low`): XLA casts it in the same program."""
   plan = engine.plan
   layout = plan.leaves[leaf].layout.layer()
 
@@ -47,10 +48,11 @@ def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int):
     with one_layer(layer):
       model = model_factory(nnx.Rngs(key))
     x = plan.flatten(nnx.to_pure_dict(nnx.state(model)))[leaf]
-    return layout.pad(x[0].astype(jnp.float32))
+    x = layout.pad(x[0].astype(jnp.float32))
+    return x if low is None else (x, x.astype(low))
 
   sharding = NamedSharding(plan.mesh, layout.spec(engine.config.axis))
-  return jax.jit(make, out_shardings=sharding)
+  return jax.jit(make, out_shardings=sharding if low is None else (sharding, sharding))
 
 
 def _created(stage: int) -> tuple[str, ...]:
@@ -76,13 +78,10 @@ def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pip
     tickets.append(store.write(leaf.key("params", rank, layer), low))
 
 
-def _cast(plan: Plan):
-  """`x -> x` in the compute params' dtype, by XLA (several times numpy's bf16 cast, and on
-  its own threads), or None when the params are fp32."""
+def _low(plan: Plan):
+  """The compute params' dtype when init casts the master to it (bf16), else None (fp32)."""
   dtype = plan.dtype("params")
-  if np.dtype(dtype) == np.float32:
-    return None
-  return jax.jit(lambda x: x.astype(dtype))
+  return None if np.dtype(dtype) == np.float32 else dtype
 
 
 def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets: list) -> tuple:
@@ -108,23 +107,25 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
 def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> dict[str, tuple]:
   """A stacked leaf drawn one layer at a time, each layer put on its tier as it comes: NVMe
   layers written (while the next is drawn), the layers of array segments copied into their
-  devices' host buffers, which become the segment's arrays at the end. Host memory holds two
-  layers beside what the tiers hold anyway, whatever the depth. Returns each created state's
+  devices' host buffers, which become the segment's arrays at the end. Host memory holds three
+  layers (the one being drawn, the one being copied, the one being written) beside what the
+  tiers hold anyway, whatever the depth. Returns each created state's
   array parts, as `_place` does."""
   plan = engine.plan
-  draw = layer_initializer(engine, model_factory, leaf.index)
-  arrays = {(state, seg): _segment_buffers(plan, leaf, state, seg)
-            for state in _created(plan.stage) for seg in leaf.array_segments(state)}
-  cast = _cast(plan)
   nvme_at = lambda layer: [st for st in _created(plan.stage)
                            if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]
+  # XLA casts the NVMe compute params in the draw's program (several times numpy's bf16 cast)
+  low = _low(plan) if any(nvme_at(layer) for layer in range(leaf.num_layers)) else None
+  draw = layer_initializer(engine, model_factory, leaf.index, low)
+  arrays = {(state, seg): _segment_buffers(plan, leaf, state, seg)
+            for state in _created(plan.stage) for seg in leaf.array_segments(state)}
   writing: list = []
-  x = draw(key, 0)
+  drawn = draw(key, 0)
   for layer in range(leaf.num_layers):
-    on_nvme = nvme_at(layer)
-    low = host_shards(cast(x), plan.mesh) if on_nvme and cast is not None else {}
     # the next layer is drawn while this one is copied and written (host memory: 3 layers)
     ahead = draw(key, layer + 1) if layer + 1 < leaf.num_layers else None
+    x, lows = (drawn, None) if low is None else drawn
+    on_nvme = nvme_at(layer)
     held = [(seg, bufs) for (_, seg), bufs in arrays.items() if layer in seg]
     if held:
       local = {shard.device: np.asarray(shard.data) for shard in x.addressable_shards}
@@ -133,11 +134,13 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
           buf[layer - seg.start] = local[device]
     tickets: list = []
     if on_nvme:
+      lows = {} if lows is None else host_shards(lows, plan.mesh)
       for rank, data in host_shards(x, plan.mesh).items():
         for state in on_nvme:
           _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets,
-                 low.get(rank))
-    x = ahead
+                 lows.get(rank))
+    del x, lows
+    drawn = ahead
     for t in writing:  # the previous layer's writes ran while this one was drawn
       t.wait()
     writing = tickets
