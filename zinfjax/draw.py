@@ -179,10 +179,12 @@ def random_states(engine: Engine, model_factory: ModelFactory, key,
     params[i] = parts["params"] if plan.stage == 3 else None
   rest = [i for i in chosen if i not in by_layer]
   # without NVMe the rest of the master is one program; with it one leaf at a time, so host
-  # memory holds at most one leaf while the states stream to the swap store
+  # memory holds at most two leaves while the states stream to the swap store
   groups = ([rest] if rest else []) if engine.store is None else [[i] for i in rest]
-  for group in groups:
-    values = master_initializer(engine, model_factory, group)(key)
+  draw = lambda k: master_initializer(engine, model_factory, groups[k])(key) if k < len(groups) else None
+  ahead = draw(0)
+  for k, group in enumerate(groups):
+    values, ahead = ahead, draw(k + 1)  # the next leaf is drawn while this one is written
     for i, x in zip(group, values):
       leaf = plan.leaves[i]
       masters[i] = _place(plan, leaf, x, "master", engine.store, engine.pipeline, tickets)
