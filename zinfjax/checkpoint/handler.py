@@ -73,8 +73,8 @@ class _Block:
 
 def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
   """This process's shards of an array source, copied to host memory as they are (contiguous
-  copies; the engine gathers the chunks from them when it writes) as one block per run of
-  adjacent shards."""
+  copies; the engine gathers the chunks from them when it writes: `_host_copy`) as one block
+  per run of adjacent shards."""
   shards = [(shifted(norm_region(sh.index, src.array.shape), leaf.layout, src.start), sh)
             for sh in src.array.addressable_shards if not sh.replica_id]
   if not shards:  # another process holds the copy that is written
@@ -83,8 +83,26 @@ def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
   dense = sum(int(np.prod([x.stop - x.start for x in r])) for r, _ in shards) == int(
       np.prod([x.stop - x.start for x in box]))
   groups = [(box, shards)] if dense else [(r, [(r, sh)]) for r, sh in shards]
-  return [_Block(clip(region, leaf.shape), [(r, np.array(sh.data, copy=True)) for r, sh in members])
+  for _, sh in shards:  # an accelerator's device-to-host copies, all started before any is used
+    if _accelerator(sh):
+      sh.data.copy_to_host_async()
+  return [_Block(clip(region, leaf.shape), [(r, _host_copy(sh)) for r, sh in members])
           for region, members in groups]
+
+
+def _accelerator(shard) -> bool:
+  """Whether a shard lives in an accelerator's own memory (HBM)."""
+  return shard.device.platform != "cpu" and shard.data.sharding.memory_kind == "device"
+
+
+def _host_copy(shard) -> np.ndarray:
+  """A shard's data in host memory that nothing else writes (the state is donated next): from
+  HBM, the device-to-host copy itself (numpy's view of a jax array there is already a private
+  copy); anywhere else (a CPU device, host memory kinds, whose numpy view may be the buffer
+  itself) a copy of that view."""
+  if _accelerator(shard):
+    return np.asarray(shard.data)
+  return np.array(shard.data, copy=True)
 
 
 def _units(run: Run, leaf: Leaf, src: Source):
