@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--pinned-budget", type=int, default=256, help="MiB of pinned host buffers for NVMe")
   p.add_argument("--nvme-prefetch-depth", type=int, default=1,
                  help="layers read from NVMe ahead of the device prefetch")
+  p.add_argument("--no-atomic-steps", action="store_true",
+                 help="rewrite NVMe states in place (nvme_atomic_steps=False): half the drive "
+                      "space, but a step that fails on NVMe is not rolled back")
   p.add_argument("--nvme-io-threads", type=int, default=4,
                  help="shards the swap store moves at once (the drive's queue depth)")
   p.add_argument("--offload-activations", action="store_true",
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
         offload_optimizer=args.offload_optimizer,
         nvme_path=args.nvme_path[0] if args.nvme_path and len(args.nvme_path) == 1 else args.nvme_path,
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
-        nvme_io_threads=args.nvme_io_threads,
+        nvme_io_threads=args.nvme_io_threads, nvme_atomic_steps=not args.no_atomic_steps,
         offload_activations=args.offload_activations, micro_batches=args.micro_batches,
         ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives],
         trainable=nnx.LoRAParam if args.lora_rank else None, offload=args.offload,
