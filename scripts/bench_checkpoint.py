@@ -87,6 +87,7 @@ def main(argv=None) -> int:
   root = args.folder or tempfile.mkdtemp(prefix="zinfjax-bench-ckpt-")
   os.makedirs(root, exist_ok=True)
   tool, *before = disk_ceiling(root, 1 << 30)
+  ceilings = [tuple(before)]  # (write, read) GB/s before the first tier and after each one
   rows = []
   for tier in args.tiers:
     zero = zinfjax.ZeroConfig(offload_param=tier, offload_optimizer=tier,
@@ -148,12 +149,12 @@ def main(argv=None) -> int:
           f"restored {restore_s:.2f} s (handler {reads_s:.2f} s); chunk files alone {alone:.2f} GB/s; "
           f"all rounds: {times} {restores}",
           flush=True)
-  _, *after = disk_ceiling(root, 1 << 30)
-  disk_w, disk_r = max(before[0], after[0]), max(before[1], after[1])
+    ceilings.append(tuple(disk_ceiling(root, 1 << 30)[1:]))
   print(f"\nGPT {args.layers}x{args.hidden} ({config.num_params / 1e6:.1f}M params) on {args.devices} "
-        f"{jax.devices()[0].platform} devices, best of {args.rounds} rounds; disk ({tool}), before / "
-        f"after the runs: write {before[0]:.2f} / {after[0]:.2f} GB/s, read {before[1]:.2f} / "
-        f"{after[1]:.2f} GB/s (the faster of each is the ceiling below)\n")
+        f"{jax.devices()[0].platform} devices, best of {args.rounds} rounds; disk ({tool}) before the "
+        f"first tier and after each: write {' / '.join(f'{w:.2f}' for w, _ in ceilings)} GB/s, "
+        f"read {' / '.join(f'{r:.2f}' for _, r in ceilings)} GB/s (each tier's ceiling below is "
+        f"the faster of those just before and just after it: the disk's rate moves by minutes)\n")
   print("The disk's time is what the drive alone needs for the bytes moved: a save writes the "
         "checkpoint (and for NVMe states first reads them from the swap store); a restore reads "
         "it (and for NVMe states writes the swap store). `restore s` includes building the "
@@ -162,16 +163,19 @@ def main(argv=None) -> int:
         "the engine and nothing else (8 at a time): the drive's rate for these file sizes.\n")
   print("| states on | checkpoint GB | swap store GB | save blocks s | save committed s | "
         "save: disk's time s | save of disk | restore s | reads s | restore: disk's time s | "
-        "restore of disk (reads only) | CPU s in reads (cores busy) | files alone GB/s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s, alone in rows:
+        "restore of disk (reads only) | CPU s in reads (cores busy) | files alone GB/s | "
+        "disk ceiling write / read GB/s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for i, (tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
+          alone) in enumerate(rows):
+    disk_w, disk_r = (max(a, b) for a, b in zip(ceilings[i], ceilings[i + 1]))
     save_disk = nbytes / 1e9 / disk_w + read_bytes / 1e9 / disk_r
     restore_disk = nbytes / 1e9 / disk_r + store_bytes / 1e9 / disk_w
     print(f"| {tier} | {nbytes / 1e9:.2f} | {store_bytes / 1e9:.2f} | {blocked:.2f} | "
           f"{committed:.2f} | {save_disk:.2f} | {save_disk / committed:.0%} | {restore_s:.2f} | "
           f"{reads_s:.2f} | {restore_disk:.2f} | {restore_disk / restore_s:.0%} "
           f"({restore_disk / reads_s:.0%}) | {cpu_s:.2f} ({cpu_s / reads_s:.1f} of {os.cpu_count()}) | "
-          f"{alone:.2f} |")
+          f"{alone:.2f} | {disk_w:.2f} / {disk_r:.2f} |")
   if not args.folder:
     shutil.rmtree(root, ignore_errors=True)
   return 0
