@@ -80,8 +80,7 @@ def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
   if not shards:  # another process holds the copy that is written
     return []
   box = bounding([r for r, _ in shards])
-  dense = sum(int(np.prod([x.stop - x.start for x in r])) for r, _ in shards) == int(
-      np.prod([x.stop - x.start for x in box]))
+  dense = sum(size(r) for r, _ in shards) == size(box)
   groups = [(box, shards)] if dense else [(r, [(r, sh)]) for r, sh in shards]
   for _, sh in shards:  # an accelerator's device-to-host copies, all started before any is used
     if _accelerator(sh):
@@ -103,13 +102,6 @@ def _host_copy(shard) -> np.ndarray:
   if _accelerator(shard):
     return np.asarray(shard.data)
   return np.array(shard.data, copy=True)
-
-
-def _units(run: Run, leaf: Leaf, src: Source):
-  """(rank, layer, region in storage coordinates) of this process's swap-store shards."""
-  for rank in run.plan.ranks:
-    for layer in range(src.start, src.stop):
-      yield rank, layer, run.plan.region(leaf.plan, rank, layer)
 
 
 class StateHandler(ocp.AsyncCheckpointHandler):
@@ -281,11 +273,10 @@ def _units_of(items: list[tuple[Array, Leaf, Source]], run: Run, first_rank: boo
   replicated leaf, rank 0's shard alone)."""
   out = []
   for arr, leaf, src in items:
-    layers: dict[int, list] = {}
-    for rank, layer, region in _units(run, leaf, src):
-      if not (first_rank and leaf.layout.axis is None and rank):
-        layers.setdefault(layer, []).append((rank, region))
-    out += [_Unit(arr, leaf, src, layer, ranks) for layer, ranks in sorted(layers.items())]
+    ranks = [r for r in run.plan.ranks if not (first_rank and leaf.layout.axis is None and r)]
+    if ranks:  # (another process holds rank 0)
+      out += [_Unit(arr, leaf, src, layer, [(r, run.plan.region(leaf.plan, r, layer)) for r in ranks])
+              for layer in range(src.start, src.stop)]
   return out
 
 
