@@ -18,12 +18,14 @@ from .engine import Engine, ModelFactory
 from .layers import one_layer
 from .partition import norm_region
 from .placement import Plan
+from .rng import jit_unrolled
 from .shards import host_shards
 
 
 def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None):
   """`key -> fp32 master leaves` (all, or the indices in `leaves`), jitted straight into their
-  sharded storage form: each device draws only its own shard (partitionable RNG)."""
+  sharded storage form: each device draws only its own shard (partitionable RNG), with
+  threefry's straight-line lowering on CPU (`zinfjax.rng`: the same bits, 4x faster)."""
   plan = engine.plan
   chosen = list(range(len(plan.leaves))) if leaves is None else list(leaves)
 
@@ -33,7 +35,7 @@ def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None)
     return [plan.leaves[i].layout.pad(flat[i].astype(jnp.float32)) for i in chosen]
 
   shardings = [plan.sharding(plan.leaves[i], "device") for i in chosen]
-  return jax.jit(make, out_shardings=shardings)
+  return jit_unrolled(make, out_shardings=shardings)
 
 
 def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int, low=None):
@@ -52,7 +54,7 @@ def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int, lo
     return x if low is None else (x, x.astype(low))
 
   sharding = NamedSharding(plan.mesh, layout.spec(engine.config.axis))
-  return jax.jit(make, out_shardings=sharding if low is None else (sharding, sharding))
+  return jit_unrolled(make, out_shardings=sharding if low is None else (sharding, sharding))
 
 
 def _created(stage: int) -> tuple[str, ...]:
