@@ -7,7 +7,9 @@ measures in the same run: the time `save` blocks training (for device and
 pinned-host states, the copy to host memory; for NVMe, the whole streamed
 copy), the time until the step is committed (after a warm-up save), the time
 to restore it into a fresh engine, and the checkpoint's bytes over those times, against the raw
-disk's write and read bandwidth (fio or dd, O_DIRECT).
+disk's write and read bandwidth (fio or dd, O_DIRECT). A VM's disk moves by minutes, so the
+ceiling is measured again just before every timed save and restore, and each is set against
+its own ceiling (`--probe 0` probes only before the first tier and after each).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def chunk_files_alone(step_folder: str, in_flight: int = 8) -> float:
   return sum(sizes.values()) / (time.perf_counter() - t0) / 1e9
 
 
+def _median(xs: list[float]) -> float:
+  xs = sorted(xs)
+  return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--layers", type=int, default=24)
@@ -64,6 +71,8 @@ def main(argv=None) -> int:
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--folder", default=None, help="where checkpoints and swap files go (default: temp)")
   p.add_argument("--rounds", type=int, default=2, help="timed saves and restores per tier (best shown)")
+  p.add_argument("--probe", type=int, default=1 << 30,
+                 help="bytes of the ceiling probe before each timed save and restore (0: none)")
   p.add_argument("--tiers", nargs="+", default=["device", "pinned_host", "nvme"],
                  choices=["device", "pinned_host", "nvme"], help="placements measured, in turn")
   args = p.parse_args(argv)
@@ -88,7 +97,12 @@ def main(argv=None) -> int:
   os.makedirs(root, exist_ok=True)
   tool, *before = disk_ceiling(root, 1 << 30)
   ceilings = [tuple(before)]  # (write, read) GB/s before the first tier and after each one
-  rows = []
+  rows, paired = [], []
+
+  def probe() -> tuple[float, float]:
+    """(write, read) GB/s of the disk now (nothing when `--probe 0`)."""
+    return tuple(disk_ceiling(root, args.probe)[1:]) if args.probe else (0.0, 0.0)
+
   for tier in args.tiers:
     zero = zinfjax.ZeroConfig(offload_param=tier, offload_optimizer=tier,
                               nvme_path=os.path.join(root, f"nvme_{tier}"))
@@ -100,9 +114,10 @@ def main(argv=None) -> int:
     ckpt = Checkpointer(folder, keep=None)  # no deletions inside the timed saves
     ckpt.save(state)  # warm-up: the first save in a process also sets up orbax and tensorstore
     ckpt.wait()
-    times = []
+    times, save_ceilings = [], []
     for step in range(1, args.rounds + 1):
       state = dataclasses.replace(state, step=jax.device_put(np.int32(step), state.step.sharding))
+      save_ceilings.append(probe())
       t0 = time.perf_counter()
       ckpt.save(state)
       blocked = time.perf_counter() - t0
@@ -119,8 +134,9 @@ def main(argv=None) -> int:
     if store is not None:
       store.close()  # the restore below opens this nvme_path again
     del state
-    restores = []
+    restores, restore_ceilings = [], []
     for _ in range(args.rounds):
+      restore_ceilings.append(probe())
       handler_s = []
       inner = StateHandler.restore
       def timed(self, *a, **k):
@@ -145,6 +161,12 @@ def main(argv=None) -> int:
     alone = chunk_files_alone(os.path.join(folder, str(args.rounds)))
     rows.append((tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
                  alone))
+    if args.probe:  # each round against the ceiling probed just before it
+      paired.append(([(nbytes / 1e9 / w + read_bytes / 1e9 / r) / c
+                      for (w, r), (_, c) in zip(save_ceilings, times)],
+                     [(nbytes / 1e9 / r + store_bytes / 1e9 / w) / t
+                      for (w, r), (t, _, _) in zip(restore_ceilings, restores)],
+                     save_ceilings + restore_ceilings))
     print(f"{tier}: {nbytes / 1e9:.2f} GB saved, blocked {blocked:.2f} s, committed {committed:.2f} s, "
           f"restored {restore_s:.2f} s (handler {reads_s:.2f} s); chunk files alone {alone:.2f} GB/s; "
           f"all rounds: {times} {restores}",
@@ -176,6 +198,16 @@ def main(argv=None) -> int:
           f"{reads_s:.2f} | {restore_disk:.2f} | {restore_disk / restore_s:.0%} "
           f"({restore_disk / reads_s:.0%}) | {cpu_s:.2f} ({cpu_s / reads_s:.1f} of {os.cpu_count()}) | "
           f"{alone:.2f} | {disk_w:.2f} / {disk_r:.2f} |")
+  if paired:
+    print("\nEach timed round against the disk's ceiling probed just before it (disk's time / "
+          "round's time; median, then the range over rounds):\n")
+    print("| states on | save committed, of disk | restore, of disk | ceilings probed, write / read GB/s |")
+    print("|---|---|---|---|")
+    for (tier, *_), (saves, loads, probes) in zip(rows, paired):
+      ws, rs = [w for w, _ in probes], [r for _, r in probes]
+      print(f"| {tier} | {_median(saves):.0%} ({min(saves):.0%}-{max(saves):.0%}) | "
+            f"{_median(loads):.0%} ({min(loads):.0%}-{max(loads):.0%}) | "
+            f"{min(ws):.2f}-{max(ws):.2f} / {min(rs):.2f}-{max(rs):.2f} |")
   if not args.folder:
     shutil.rmtree(root, ignore_errors=True)
   return 0
