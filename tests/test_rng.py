@@ -85,3 +85,23 @@ def test_init_equals_the_eager_model_bit_for_bit(mesh):
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_jax_without_the_rule_draws_the_same_rolled(monkeypatch):
+  """Where this JAX keeps threefry's rules elsewhere (or its registry refuses the swap), the
+  block is a no-op: JAX's own lowering, the same bits."""
+  import zinfjax.rng as rng
+  key = jax.random.key(3)
+  want = jax.jit(lambda k: jax.random.normal(k, (257,)))(key)
+  for broken in ("rule", "install"):
+    with monkeypatch.context() as m:
+      if broken == "rule":
+        m.setattr(rng, "_rule", lambda: None)
+      else:
+        m.setattr(rng, "_install", lambda prim, rule: False)
+      with unrolled_threefry() as swapped:
+        assert not swapped
+      assert rolled(jit_unrolled)
+      got = jit_unrolled(lambda k: jax.random.normal(k, (257,)))(key)
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not rolled(jit_unrolled)  # restored

@@ -27,14 +27,32 @@ _saved: Any = None
 
 
 def _rule():
-  """(JAX's lowering table for CPU, threefry's primitive, its straight-line rule), or None."""
+  """(JAX's lowering table for CPU, threefry's primitive, its straight-line rule), or None
+  where this JAX keeps them elsewhere."""
   try:
     from jax._src.interpreters import mlir
-    from jax._src.random import threefry2x32 as tf
+    try:
+      from jax._src.random import threefry2x32 as tf
+    except ImportError:  # JAX before the random package
+      from jax._src import prng as tf
     table = mlir._platform_specific_lowerings["cpu"]
-    return table, tf.threefry2x32_p, mlir.LoweringRuleEntry(tf._threefry2x32_lowering_rule, False)
+    return table, tf.threefry2x32_p, tf._threefry2x32_lowering_rule
   except (ImportError, AttributeError, KeyError, TypeError):
     return None
+
+
+def _install(prim, rule) -> bool:
+  """Register `rule` as `prim`'s CPU lowering (out of line where this JAX can); whether it
+  could."""
+  from jax._src.interpreters import mlir
+  try:
+    try:
+      mlir.register_lowering(prim, rule, platform="cpu", inline=False)
+    except TypeError:  # a JAX without `inline`
+      mlir.register_lowering(prim, rule, platform="cpu")
+    return True
+  except Exception:  # a registry that differs: JAX's own lowering stays
+    return False
 
 
 @contextlib.contextmanager
@@ -45,15 +63,17 @@ def unrolled_threefry() -> Iterator[bool]:
   another thread lowers meanwhile only draws faster: its bits are the same."""
   global _depth, _saved
   found = _rule()
+  with _lock:
+    if found is not None and _depth == 0:
+      _saved = found[0].get(found[1])
+      if not _install(found[1], found[2]):
+        found, _saved = None, None
+    if found is not None:
+      _depth += 1
   if found is None:
     yield False
     return
-  table, prim, straight = found
-  with _lock:
-    if _depth == 0:
-      _saved = table.get(prim)
-      table[prim] = straight
-    _depth += 1
+  table, prim, _ = found
   try:
     yield True
   finally:
