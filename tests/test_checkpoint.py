@@ -125,19 +125,45 @@ def test_nvme_streams_in_groups_of_one_layer_equal_one_group(straight, tmp_path,
     with Checkpointer(tmp_path / name) as ckpt:
       ckpt.save(state)
     store.close()
-    chunks = {}
-    for root, _, files in os.walk(tmp_path / name / str(SAVE_AT)):
-      for f in files:
-        path = os.path.join(root, f)
-        if os.sep + "c" + os.sep in path or f == "c":
-          with open(path, "rb") as fh:
-            chunks[os.path.relpath(path, tmp_path / name)] = fh.read()
-    outs.append((shards, chunks))
+    outs.append((shards, chunk_files(tmp_path / name)))
   (shards_one, chunks_one), (shards_many, chunks_many) = outs
   assert len(shards_one) > 10 and shards_one.keys() == shards_many.keys()
   for k in shards_one:
     np.testing.assert_array_equal(shards_many[k], shards_one[k], err_msg=k)
   assert len(chunks_one) > 10 and chunks_one == chunks_many
+
+
+def chunk_files(folder) -> dict[str, bytes]:
+  """Every chunk file of the step saved at `SAVE_AT` under `folder`, by path."""
+  chunks = {}
+  for root, _, files in os.walk(folder / str(SAVE_AT)):
+    for f in files:
+      path = os.path.join(root, f)
+      if os.sep + "c" + os.sep in path or f == "c":
+        with open(path, "rb") as fh:
+          chunks[os.path.relpath(path, folder)] = fh.read()
+  return chunks
+
+
+def test_save_batches_written_at_once_equal_one_batch(straight, tmp_path, mesh, monkeypatch):
+  """A save writes its array blocks in batches, `WRITERS` at once. Batches of one block each
+  (tens of them, two writers racing) give the same chunk files as one batch of them all."""
+  from zinfjax.checkpoint import handler
+  run = straight("pinned_host")
+  param, optimizer, precision = PLACEMENTS["pinned_host"]
+  zero = W.zero_config(param, optimizer, precision, None)
+  state, _ = Checkpointer(run["ckpt"]).restore(W.model_factory, W.make_tx(optimizer), zero, mesh)
+  outs, batches, flush = [], [], handler._Writes.flush
+  monkeypatch.setattr(handler._Writes, "flush",
+                      lambda self: (batches.append(name) if self.batch else None, flush(self))[1])
+  for name, first, last in (("one", 1 << 40, 1 << 40), ("many", 1, 1)):
+    monkeypatch.setattr(handler, "FIRST_BATCH", first)
+    monkeypatch.setattr(handler, "LAST_BATCH", last)
+    with Checkpointer(tmp_path / name) as ckpt:
+      ckpt.save(state)
+    outs.append(chunk_files(tmp_path / name))
+  assert batches.count("one") == 1 and batches.count("many") > 20
+  assert len(outs[0]) > 10 and outs[0] == outs[1]
 
 
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mesh):

@@ -32,7 +32,9 @@ from .zarr import BATCH_BYTES, Array, Part, background, spec, trim, write_chunks
 GROUP_BYTES = 32 << 20  # NVMe shards per swap-store transfer and chunk-file call (whole layers)
 IN_FLIGHT = 2     # groups of NVMe shards read ahead between the store and the checkpoint
 WRITES_AHEAD = 2  # groups being written behind them (each one in host memory)
-FIRST_BATCH = 16 << 20  # bytes of the first batch a save writes (then twice as many, up to BATCH_BYTES)
+FIRST_BATCH = 16 << 20  # bytes of the first batch a save writes (then twice as many, up to LAST_BATCH)
+LAST_BATCH = BATCH_BYTES // 2  # a save's largest batch (WRITERS of them staged at once)
+WRITERS = 2       # a save's batches written at once: one drains the drive's queue at its end
 
 
 @dataclasses.dataclass
@@ -183,9 +185,10 @@ class StateRestore(ocp.args.CheckpointArgs):
 
 
 class _Writes:
-  """Blocks handed to `save_blocks` in batches, one batch at a time on a writer thread (each
-  batch keeps the drive's queue full by itself). Batches grow from `FIRST_BATCH` to
-  `BATCH_BYTES`, so the drive starts while the first shards are still being copied."""
+  """Blocks handed to `save_blocks` in batches, `WRITERS` batches at a time on writer threads,
+  so the drive's queue stays full while one batch ends and the next begins. Batches grow from
+  `FIRST_BATCH` to `LAST_BATCH`, so the drive starts while the first shards are still being
+  copied."""
 
   _thread: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -197,13 +200,13 @@ class _Writes:
   def add(self, arr: Array, block: _Block) -> None:
     self.batch.append((arr, block))
     self.size += block.nbytes
-    if self.size >= min(BATCH_BYTES, FIRST_BATCH << len(self.started)):
+    if self.size >= min(LAST_BATCH, FIRST_BATCH << len(self.started)):
       self.flush()
 
   def flush(self) -> None:
     if self.batch:
       if _Writes._thread is None:
-        _Writes._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-ckpt-save")
+        _Writes._thread = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="zinfjax-ckpt-save")
       batch = self.batch
       self.started.append(_Writes._thread.submit(
           lambda: save_blocks([(arr, b.region, b.parts) for arr, b in batch])))

@@ -176,10 +176,13 @@ class Array:
     self.grid = Grid.of(path)
     self._ts: Any = None
 
+  _opening = threading.Lock()  # one tensorstore handle per array, whichever thread opens it
+
   @property
   def ts(self) -> Any:
-    if self._ts is None:
-      self._ts = ts.open(spec(self.path)).result()
+    with self._opening:
+      if self._ts is None:
+        self._ts = ts.open(spec(self.path)).result()
     return self._ts
 
   @property
