@@ -58,6 +58,16 @@ def chunk_files_alone(step_folder: str, in_flight: int = 8) -> float:
   return sum(sizes.values()) / (time.perf_counter() - t0) / 1e9
 
 
+def save_disk(nbytes: int, read_bytes: int, write: float, read: float) -> float:
+  """The drive's seconds for a save: the checkpoint written, its NVMe states read first."""
+  return nbytes / 1e9 / write + read_bytes / 1e9 / read
+
+
+def restore_disk(nbytes: int, store_bytes: int, write: float, read: float) -> float:
+  """The drive's seconds for a restore: the checkpoint read, its NVMe states written."""
+  return nbytes / 1e9 / read + store_bytes / 1e9 / write
+
+
 def _median(xs: list[float]) -> float:
   xs = sorted(xs)
   return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
@@ -162,16 +172,16 @@ def main(argv=None) -> int:
     rows.append((tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
                  alone))
     if args.probe:  # each round against the ceiling probed just before it
-      paired.append(([(nbytes / 1e9 / w + read_bytes / 1e9 / r) / c
+      paired.append(([save_disk(nbytes, read_bytes, w, r) / c
                       for (w, r), (_, c) in zip(save_ceilings, times)],
-                     [(nbytes / 1e9 / r + store_bytes / 1e9 / w) / t
+                     [restore_disk(nbytes, store_bytes, w, r) / t
                       for (w, r), (t, _, _) in zip(restore_ceilings, restores)],
                      save_ceilings + restore_ceilings))
     print(f"{tier}: {nbytes / 1e9:.2f} GB saved, blocked {blocked:.2f} s, committed {committed:.2f} s, "
           f"restored {restore_s:.2f} s (handler {reads_s:.2f} s); chunk files alone {alone:.2f} GB/s; "
           f"all rounds: {times} {restores}",
           flush=True)
-    ceilings.append(tuple(disk_ceiling(root, 1 << 30)[1:]))
+    ceilings.append(tuple(disk_ceiling(root, 1 << 30)[1:]))  # after each tier, whatever --probe
   print(f"\nGPT {args.layers}x{args.hidden} ({config.num_params / 1e6:.1f}M params) on {args.devices} "
         f"{jax.devices()[0].platform} devices, best of {args.rounds} rounds; disk ({tool}) before the "
         f"first tier and after each: write {' / '.join(f'{w:.2f}' for w, _ in ceilings)} GB/s, "
@@ -191,12 +201,12 @@ def main(argv=None) -> int:
   for i, (tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
           alone) in enumerate(rows):
     disk_w, disk_r = (max(a, b) for a, b in zip(ceilings[i], ceilings[i + 1]))
-    save_disk = nbytes / 1e9 / disk_w + read_bytes / 1e9 / disk_r
-    restore_disk = nbytes / 1e9 / disk_r + store_bytes / 1e9 / disk_w
+    save_s = save_disk(nbytes, read_bytes, disk_w, disk_r)
+    restore_s_disk = restore_disk(nbytes, store_bytes, disk_w, disk_r)
     print(f"| {tier} | {nbytes / 1e9:.2f} | {store_bytes / 1e9:.2f} | {blocked:.2f} | "
-          f"{committed:.2f} | {save_disk:.2f} | {save_disk / committed:.0%} | {restore_s:.2f} | "
-          f"{reads_s:.2f} | {restore_disk:.2f} | {restore_disk / restore_s:.0%} "
-          f"({restore_disk / reads_s:.0%}) | {cpu_s:.2f} ({cpu_s / reads_s:.1f} of {os.cpu_count()}) | "
+          f"{committed:.2f} | {save_s:.2f} | {save_s / committed:.0%} | {restore_s:.2f} | "
+          f"{reads_s:.2f} | {restore_s_disk:.2f} | {restore_s_disk / restore_s:.0%} "
+          f"({restore_s_disk / reads_s:.0%}) | {cpu_s:.2f} ({cpu_s / reads_s:.1f} of {os.cpu_count()}) | "
           f"{alone:.2f} | {disk_w:.2f} / {disk_r:.2f} |")
   if paired:
     print("\nEach timed round against the disk's ceiling probed just before it (disk's time / "

@@ -63,17 +63,19 @@ def unrolled_threefry() -> Iterator[bool]:
   another thread lowers meanwhile only draws faster: its bits are the same."""
   global _depth, _saved
   found = _rule()
-  with _lock:
-    if found is not None and _depth == 0:
-      _saved = found[0].get(found[1])
-      if not _install(found[1], found[2]):
-        found, _saved = None, None
-    if found is not None:
-      _depth += 1
   if found is None:
     yield False
     return
-  table, prim, _ = found
+  table, prim, straight = found
+  with _lock:
+    swapped = _depth > 0  # else the first open block swaps the rule in, keeping JAX's
+    if not swapped:
+      _saved = table.get(prim)
+      swapped = _install(prim, straight)
+    _depth += swapped
+  if not swapped:
+    yield False
+    return
   try:
     yield True
   finally:

@@ -175,8 +175,7 @@ class Array:
     self.path = path
     self.grid = Grid.of(path)
     self._ts: Any = None
-
-  _opening = threading.Lock()  # one tensorstore handle per array, whichever thread opens it
+    self._opening = threading.Lock()  # one tensorstore handle, whichever writer thread opens it
 
   @property
   def ts(self) -> Any:
