@@ -181,6 +181,8 @@ def main(argv=None) -> int:
           f"restored {restore_s:.2f} s (handler {reads_s:.2f} s); chunk files alone {alone:.2f} GB/s; "
           f"all rounds: {times} {restores}",
           flush=True)
+    shutil.rmtree(folder, ignore_errors=True)  # the disk holds one tier's checkpoints at a time
+    shutil.rmtree(zero.nvme_path, ignore_errors=True)
     ceilings.append(tuple(disk_ceiling(root, 1 << 30)[1:]))  # after each tier, whatever --probe
   print(f"\nGPT {args.layers}x{args.hidden} ({config.num_params / 1e6:.1f}M params) on {args.devices} "
         f"{jax.devices()[0].platform} devices, best of {args.rounds} rounds; disk ({tool}) before the "

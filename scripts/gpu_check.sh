@@ -2,13 +2,15 @@
 # The whole GPU check of zinfjax on a bare GPU machine with no network, in one command:
 #
 #   scripts/gpu_check.sh OUT [STAGES]      STAGES: comma-separated, default all of
-#                                          env,build,gpu-tests,bench,cpu-suite
+#                                          env,build,gpu-tests,bench,cpu-suite; also `ckpt`
+#                                          (checkpoint save/restore per tier on the GPU, about
+#                                          3 minutes: run it as its own call, after `build`)
 #   scripts/gpu_check.sh OUT --dry-run     on a machine without a GPU: checks that every
 #                                          stage's commands exist and run (GPU tests skipped,
-#                                          benchmark at --tiny sizes), builds nothing
+#                                          benchmarks at tiny sizes), builds nothing
 #
 # Each stage writes its log under OUT (env.txt, build.log, gpu_tests.log, bench_gpu.log,
-# bench_gpu.json, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
+# bench_gpu.json, bench_checkpoint.log, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
 # check and prints the stage it reached and where its log is.
 set -Eeuo pipefail
 
@@ -17,7 +19,7 @@ STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
 DRY=0
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
-  STAGES=env,gpu-tests,bench
+  STAGES=env,gpu-tests,bench,ckpt
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
@@ -96,6 +98,20 @@ if want bench; then
     run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT"
   fi
   note "bench: table in bench_gpu.log, numbers in bench_gpu.json"
+fi
+
+if want ckpt; then
+  STAGE=ckpt
+  CKPT_DIR=${CKPT_DIR:-$(mktemp -d /tmp/zinfjax-ckpt-XXXX)}  # on the machine's disk, not in OUT
+  if [[ $DRY == 1 ]]; then
+    size=(--layers 2 --hidden 64 --heads 2 --rounds 1 --probe $((64 << 20)))
+  else  # a checkpoint of 2.7 GB (226M params), restored through the staging regions
+    size=(--layers 32 --hidden 768 --heads 12 --rounds 3)
+  fi
+  (cd /tmp && run bench_checkpoint.log 420 $PY "$REPO/scripts/bench_checkpoint.py" --devices 1 \
+     --folder "$CKPT_DIR" "${size[@]}") || { rm -rf "$CKPT_DIR"; false; }
+  rm -rf "$CKPT_DIR"
+  note "ckpt: table in bench_checkpoint.log"
 fi
 
 if want cpu-suite; then

@@ -166,6 +166,48 @@ def test_save_batches_written_at_once_equal_one_batch(straight, tmp_path, mesh, 
   assert len(outs[0]) > 10 and outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("name", ["device", "pinned_host"])
+def test_restore_staged_for_copies_equals_buffers_taken_over(name, straight, mesh, monkeypatch):
+  """Where the arrays are copies of the host buffers (an accelerator's memory), a restore
+  reads each group into one of two reused staging regions. Forced on CPU with a group per
+  leaf: every state equals the restore into fresh buffers, the regions served nearly every
+  buffer, and overwriting them afterwards changes nothing (the arrays are copies)."""
+  from zinfjax.checkpoint import arrays
+  run = straight(name)
+  param, optimizer, precision = PLACEMENTS[name]
+  zero = W.zero_config(param, optimizer, precision, None)
+
+  def restored():
+    state, _ = Checkpointer(run["ckpt"]).restore(W.model_factory, W.make_tx(optimizer), zero, mesh)
+    return state, jax.tree.leaves((state.master, state.params, state.opt_state))
+
+  _, want = restored()
+  stages, takes = [], []
+  take = arrays.Staging.take
+
+  class Recorded(arrays.Staging):
+    def __init__(self):
+      super().__init__()
+      stages.append(self)
+
+    def take(self, shape, dtype):
+      buf = take(self, shape, dtype)
+      takes.append(np.shares_memory(buf, self.region))
+      return buf
+
+  monkeypatch.setattr(arrays, "STAGE_ON_CPU", True)
+  monkeypatch.setattr(arrays, "GROUP_BYTES", 1)
+  monkeypatch.setattr(arrays, "Staging", Recorded)
+  state, got = restored()
+  assert len(stages) == 2 and len(takes) > 2 * len(jax.tree.leaves(state.master)) and all(takes)
+  assert {a.sharding.memory_kind for a in jax.tree.leaves(state.master)} == {param}
+  for s in stages:
+    s.region.fill(0xFF)  # NaN in every float
+  assert len(got) == len(want) > 10
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mesh):
   ckpt_dir = tmp_path / "ckpt"
   out = worker("--ckpt", ckpt_dir, "--steps", 6, "--save-at", 2, "--save-at", 4,
