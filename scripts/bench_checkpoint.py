@@ -1,6 +1,6 @@
 """Checkpoint save and restore speed per placement, next to the disk's own bandwidth.
 
-  python scripts/bench_checkpoint.py --layers 24 --hidden 512 --devices 8 --folder /local_nvme/bench
+  python scripts/bench_checkpoint.py --layers 32 --hidden 768 --heads 12 --devices 8 --folder /local_nvme/bench
 
 For one GPT, with its states on device, pinned host and NVMe in turn, it
 measures in the same run: the time `save` blocks training (for device and
@@ -10,6 +10,10 @@ to restore it into a fresh engine, and the checkpoint's bytes over those times, 
 disk's write and read bandwidth (fio or dd, O_DIRECT). A VM's disk moves by minutes, so the
 ceiling is measured again just before every timed save and restore, and each is set against
 its own ceiling (`--probe 0` probes only before the first tier and after each).
+
+The peer, `--tiers ... orbax`: the same all-device state's master params and optimizer state
+(the bytes a zinfjax checkpoint holds) saved and restored by orbax's own
+`StandardCheckpointer` into device arrays, timed the same way (its save until finished).
 """
 
 from __future__ import annotations
@@ -73,18 +77,61 @@ def _median(xs: list[float]) -> float:
   return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
 
 
+def random_moments(opt):
+  """`opt` with every float leaf random, in its sharding: fresh moments are zeros, which orbax
+  compresses to nothing (ours stores every byte), and trained ones are not."""
+  import jax
+  leaves, treedef = jax.tree.flatten(opt)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  return treedef.unflatten([
+      jax.jit(lambda k, x=x: jax.random.uniform(k, x.shape, x.dtype), out_shardings=x.sharding)(k)
+      if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x for x, k in zip(leaves, keys)])
+
+
+def orbax_rounds(tree, folder: str, rounds: int, probe) -> tuple:
+  """The peer: `tree` (jax.Arrays) saved by orbax's StandardCheckpointer `rounds` times after a
+  warm-up, then restored into arrays of the same shardings `rounds` times, each round after a
+  disk probe. Returns (checkpoint bytes, [(blocked, finished)], save probes,
+  [(restore s, restore s, CPU s)], restore probes)."""
+  import jax
+  import orbax.checkpoint as ocp
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(folder, "0"), tree)
+  ckptr.wait_until_finished()
+  times, save_probes, restores, restore_probes = [], [], [], []
+  for step in range(1, rounds + 1):
+    save_probes.append(probe())
+    t0 = time.perf_counter()
+    ckptr.save(os.path.join(folder, str(step)), tree)
+    blocked = time.perf_counter() - t0
+    ckptr.wait_until_finished()
+    times.append((blocked, time.perf_counter() - t0))
+  last = os.path.join(folder, str(rounds))
+  for _ in range(rounds):
+    restore_probes.append(probe())
+    t0, cpu = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(ckptr.restore(last, abstract))
+    t = time.perf_counter() - t0
+    restores.append((t, t, time.process_time() - cpu))
+    del out
+  ckptr.close()
+  return folder_bytes(last), times, save_probes, restores, restore_probes
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--layers", type=int, default=24)
-  p.add_argument("--hidden", type=int, default=512)
-  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--layers", type=int, default=32)  # 226M params: a 2.7 GB checkpoint
+  p.add_argument("--hidden", type=int, default=768)
+  p.add_argument("--heads", type=int, default=12)
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--folder", default=None, help="where checkpoints and swap files go (default: temp)")
   p.add_argument("--rounds", type=int, default=2, help="timed saves and restores per tier (best shown)")
   p.add_argument("--probe", type=int, default=1 << 30,
                  help="bytes of the ceiling probe before each timed save and restore (0: none)")
-  p.add_argument("--tiers", nargs="+", default=["device", "pinned_host", "nvme"],
-                 choices=["device", "pinned_host", "nvme"], help="placements measured, in turn")
+  p.add_argument("--tiers", nargs="+", default=["device", "pinned_host", "nvme", "orbax"],
+                 choices=["device", "pinned_host", "nvme", "orbax"],
+                 help="placements measured, in turn (orbax: the peer, all-device states)")
   args = p.parse_args(argv)
   flags = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
@@ -113,14 +160,11 @@ def main(argv=None) -> int:
     """(write, read) GB/s of the disk now (nothing when `--probe 0`)."""
     return tuple(disk_ceiling(root, args.probe)[1:]) if args.probe else (0.0, 0.0)
 
-  for tier in args.tiers:
-    zero = zinfjax.ZeroConfig(offload_param=tier, offload_optimizer=tier,
-                              nvme_path=os.path.join(root, f"nvme_{tier}"))
-    tx = optax.adamw(1e-3) if tier == "device" else zinfjax.optim.adamw(1e-3)
-    state = zinfjax.init(factory, tx, zero, mesh, 0)
-    jax.block_until_ready(state)
-    folder = os.path.join(root, f"ckpt_{tier}")
-    shutil.rmtree(folder, ignore_errors=True)
+  def ours(state, folder: str, zero, tx) -> tuple:
+    """Our rounds for `state` (deleted here before the restores, which the caller must not
+    hold): (checkpoint bytes, swap-store bytes read on save and written on restore,
+    [(blocked, committed)], save probes, [(restore s, handler s, CPU s)], restore probes,
+    chunk files alone GB/s)."""
     ckpt = Checkpointer(folder, keep=None)  # no deletions inside the timed saves
     ckpt.save(state)  # warm-up: the first save in a process also sets up orbax and tensorstore
     ckpt.wait()
@@ -166,10 +210,34 @@ def main(argv=None) -> int:
       if restored.engine.store is not None:
         restored.engine.store.close()
       del restored
+    alone = chunk_files_alone(os.path.join(folder, str(args.rounds)))
+    return (nbytes, read_bytes, store_bytes, times, save_ceilings, restores, restore_ceilings,
+            alone)
+
+  for tier in args.tiers:
+    place = "device" if tier == "orbax" else tier
+    zero = zinfjax.ZeroConfig(offload_param=place, offload_optimizer=place,
+                              nvme_path=os.path.join(root, f"nvme_{tier}"))
+    tx = optax.adamw(1e-3) if place == "device" else zinfjax.optim.adamw(1e-3)
+    folder = os.path.join(root, f"ckpt_{tier}")
+    shutil.rmtree(folder, ignore_errors=True)
+    if tier == "orbax":
+      state = jax.block_until_ready(zinfjax.init(factory, tx, zero, mesh, 0))
+      tree = {"master": state.master, "opt": random_moments(state.opt_state)}
+      del state
+      nbytes, times, save_ceilings, restores, restore_ceilings = orbax_rounds(
+          tree, folder, args.rounds, probe)
+      del tree
+      read_bytes = store_bytes = 0
+      alone = float("nan")  # its files are orbax's own (OCDBT): nothing to compare
+    else:
+      (nbytes, read_bytes, store_bytes, times, save_ceilings, restores,
+       restore_ceilings, alone) = ours(jax.block_until_ready(zinfjax.init(factory, tx, zero, mesh, 0)),
+                                       folder, zero, tx)
     blocked, committed = min(times, key=lambda t: t[1])
     restore_s, reads_s, cpu_s = min(restores)
-    alone = chunk_files_alone(os.path.join(folder, str(args.rounds)))
-    rows.append((tier, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
+    label = "peer: orbax StandardCheckpointer (device)" if tier == "orbax" else tier
+    rows.append((label, nbytes, read_bytes, store_bytes, blocked, committed, restore_s, reads_s, cpu_s,
                  alone))
     if args.probe:  # each round against the ceiling probed just before it
       paired.append(([save_disk(nbytes, read_bytes, w, r) / c
