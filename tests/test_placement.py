@@ -23,6 +23,10 @@ from helpers import REPO, text_batches, zero_training
 FOUR = get_config("tiny", num_layers=4)
 STEPS = 20
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, STEPS)
+# zinfjax's AdamW on host tiers against optax's under XLA: the same math, rounded apart. Losses
+# differ by up to 3e-7 relative after 20 steps under jax 0.10's XLA:CPU and 5e-6 under jax
+# 0.11's; 1e-5 is the bound placements are held to against all-device training.
+LOSS_RTOL = 1e-5
 # (params, optimizer): params split device/pinned_host, optimizer split pinned_host/nvme, and
 # three-way splits of both
 SPLITS = [("device:2,pinned_host", "pinned_host:0.5,nvme"),
@@ -77,7 +81,7 @@ def test_per_layer_split_matches_all_device(param, optimizer, mesh, batches, ref
   ref_losses, ref_params = reference
   assert losses[-1] < losses[0] - 0.3
   rel = np.abs(losses - ref_losses) / ref_losses
-  assert np.all(rel < 1e-6), rel
+  assert np.all(rel < LOSS_RTOL), rel
   for got, want in zip(jax.tree.leaves(state.full_params()), jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
   plan = state.engine.plan
@@ -145,7 +149,7 @@ def test_two_stacks_train_under_every_placement(param, optimizer, mesh, batches,
   losses, state = zero_training(lambda r: TwoStacks(rngs=r),
                                 zinfjax.optim.adamw(SCHEDULE, weight_decay=0.1), zero, mesh,
                                 batches[:6], lm_loss)
-  np.testing.assert_allclose(losses, two_stack_reference, rtol=1e-6)
+  np.testing.assert_allclose(losses, two_stack_reference, rtol=LOSS_RTOL)
   plan, pipeline = state.engine.plan, state.engine.pipeline
   assert [s.path for s in plan.stacks] == [("a_top",), ("b_bottom",)]
   if param == "nvme" and optimizer == "nvme":  # under backward: in the order backward writes
