@@ -4,7 +4,9 @@
 #   scripts/gpu_check.sh OUT [STAGES]      STAGES: comma-separated, default all of
 #                                          env,build,gpu-tests,bench,cpu-suite; also `ckpt`
 #                                          (checkpoint save/restore per tier on the GPU, about
-#                                          3 minutes: run it as its own call, after `build`)
+#                                          3 minutes: run it as its own call, after `build`) and
+#                                          `largest` (the largest GPT per placement, 3 steps each;
+#                                          LARGEST="nvme" picks placements: one per call fits)
 #   scripts/gpu_check.sh OUT --dry-run     on a machine without a GPU: checks that every
 #                                          stage's commands exist and run (GPU tests skipped,
 #                                          benchmarks at tiny sizes), builds nothing
@@ -19,7 +21,7 @@ STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
 DRY=0
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
-  STAGES=env,gpu-tests,bench,ckpt
+  STAGES=env,gpu-tests,bench,ckpt,largest
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
@@ -112,6 +114,22 @@ if want ckpt; then
      --folder "$CKPT_DIR" "${size[@]}") || { rm -rf "$CKPT_DIR"; false; }
   rm -rf "$CKPT_DIR"
   note "ckpt: table in bench_checkpoint.log"
+fi
+
+if want largest; then
+  STAGE=largest
+  BIG_DIR=${BIG_DIR:-$(mktemp -d /tmp/zinfjax-largest-XXXX)}  # the swap store, on the machine's disk
+  if [[ $DRY == 1 ]]; then
+    size=(--hidden 128 --heads 4 --seq-len 64 --batch-size 4 --devices 2 --hbm-gib 0.02
+          --ram-gib 0.03 --disk-gib 0.05 --pinned-budget 64)
+  else
+    size=()
+  fi
+  (cd /tmp && run largest_gpt.log 590 $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
+     --nvme-path "$BIG_DIR" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}") \
+     || { rm -rf "$BIG_DIR"; false; }
+  rm -rf "$BIG_DIR"
+  note "largest: table in largest_gpt.log, every run in largest/largest_gpt.json"
 fi
 
 if want cpu-suite; then

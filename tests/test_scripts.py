@@ -132,8 +132,8 @@ def test_train_gpt_takes_per_layer_splits(tmp_path):
 
 def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   """scripts/gpu_check.sh --dry-run on a machine without a GPU: the GPU tests are collected and
-  skipped with their reason, the GPU benchmark runs end to end at tiny sizes (its table and
-  JSON), and a GPU stage run for real fails loudly, naming the stage."""
+  skipped with their reason, the GPU, checkpoint and largest-model benchmarks run end to end
+  at tiny sizes, and a GPU stage run for real fails loudly, naming the stage."""
   out = tmp_path / "check"
   done = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(out), "--dry-run"],
                         capture_output=True, text=True, timeout=900, cwd=REPO)
@@ -146,10 +146,32 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
                                                       "params + optimizer on nvme"}
   assert all(r["step_s"] > 0 and np.isfinite(r["loss"]) for r in result["steps"])
   assert "| tokens/step | placement |" in (out / "bench_gpu.log").read_text()
+  ckpt = (out / "bench_checkpoint.log").read_text()
+  assert "| device | " in ckpt and "| peer: orbax StandardCheckpointer (device) | " in ckpt
+  largest_runs_are_the_largest_that_fit(json.loads((out / "largest" / "largest_gpt.json").read_text()))
   failed = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / "real"),
                            "gpu-tests"], capture_output=True, text=True, timeout=300, cwd=REPO)
   assert failed.returncode != 0
   assert 'FAILED in stage "gpu-tests"' in failed.stdout
+
+
+def largest_runs_are_the_largest_that_fit(result: dict) -> None:
+  """largest_gpt.py's runs: one per placement, each trained with falling loss, at the most
+  layers whose states fit every tier's room (one more does not)."""
+  import importlib.util
+  import types
+  spec = importlib.util.spec_from_file_location("largest_gpt", os.path.join(SCRIPTS, "largest_gpt.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  args, room = types.SimpleNamespace(**result["args"]), result["room"]
+  fits = lambda n, tier: all(b <= args.fill * room[t] for t, b in mod.need(n, tier, args).items() if b)
+  assert [r["tier"] for r in result["runs"]] == ["device", "pinned_host", "nvme"]
+  for run in result["runs"]:
+    losses = [r["loss"] for r in run["records"]]
+    assert run["returncode"] == 0 and len(losses) == args.steps and losses[-1] < losses[0], run
+    assert fits(run["layers"], run["tier"]) and not fits(run["layers"] + 1, run["tier"]), run["layers"]
+  # the nvme run keeps its states on the drive: more layers than the host-memory placements
+  assert result["runs"][2]["layers"] > result["runs"][1]["layers"] > result["runs"][0]["layers"] > 1
 
 
 def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):

@@ -1,0 +1,191 @@
+"""The largest GPT that trains on this machine, per placement: sized from its memory, then trained.
+
+  python scripts/largest_gpt.py --out OUT --nvme-path /local_nvme/big [--placements device pinned_host nvme]
+
+For each placement (params and optimizer on one tier, grads with the params), the machine's
+room on that tier, times `--fill`, bounds the model: the GPU's HBM (jax's `bytes_limit`), the
+host's available RAM less `--host-reserve-gib`, or the free space under `--nvme-path`. The
+largest number of layers at `--hidden` whose states (zinfjax.memory's estimate, embeddings
+counted) fit every tier it uses is trained by `train_gpt.py` for `--steps` steps. If that run
+fails (out of memory), the layers shrink by `--shrink` and it runs again, up to `--tries`
+runs. The table: layers, params, states per tier, init s, step s, tokens/s, TFLOP/s
+(6 x params x tokens/s), losses, peak host RSS; OUT/largest_gpt.json holds every run.
+`--hbm-gib`, `--ram-gib` and `--disk-gib` (per device) replace the measured rooms (a check of the script
+on a small machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+GIB = 1 << 30
+
+
+def devices_here(devices: int | None) -> tuple[str, int, int | None]:
+  """(platform, devices used, a device's memory limit in bytes or None), asked of a child
+  process: this one must not hold the GPU (or its memory) while the runs train."""
+  code = ("import json, jax; d = jax.devices(); "
+          "print(json.dumps([d[0].platform, len(d), (d[0].memory_stats() or {}).get('bytes_limit')]))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       cwd="/", env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+  platform, count, limit = json.loads(out.stdout.strip().splitlines()[-1])
+  return platform, devices or count, limit
+
+
+def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, int]:
+  """Bytes each tier may hold per device (before `--fill`): measured unless given."""
+  out = {}
+  if args.hbm_gib is not None:
+    out["device"] = int(args.hbm_gib * GIB)
+  elif limit is None:
+    raise SystemExit(f"{platform} devices report no memory limit: pass --hbm-gib.")
+  else:
+    out["device"] = int(limit)
+  if args.ram_gib is not None:
+    out["pinned_host"] = int(args.ram_gib * GIB)
+  else:
+    with open("/proc/meminfo") as f:
+      avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    out["pinned_host"] = max(0, avail - int(args.host_reserve_gib * GIB)) // args.devices
+  if args.disk_gib is not None:
+    out["nvme"] = int(args.disk_gib * GIB)
+  else:
+    os.makedirs(nvme_path, exist_ok=True)
+    out["nvme"] = shutil.disk_usage(nvme_path).free // args.devices
+  return out
+
+
+def need(layers: int, tier: str, args) -> dict[str, int]:
+  """Bytes per device on each tier for `layers` layers with params and optimizer on `tier`."""
+  from zinfjax.memory import estimate_memory
+  from zinfjax.models import get_config
+  devices = args.devices
+  config = get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
+                      vocab_size=65, seq_len=args.seq_len)
+  est = estimate_memory(layers=layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+                        batch_per_device=max(1, args.batch_size // devices), devices=devices,
+                        offload_param=tier, offload_optimizer=tier, num_params=config.num_params)
+  out = dict(est.per_device)
+  out["device"] += (est.activation_checkpoints + est.activation_working_memory +
+                    est.model_state_working_memory)
+  return out
+
+
+def largest(tier: str, room: dict[str, int], args) -> int:
+  """The most layers whose estimate fits `room` x `--fill` on every tier (0: not even one)."""
+  fits = lambda n: all(b <= args.fill * room[t] for t, b in need(n, tier, args).items() if b)
+  lo, hi = 0, 1
+  while fits(hi):
+    lo, hi = hi, hi * 2
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return lo
+
+
+def train(tier: str, layers: int, args, folder: str) -> dict:
+  """One `train_gpt.py` run; its metrics, return code and the tail of its output."""
+  metrics = os.path.join(args.out, f"{tier}_{layers}.jsonl")
+  cmd = [sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny",
+         "--layers", str(layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+         "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+         "--steps", str(args.steps), "--log-every", "1", "--same-batch", "--warmup-steps", "0",
+         "--lr", str(args.lr),
+         "--offload-param", tier, "--offload-optimizer", tier, "--metrics-jsonl", metrics]
+  if tier == "nvme":
+    cmd += ["--nvme-path", folder, "--no-atomic-steps", "--pinned-budget", str(args.pinned_budget)]
+  cmd += ["--devices", str(args.devices)]
+  t0 = time.perf_counter()
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+  records = []
+  if os.path.exists(metrics):
+    with open(metrics) as f:
+      records = [json.loads(line) for line in f]
+  return {"tier": tier, "layers": layers, "returncode": out.returncode,
+          "wall_s": time.perf_counter() - t0, "records": records,
+          "tail": (out.stdout + out.stderr)[-3000:]}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", required=True, help="folder for largest_gpt.json and the runs' metrics")
+  p.add_argument("--placements", nargs="+", default=["device", "pinned_host", "nvme"],
+                 choices=["device", "pinned_host", "nvme"])
+  p.add_argument("--hidden", type=int, default=4096)
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--batch-size", type=int, default=8, help="global batch (examples per step)")
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--lr", type=float, default=3e-4)
+  p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")
+  p.add_argument("--fill", type=float, default=0.85, help="share of each tier's room the states may take")
+  p.add_argument("--host-reserve-gib", type=float, default=8.0,
+                 help="host RAM kept for the runtime, data and staging (measured RAM only)")
+  p.add_argument("--nvme-path", default=None, help="swap store folder (default: under --out)")
+  p.add_argument("--pinned-budget", type=int, default=4096, help="MiB of pinned buffers for NVMe")
+  p.add_argument("--hbm-gib", type=float, default=None)
+  p.add_argument("--ram-gib", type=float, default=None)
+  p.add_argument("--disk-gib", type=float, default=None)
+  p.add_argument("--shrink", type=float, default=0.8, help="layers kept after a failed run")
+  p.add_argument("--tries", type=int, default=2, help="runs per placement at most")
+  p.add_argument("--timeout", type=int, default=540, help="seconds per run")
+  args = p.parse_args(argv)
+  from zinfjax.progress import human_bytes
+  os.makedirs(args.out, exist_ok=True)
+  folder = os.path.abspath(args.nvme_path or os.path.join(args.out, "nvme"))
+  platform, args.devices, limit = devices_here(args.devices)
+  room = rooms(args, folder, limit, platform)
+  print(f"{args.devices} {platform} device(s); room per device: "
+        + ", ".join(f"{t} {human_bytes(b)}" for t, b in room.items()), flush=True)
+  runs = []
+  for tier in args.placements:
+    layers = largest(tier, room, args)
+    for _ in range(args.tries):
+      if layers < 1:
+        print(f"{tier}: not even one layer of {args.hidden} fits", flush=True)
+        break
+      states = need(layers, tier, args)
+      print(f"{tier}: {layers} layers, states per device "
+            + ", ".join(f"{t} {human_bytes(b)}" for t, b in states.items() if b), flush=True)
+      run = train(tier, layers, args, folder)
+      run["need"] = states
+      runs.append(run)
+      shutil.rmtree(folder, ignore_errors=True)
+      if run["returncode"] == 0:
+        break
+      print(f"{tier}: {layers} layers failed (exit {run['returncode']}):\n{run['tail'][-1500:]}", flush=True)
+      layers = int(layers * args.shrink)
+  with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:
+    json.dump({"room": room, "args": vars(args), "runs": runs}, f, indent=1)
+  print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
+        f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
+  print("| placement | layers | params B | states per device | exit | step s (last) | "
+        "tokens/s | TFLOP/s | loss first -> last | peak RSS GiB | wall s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  from zinfjax.models import get_config
+  for run in runs:
+    n = get_config("tiny", num_layers=run["layers"], hidden=args.hidden, num_heads=args.heads,
+                   vocab_size=65, seq_len=args.seq_len).num_params
+    rs, states = run["records"], ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
+    if rs:
+      last = rs[-1]
+      print(f"| {run['tier']} | {run['layers']} | {n / 1e9:.2f} | {states} | {run['returncode']} | "
+            f"{last['step_time_s']:.2f} | {last['tokens_per_s']:,.0f} | "
+            f"{6 * n * last['tokens_per_s'] / 1e12:.1f} | {rs[0]['loss']:.3f} -> {last['loss']:.3f} | "
+            f"{max(r['peak_rss'] for r in rs) / GIB:.2f} | {run['wall_s']:.0f} |")
+    else:
+      print(f"| {run['tier']} | {run['layers']} | {n / 1e9:.2f} | {states} | {run['returncode']} | "
+            f"- | - | - | - | - | {run['wall_s']:.0f} |")
+  last = {run["tier"]: run["returncode"] for run in runs}  # each placement's last run
+  return 0 if len(last) == len(args.placements) and not any(last.values()) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
