@@ -18,11 +18,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from .. import _engine
 from ..offload.aligned import aligned_empty
 from ..partition import Region, bounding, clip, norm_region, shifted, size
 from .errors import CheckpointError
 from .leaves import Leaf, Source
-from .. import _engine
 from .zarr import Array, Part, each
 
 GROUP_BYTES = 1 << 30  # host buffers filled before they become arrays
@@ -104,10 +104,8 @@ class LeafRead:
       self.placed.append(devices)
     self.outs: dict = {}
     self.nbytes = sum(size(r) * key[1].itemsize for key, r in self.regions.items())
-    # host bytes if every buffer is staged: one per region, and a copy for each further target
-    wanted = [key for devices in self.placed for _, key in devices]
-    self.staged_bytes = sum(_engine.align_up(size(r) * key[1].itemsize) * max(1, wanted.count(key))
-                            for key, r in self.regions.items())
+    # host bytes if every buffer is staged (targets that share a region share its buffer)
+    self.staged_bytes = sum(_engine.align_up(size(r) * key[1].itemsize) for key, r in self.regions.items())
 
   @property
   def copied(self) -> bool:
@@ -124,16 +122,17 @@ class LeafRead:
   def _load(self, piece: Region) -> None:
     fill(self.arr, self.leaf, piece, [(region, self.outs[key]) for key, region in self.regions.items()])
 
-  def arrays(self, alloc: Alloc = aligned_empty, copy: bool = False) -> list[jax.Array]:
-    """One jax.Array per source, from the filled buffers (which it takes over unless `copy`:
-    the buffers are then reused once the arrays are ready)."""
+  def arrays(self, copy: bool = False) -> list[jax.Array]:
+    """One jax.Array per source, from the filled buffers: taken over, or with `copy` copied
+    (the buffers are then reused once the arrays are ready, and shared by the targets)."""
     taken: set = set()
     out = []
     for src, devices in zip(self.srcs, self.placed):
       sharding = src.array.sharding
-      bufs = [_own(self.outs[key], key, taken, alloc) for _, key in devices]
       if copy:  # a CPU device takes a numpy buffer over whatever `may_alias` says
-        bufs = [np.array(b) if d.platform == "cpu" else b for (d, _), b in zip(devices, bufs)]
+        bufs = [np.array(self.outs[key]) if d.platform == "cpu" else self.outs[key] for d, key in devices]
+      else:
+        bufs = [_own(self.outs[key], key, taken) for _, key in devices]
       parts = jax.device_put(bufs, [jax.sharding.SingleDeviceSharding(
           device, memory_kind=sharding.memory_kind) for device, _ in devices],
           may_alias=False if copy else None)
@@ -163,7 +162,7 @@ def read_leaves(reads: list[LeafRead]) -> list[list[jax.Array]]:
       stage.reset(sum(r.staged_bytes for r in group))
       alloc = stage.take
     each(lambda job: job(), [job for r in group for job in r.jobs(alloc)])
-    arrays = [r.arrays(alloc, copy=staged) for r in group]
+    arrays = [r.arrays(copy=staged) for r in group]
     out += arrays
     if staged:
       stages = [stages[1], (stages[0][0], arrays)]
@@ -180,12 +179,12 @@ def host_buffer(region: Region, dtype: np.dtype, leaf: Leaf, alloc: Alloc = alig
   return buf
 
 
-def _own(buf: np.ndarray, key, taken: set, alloc: Alloc = aligned_empty) -> np.ndarray:
+def _own(buf: np.ndarray, key, taken: set) -> np.ndarray:
   """`buf` for one device array: itself the first time it is wanted, else an aligned copy (an
   array may take over its buffer, so none is shared)."""
   if key not in taken:
     taken.add(key)
     return buf
-  out = alloc(buf.shape, buf.dtype)
+  out = aligned_empty(buf.shape, buf.dtype)
   np.copyto(out, buf)
   return out
