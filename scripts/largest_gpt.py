@@ -103,14 +103,19 @@ def train(tier: str, layers: int, args, folder: str) -> dict:
     cmd += ["--nvme-path", folder, "--no-atomic-steps", "--pinned-budget", str(args.pinned_budget)]
   cmd += ["--devices", str(args.devices)]
   t0 = time.perf_counter()
-  out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    code, text = out.returncode, out.stdout + out.stderr
+  except subprocess.TimeoutExpired as e:  # counted as a failure: the next try is smaller
+    code = 124
+    text = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
+    text += f"\n(stopped after --timeout {args.timeout} s)"
   records = []
   if os.path.exists(metrics):
     with open(metrics) as f:
       records = [json.loads(line) for line in f]
-  return {"tier": tier, "layers": layers, "returncode": out.returncode,
-          "wall_s": time.perf_counter() - t0, "records": records,
-          "tail": (out.stdout + out.stderr)[-3000:]}
+  return {"tier": tier, "layers": layers, "returncode": code,
+          "wall_s": time.perf_counter() - t0, "records": records, "tail": text[-3000:]}
 
 
 def main(argv=None) -> int:
@@ -157,13 +162,16 @@ def main(argv=None) -> int:
       run = train(tier, layers, args, folder)
       run["need"] = states
       runs.append(run)
+      with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:  # after every run: a cut
+        json.dump({"room": room, "args": vars(args), "runs": runs}, f, indent=1)  # call keeps it
       shutil.rmtree(folder, ignore_errors=True)
+      last = run["records"][-1] if run["records"] else {}
+      print(f"{tier}: exit {run['returncode']} after {run['wall_s']:.0f} s"
+            + (f", loss {last['loss']:.4f}, {last['step_time_s']:.2f} s/step" if last else ""), flush=True)
       if run["returncode"] == 0:
         break
       print(f"{tier}: {layers} layers failed (exit {run['returncode']}):\n{run['tail'][-1500:]}", flush=True)
       layers = int(layers * args.shrink)
-  with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:
-    json.dump({"room": room, "args": vars(args), "runs": runs}, f, indent=1)
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
         f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "
