@@ -12,7 +12,7 @@
 #                                          benchmarks at tiny sizes), builds nothing
 #
 # Each stage writes its log under OUT (env.txt, build.log, gpu_tests.log, bench_gpu.log,
-# bench_gpu.json, bench_checkpoint.log, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
+# bench_gpu.json, bench_checkpoint.log, largest_gpt.log, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
 # check and prints the stage it reached and where its log is.
 set -Eeuo pipefail
 

@@ -62,16 +62,19 @@ def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, i
   return out
 
 
+def num_params(layers: int, args) -> int:
+  """Parameters of the GPT `train_gpt.py` builds with `layers` layers (embeddings counted)."""
+  from zinfjax.models import get_config
+  return get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
+                    vocab_size=65, seq_len=args.seq_len).num_params
+
+
 def need(layers: int, tier: str, args) -> dict[str, int]:
   """Bytes per device on each tier for `layers` layers with params and optimizer on `tier`."""
   from zinfjax.memory import estimate_memory
-  from zinfjax.models import get_config
-  devices = args.devices
-  config = get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
-                      vocab_size=65, seq_len=args.seq_len)
   est = estimate_memory(layers=layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                        batch_per_device=max(1, args.batch_size // devices), devices=devices,
-                        offload_param=tier, offload_optimizer=tier, num_params=config.num_params)
+                        batch_per_device=max(1, args.batch_size // args.devices), devices=args.devices,
+                        offload_param=tier, offload_optimizer=tier, num_params=num_params(layers, args))
   out = dict(est.per_device)
   out["device"] += (est.activation_checkpoints + est.activation_working_memory +
                     est.model_state_working_memory)
@@ -177,20 +180,17 @@ def main(argv=None) -> int:
   print("| placement | layers | params B | states per device | exit | step s (last) | "
         "tokens/s | TFLOP/s | loss first -> last | peak RSS GiB | wall s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
-  from zinfjax.models import get_config
   for run in runs:
-    n = get_config("tiny", num_layers=run["layers"], hidden=args.hidden, num_heads=args.heads,
-                   vocab_size=65, seq_len=args.seq_len).num_params
-    rs, states = run["records"], ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
+    n, rs = num_params(run["layers"], args), run["records"]
+    states = ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
+    trained = ["-"] * 5  # a run that wrote no step
     if rs:
       last = rs[-1]
-      print(f"| {run['tier']} | {run['layers']} | {n / 1e9:.2f} | {states} | {run['returncode']} | "
-            f"{last['step_time_s']:.2f} | {last['tokens_per_s']:,.0f} | "
-            f"{6 * n * last['tokens_per_s'] / 1e12:.1f} | {rs[0]['loss']:.3f} -> {last['loss']:.3f} | "
-            f"{max(r['peak_rss'] for r in rs) / GIB:.2f} | {run['wall_s']:.0f} |")
-    else:
-      print(f"| {run['tier']} | {run['layers']} | {n / 1e9:.2f} | {states} | {run['returncode']} | "
-            f"- | - | - | - | - | {run['wall_s']:.0f} |")
+      trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}",
+                 f"{6 * n * last['tokens_per_s'] / 1e12:.1f}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}",
+                 f"{max(r['peak_rss'] for r in rs) / GIB:.2f}"]
+    print("| " + " | ".join([run["tier"], str(run["layers"]), f"{n / 1e9:.2f}", states,
+                             str(run["returncode"]), *trained, f"{run['wall_s']:.0f}"]) + " |")
   last = {run["tier"]: run["returncode"] for run in runs}  # each placement's last run
   return 0 if len(last) == len(args.placements) and not any(last.values()) else 1
 
