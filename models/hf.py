@@ -191,8 +191,14 @@ def read_config(folder: str) -> dict[str, Any]:
   path = os.path.join(folder, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face checkpoint folder.")
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); repair or replace the file.") from None
+  if not isinstance(config, dict):
+    raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object of settings.")
+  return config
 
 
 def load(folder: str, remat: bool = True):

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -131,17 +132,80 @@ def peak_rss() -> int:
 
 
 def check_args(args) -> None:
-  """Numbers that cannot work, refused before anything is loaded or compiled."""
-  for name in ("steps", "batch_size", "seq_len", "devices", "layers", "hidden", "heads"):
+  """Numbers and flags that cannot work, refused before anything is loaded or compiled."""
+  for name in ("steps", "batch_size", "seq_len", "devices", "layers", "hidden", "heads",
+               "log_every"):
     value = getattr(args, name, None)
     if value is not None and value < (0 if name == "steps" else 1):
       flag = "--" + name.replace("_", "-")
       raise SystemExit(f"error: {flag} {value}: give a positive number"
                        + (" (leave it out to use every device)" if name == "devices" else "") + ".")
+  for name in ("save_every", "eval_every"):
+    if getattr(args, name) < 0:
+      flag = "--" + name.replace("_", "-")
+      raise SystemExit(f"error: {flag} {getattr(args, name)}: give a number of steps above 0 "
+                       "(0, the default: never).")
+  if args.keep < 1:
+    raise SystemExit(f"error: --keep {args.keep}: keep at least 1 checkpoint.")
   if args.lora_rank < 0:
     raise SystemExit(f"error: --lora-rank {args.lora_rank}: give a positive rank (0: no LoRA).")
-  if not (math.isfinite(args.lr) and args.lr > 0):
-    raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number above 0.")
+  if not (math.isfinite(args.lr) and args.lr >= 0):
+    raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number, 0 or above.")
+  if args.lr == 0:
+    print("warning: --lr 0: the weights will not change (a run to check the pipeline, "
+          "checkpoints or an export).", file=sys.stderr)
+  if args.init_from:
+    given = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is not None]
+    if given:
+      raise SystemExit(f"error: {', '.join(given)} with --init-from: the model's shape comes from "
+                       f"{os.path.join(args.init_from, 'config.json')}; leave them out.")
+  check_outputs(args)
+
+
+def check_outputs(args) -> None:
+  """The files the run writes at its end (--export) or on the way (--metrics-jsonl), checked
+  writable now: a run must not train for hours and then fail to write its result."""
+  if args.export:
+    folder = os.path.abspath(args.export)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+      raise SystemExit(f"error: --export {args.export} is an existing file; give a folder.")
+    try:
+      os.makedirs(folder, exist_ok=True)
+      with tempfile.TemporaryFile(dir=folder):
+        pass
+    except OSError as e:
+      raise SystemExit(f"error: --export {args.export}: cannot write there ({e.strerror or e});"
+                       " give a writable folder.") from None
+  if args.metrics_jsonl:
+    if os.path.isdir(args.metrics_jsonl):
+      raise SystemExit(f"error: --metrics-jsonl {args.metrics_jsonl} is a folder; give a file "
+                       "path (such as metrics.jsonl in it).")
+    try:
+      with open(args.metrics_jsonl, "a"):
+        pass
+    except OSError as e:
+      raise SystemExit(f"error: --metrics-jsonl {args.metrics_jsonl}: cannot write it "
+                       f"({e.strerror or e}).") from None
+
+
+def split_held_out(tokens, seq_len: int, args):
+  """The training tokens and the held-out batch (--eval-every), refused now when the data is
+  too short for one sequence (or for a held-out batch besides)."""
+  from zinfjax.models import TokenDataset
+  need = seq_len + 2
+  if len(tokens) < need:
+    raise SystemExit(f"error: --data {args.data} has {len(tokens):,} tokens, fewer than one "
+                     f"sequence needs ({need:,} for --seq-len {seq_len}); give more data or a "
+                     "shorter --seq-len.")
+  if not args.eval_every:
+    return tokens, None
+  cut = len(tokens) - max(len(tokens) // 10, args.batch_size * (seq_len + 1) + 1)
+  if cut < need:
+    raise SystemExit(f"error: --eval-every holds out {len(tokens) - cut:,} of the {len(tokens):,}"
+                     f" tokens of --data {args.data}, leaving too few to train on; give more data"
+                     " or leave --eval-every out.")
+  held_out = TokenDataset(tokens[cut:], seq_len, args.batch_size, seed=args.seed + 1).at(0)
+  return tokens[:cut], held_out
 
 
 def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
@@ -220,6 +284,7 @@ def main(argv=None) -> int:
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   vocab = config.vocab_size
+  tokens, held_out = split_held_out(tokens, seq_len, args)
   try:
     zero = zinfjax.ZeroConfig(
         stage=args.zero_stage, precision=args.precision, prefetch_depth=args.prefetch_depth,
@@ -259,12 +324,14 @@ def main(argv=None) -> int:
   else:
     schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
   clip = args.clip or None
-  if zero.optimizer_split == (("device", None),):
-    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
-    tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
-  else:  # runs where its states live: the C++ AdamW on the host or the NVMe pipeline
-    tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
-                             max_grad_norm=clip)
+  # zinfjax's AdamW on every tier (jnp on the device, the C++ kernel on the host, the NVMe
+  # pipeline): one optimizer state format, so a checkpoint resumes onto any placement
+  tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
+                           max_grad_norm=clip)
+  try:  # the placement and the optimizer checked against the model before any state exists
+    build_engine(model_factory, tx, zero, mesh, open_store_=False)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
   processes = f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""
   say(f"zinfjax: {name} ({config.num_params / 1e6:.2f}M params, {config.num_layers} "
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
@@ -287,6 +354,14 @@ def main(argv=None) -> int:
       raise SystemExit(f"error: {ckpt.directory} already holds checkpoints (steps {ckpt.all_steps()}); "
                        "pass --resume (or --resume-step N) to continue, or choose another "
                        "--checkpoint-dir.")
+    if "opt/count" not in ckpt.metadata(args.resume_step)["leaves"]:
+      # saved by an older train_gpt.py with optax's AdamW chain (optimizer on the device)
+      if zero.optimizer_split != (("device", None),):
+        raise SystemExit(f"error: {ckpt.directory} holds optax AdamW states (an older train_gpt.py"
+                         " with the optimizer on the device); resume it with --offload-optimizer "
+                         "device, then save again to move it to other tiers.")
+      tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+      tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
     if args.resume_step is not None:
       state, extra = ckpt.restore(model_factory, tx, zero, mesh, step=args.resume_step)
     else:
@@ -306,18 +381,25 @@ def main(argv=None) -> int:
   elif args.resume:
     say(f"no checkpoint in {ckpt.directory} yet: starting from scratch")
   if state is None:
-    state = zinfjax.init(model_factory, tx, zero, mesh, args.seed, params=weights,
-                         init_missing=nnx.LoRAParam if args.lora_rank else None)
+    try:
+      state = zinfjax.init(model_factory, tx, zero, mesh, args.seed, params=weights,
+                           init_missing=nnx.LoRAParam if args.lora_rank else None)
+    except ValueError as e:  # weights that do not fit the model: named, before any step
+      raise SystemExit(f"error: {e}") from None
     say(f"{'loaded' if weights else 'init'} {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
-  planned = state.engine.plan.tier_bytes()
-  say("model states per device (plan): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in planned.items()))
+  plan = state.engine.plan
+  planned = plan.tier_bytes()
+  copies = ""
+  if zero.uses_nvme:  # as it lies on the drive: shards aligned, and the all-or-nothing copies
+    disk = plan.nvme_disk_bytes(zero.nvme_atomic_steps)
+    planned["nvme"] = sum(disk.values()) // len(jax.local_devices())
+    if disk["copies"]:
+      copies = (f" (of which {human_bytes(disk['copies'] // len(jax.local_devices()))} are the "
+                "copies that make each step all or nothing)")
+  say("model states per device (plan): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in planned.items())
+      + copies)
   step_fn = zinfjax.make_train_step(state, lm_loss)
-  held_out = None
-  if args.eval_every:
-    cut = len(tokens) - max(len(tokens) // 10, args.batch_size * (seq_len + 1) + 1)
-    held_out = TokenDataset(tokens[cut:], seq_len, args.batch_size, seed=args.seed + 1).at(0)
-    tokens = tokens[:cut]
   data = TokenDataset(tokens, seq_len, args.batch_size, seed=args.seed, step=start)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,
                       log_every=args.log_every,
@@ -325,40 +407,54 @@ def main(argv=None) -> int:
   tokens_per_step = args.batch_size * seq_len
   first_loss = last_loss = None
   skipped_in_a_row = 0
-  for step in range(start + 1, args.steps + 1):
-    batch = data.at(0) if args.same_batch else next(data)
-    t0 = time.perf_counter()
-    state, metrics = step_fn(state, batch)
-    loss = float(metrics["loss"])  # blocks until the step is done
-    dt = time.perf_counter() - t0
-    norm = float(metrics["grad_norm"])
-    skipped = int(metrics.get("skipped", 0))  # non-finite grads: the step changed nothing
-    skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-    if skipped_in_a_row >= MAX_SKIPPED or not (skipped or math.isfinite(loss) and math.isfinite(norm)):
-      saved = f"; the last checkpoint is step {ckpt.latest_step()}" if ckpt and ckpt.latest_step() else ""
-      times = f" ({skipped_in_a_row} steps in a row skipped)" if skipped else ""
-      raise SystemExit(f"error: step {step}: the loss is {loss} and the grad norm {norm}{times}: "
-                       f"training diverged (try a lower --lr than {args.lr}){saved}.")
-    if skipped:
-      say(f"step {step}: the gradients are not finite (norm {norm}); the step was skipped, every "
-          "state is as it was")
-    if ckpt is not None:
-      ckpt.check()  # a save that failed in the background is reported now, not at the next one
-    if not skipped:
-      first_loss = loss if first_loss is None else first_loss
-      last_loss = loss
-    tiers = tier_bytes(state)
-    if state.engine.store is not None:
-      tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
-    breakdown = {k: float(v) for k, v in metrics.items()
-                 if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "skipped")}
-    if held_out is not None and (step % args.eval_every == 0 or step == args.steps):
-      breakdown["eval_loss"] = float(zinfjax.eval_step(state, held_out, lm_loss)["loss"])
-    progress.update(step, {"loss": loss, "grad_norm": norm,
-                           "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                           "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
-    if ckpt is not None and args.save_every and (step % args.save_every == 0 or step == args.steps):
-      ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
+  step = start
+  try:
+    for step in range(start + 1, args.steps + 1):
+      batch = data.at(0) if args.same_batch else next(data)
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      loss = float(metrics["loss"])  # blocks until the step is done
+      dt = time.perf_counter() - t0
+      norm = float(metrics["grad_norm"])
+      skipped = int(metrics.get("skipped", 0))  # non-finite grads: the step changed nothing
+      skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+      if skipped_in_a_row >= MAX_SKIPPED or not (skipped or math.isfinite(loss) and math.isfinite(norm)):
+        saved = f"; the last checkpoint is step {ckpt.latest_step()}" if ckpt and ckpt.latest_step() else ""
+        times = f" ({skipped_in_a_row} steps in a row skipped)" if skipped else ""
+        raise SystemExit(f"error: step {step}: the loss is {loss} and the grad norm {norm}{times}: "
+                         f"training diverged (try a lower --lr than {args.lr}){saved}.")
+      if skipped:
+        say(f"step {step}: the gradients are not finite (norm {norm}); the step was skipped, every "
+            "state is as it was")
+      if ckpt is not None:
+        ckpt.check()  # a save that failed in the background is reported now, not at the next one
+      if not skipped:
+        first_loss = loss if first_loss is None else first_loss
+        last_loss = loss
+      tiers = tier_bytes(state)
+      if state.engine.store is not None:
+        tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
+      breakdown = {k: float(v) for k, v in metrics.items()
+                   if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "skipped")}
+      if held_out is not None and (step % args.eval_every == 0 or step == args.steps):
+        breakdown["eval_loss"] = float(zinfjax.eval_step(state, held_out, lm_loss)["loss"])
+      progress.update(step, {"loss": loss, "grad_norm": norm,
+                             "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                             "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
+      if ckpt is not None and args.save_every and (step % args.save_every == 0 or step == args.steps):
+        ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
+  except KeyboardInterrupt:
+    progress.close()
+    if ckpt is not None:  # a save under way in the background is finished, not cut
+      try:
+        ckpt.close()
+      except CheckpointError:
+        pass  # the step's folder is removed; the committed ones are named below
+    last = ckpt.latest_step() if ckpt is not None else None
+    where = (f"the last complete checkpoint is step {last} in {ckpt.directory} (--resume goes on "
+             "from it)" if last is not None else "no checkpoint was saved")
+    print(f"\ninterrupted during step {step}: {where}.", file=sys.stderr)
+    return 130
   progress.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last save to commit

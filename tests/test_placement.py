@@ -27,6 +27,10 @@ SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 5, STEPS)
 # differ by up to 3e-7 relative after 20 steps under jax 0.10's XLA:CPU and 5e-6 under jax
 # 0.11's; 1e-5 is the bound placements are held to against all-device training.
 LOSS_RTOL = 1e-5
+# A param moves at most about lr per AdamW step (the update m/sqrt(v) is bounded by ~1), so
+# after STEPS steps two roundings of the same run can differ by a small share of that movement,
+# whatever the param's own size (one near zero has no relative scale): 0.1% of it, about 3.5e-5.
+PARAM_ATOL = 1e-3 * float(sum(SCHEDULE(t) for t in range(STEPS)))
 # (params, optimizer): params split device/pinned_host, optimizer split pinned_host/nvme, and
 # three-way splits of both
 SPLITS = [("device:2,pinned_host", "pinned_host:0.5,nvme"),
@@ -83,7 +87,7 @@ def test_per_layer_split_matches_all_device(param, optimizer, mesh, batches, ref
   rel = np.abs(losses - ref_losses) / ref_losses
   assert np.all(rel < LOSS_RTOL), rel
   for got, want in zip(jax.tree.leaves(state.full_params()), jax.tree.leaves(ref_params)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=PARAM_ATOL)
   plan = state.engine.plan
   assert len({s.tier for l in plan.leaves for s in l.params}) == len(parse_split(param, "p"))
   assert len({s.tier for l in plan.leaves for s in l.optimizer}) == len(parse_split(optimizer, "o"))

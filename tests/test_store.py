@@ -84,7 +84,7 @@ def test_every_stripe_folder_is_locked(tmp_path):
   and takes no lock on the folders it did get to."""
   x, y, z = (tmp_path / n for n in "xyz")
   first = AioStore([x, y], block_size=16 << 10)
-  with pytest.raises(StoreLockedError, match=f"swap folder {y}/rank0 is in use by another process "
+  with pytest.raises(StoreLockedError, match=f"swap folder {y}/rank0 is in use by this process "
                                              f"\\(pid {os.getpid()}\\)"):
     AioStore([z, y], block_size=16 << 10)
   AioStore([z], block_size=16 << 10).close()  # z was released when the second store failed

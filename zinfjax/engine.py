@@ -5,8 +5,11 @@ states live, and (when a state is on NVMe) the swap store and the NVMe optimizer
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import threading
 import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -24,9 +27,22 @@ from .optim.hyper import AdamHyper
 from .optim.pipeline import NvmePipeline
 from .partition import plan_layouts
 from .placement import Plan, make_plan
+from .progress import human_bytes
 
 Path = tuple[Any, ...]
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+class StoreReplacedWarning(UserWarning):
+  """A new run opened a swap store on folders an earlier, still open run of this process held."""
+
+
+@dataclasses.dataclass(eq=False)
+class Life:
+  """The mutable part of an engine: whether it is closed (and why), and what closing stops."""
+
+  closed: str | None = None
+  closers: list = dataclasses.field(default_factory=list)  # callables run once at close
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,6 +59,24 @@ class Engine:
   pipeline: NvmePipeline | None = None  # the NVMe optimizer (optimizer segments on NVMe)
   steps: dict = dataclasses.field(default_factory=dict)  # compiled steps by loss_fn
   auto: AutoPlan | None = None     # the placement offload="auto" chose (its config holds the tiers)
+  life: Life = dataclasses.field(default_factory=Life)
+
+  def close(self, why: str = "closed by close()") -> None:
+    """Stop the run: join its threads, close its swap store (releasing the folders' locks),
+    drop its compiled steps. Every state of this engine is unusable after it; a second close
+    does nothing."""
+    if self.life.closed is not None:
+      return
+    self.life.closed = why
+    closers, self.life.closers = self.life.closers, []
+    try:
+      for close in closers:
+        close()
+    finally:
+      self.steps.clear()
+      if self.store is not None:
+        _forget(self)
+        self.store.close()
 
   @property
   def mesh(self) -> Mesh:
@@ -125,13 +159,13 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
   store.defer_errors()  # raised after each step (see nvme_step.checked)
   # what a previous run left in the swap files is reused before the drive's free space
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
-  need = plan.nvme_bytes()
   # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
-  copies = need["params"] + need["optimizer"] if config.nvme_atomic_steps else 0
-  total = sum(need.values()) + copies
+  need = plan.nvme_disk_bytes(config.nvme_atomic_steps)
+  copies = need["copies"]
+  total = sum(need.values())
   try:
     if total > free:
-      gb = lambda n: f"{n / 1e9:.2f} GB"
+      gb = lambda n: human_bytes(n, 2)
       also = (f", and {gb(copies)} for the copies that make a step all or nothing "
               "(nvme_atomic_steps=False saves them)" if copies else "")
       raise NoSpaceError(
@@ -188,11 +222,46 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   return with_store(engine) if open_store_ else engine
 
 
+# swap folders (real paths) -> the open engine of this process whose store holds them
+_holders: dict[str, weakref.ref] = {}
+_holders_mu = threading.Lock()
+
+
+def _folders(config: ZeroConfig) -> list[str]:
+  return [os.path.realpath(p) for p in config.nvme_paths]
+
+
+def _forget(engine: Engine) -> None:
+  with _holders_mu:
+    for folder, ref in list(_holders.items()):
+      if ref() is engine or ref() is None:
+        del _holders[folder]
+
+
+def _replace_holders(config: ZeroConfig) -> None:
+  """Close the engines of this process that hold any of `config`'s swap folders: a new store
+  there starts empty (it would erase their states anyway), and the folders' locks must be free."""
+  with _holders_mu:
+    held = {ref() for f in _folders(config) if (ref := _holders.get(f)) is not None}
+  for old in held - {None}:
+    folders = ", ".join(config.nvme_paths)
+    warnings.warn(
+        f"zinfjax: the swap store on {folders} was held by an earlier run of this process; it is "
+        "closed to open this one, and the TrainStates of that run can no longer be used. Call "
+        "state.close() (or use `with zinfjax.init(...) as state:`) when a run is done, or give "
+        "each run its own nvme_path.", StoreReplacedWarning, stacklevel=4)
+    old.close(f"its swap store on {folders} was replaced by a later zinfjax.init or "
+              "Checkpointer.restore on the same nvme_path")
+
+
 def with_store(engine: Engine) -> Engine:
-  """`engine` with the swap store and NVMe pipeline its placement needs (itself without NVMe)."""
+  """`engine` with the swap store and NVMe pipeline its placement needs (itself without NVMe).
+  An earlier engine of this process on the same folders is closed first (`_replace_holders`);
+  the store closes when the engine is closed or collected."""
   config, plan = engine.config, engine.plan
   if not config.uses_nvme or engine.store is not None:
     return engine
+  _replace_holders(config)
   store = open_store(config, plan)
   pipeline = None
   if "nvme" in plan.tiers("master"):
@@ -202,4 +271,9 @@ def with_store(engine: Engine) -> Engine:
     except BaseException:
       store.close()
       raise
-  return dataclasses.replace(engine, store=store, pipeline=pipeline)
+  engine = dataclasses.replace(engine, store=store, pipeline=pipeline)
+  with _holders_mu:
+    for folder in _folders(config):
+      _holders[folder] = weakref.ref(engine)
+  weakref.finalize(engine, store.close)  # the last state dropped releases the folders
+  return engine

@@ -72,6 +72,7 @@ def with_pipeline(engine, jitted, calls: list[int]) -> Step:
   optimizer_thread = concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix="zinfjax-optim", initializer=lower_priority,
       initargs=(engine.config.host_nice,))
+  engine.life.closers.append(lambda: optimizer_thread.shutdown(wait=True))  # joined at close()
 
   def run(state, batch):
     t0 = time.perf_counter()

@@ -227,6 +227,12 @@ class Plan:
       out["optimizer"] += n("master") * 3 * disk(leaf.local_size * 4) * ranks
     return out
 
+  def nvme_disk_bytes(self, atomic: bool) -> dict[str, int]:
+    """`nvme_bytes` plus "copies": what all-or-nothing steps (`atomic`) write besides, a second
+    copy of the params and optimizer states they rewrite."""
+    need = self.nvme_bytes()
+    return {**need, "copies": need["params"] + need["optimizer"] if atomic else 0}
+
   def tier_bytes(self) -> dict[str, int]:
     """Bytes of model states one device holds on each tier (params, grads, master, moments)."""
     out = {"device": 0, "pinned_host": 0, "nvme": 0}
@@ -279,6 +285,9 @@ def make_plan(config: ZeroConfig, layouts: Any, stack_paths: Sequence[tuple[Any,
                            trainable))
     if stack is not None:
       stack_of.setdefault(stack, []).append(i)
+  depth = max((l.num_layers for l in leaves if l.stacked), default=None)
+  _check_counts(config.param_split, "offload_param", depth)
+  _check_counts(config.optimizer_split, "offload_optimizer", depth)
   stacks = []
   for j, path in enumerate(stack_paths):
     members = tuple(stack_of.get(j, ()))
@@ -288,3 +297,15 @@ def make_plan(config: ZeroConfig, layouts: Any, stack_paths: Sequence[tuple[Any,
     stacks.append(StackPlan(tuple(path), depth, members, split_layers(config.param_split, depth)))
   return Plan(tuple(leaves), treedef, tuple(stacks), mesh, config.axis, config.stage,
               config.compute_dtype)
+
+
+def _check_counts(split: TierSplit, field: str, depth: int | None) -> None:
+  """Refuse a split whose layer counts add up to more layers than the deepest stack has: they
+  would be cut silently, and the run would not be placed as asked."""
+  asked = sum(a for _, a in split if isinstance(a, int))
+  if depth is not None and asked > depth:
+    text = ",".join(t if a is None else f"{t}:{a}" for t, a in split)
+    raise ValueError(
+        f"ZeroConfig.{field}={text!r} places {asked} layers by count, but the model's stacks "
+        f"have {depth} layers: ask for at most {depth}, or give fractions (such as "
+        "'device:0.5,pinned_host').")

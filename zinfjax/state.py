@@ -53,25 +53,84 @@ class _EngineRef:
     return engine
 
 
+class UnusableStateError(RuntimeError):
+  """A `TrainState` that was donated to a step, or whose run was closed, was used."""
+
+
 @dataclasses.dataclass
 class TrainState:
-  """Arrays of a ZeRO run (`engine` is static metadata; `engine.plan` says where all lives)."""
+  """Arrays of a ZeRO run (`engine` is static metadata; `engine.plan` says where all lives).
+
+  A state is consumed by the `train_step` it is given (its arrays are donated, and its NVMe
+  shards rewritten): every entry point refuses it afterwards (`UnusableStateError`). `close()`
+  (or `with zinfjax.init(...) as state:`) ends the run: threads joined, swap store closed.
+  """
 
   step: jax.Array
   params: Any        # compute params: per leaf, a tuple of its array segments
   master: Any        # fp32 master params (storage form, split over `data`), likewise
   opt_state: Any     # optax state of `engine.tx` (optimizer on device) or HostAdamState
   engine: Engine = dataclasses.field(metadata=dict(static=True))
+  # the step count when known without waiting on the device (init, restore, a step's result)
+  known_step: int | None = dataclasses.field(default=None, repr=False, compare=False)
+  # why this state can no longer be used (the step it was donated to), None while it can
+  consumed: str | None = dataclasses.field(default=None, repr=False, compare=False)
+
+  def check_usable(self, use: str) -> None:
+    """Raise `UnusableStateError` naming `use` when this state was donated or its run closed."""
+    if self.consumed is not None:
+      raise UnusableStateError(f"{use}: {self.consumed}")
+    closed = self.engine.life.closed
+    if closed is not None:
+      raise UnusableStateError(
+          f"{use}: this TrainState's run is closed ({closed}). Restore it from a checkpoint to go "
+          "on with it.")
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self)):
+      raise UnusableStateError(
+          f"{use}: this TrainState's arrays were deleted or donated (to a train_step, or a jitted "
+          "function that donates them). Use the state train_step returned: "
+          "`state, metrics = zinfjax.train_step(state, batch, loss_fn)`.")
+
+  def mark_donated(self, new: "TrainState | None") -> None:
+    """Record that a step consumed this state (and returned `new`, when it did)."""
+    at = "" if self.known_step is None else f" (step {self.known_step})"
+    if new is None:
+      self.consumed = (f"this TrainState{at} was donated to a train_step that failed: its arrays "
+                       "are gone. Restore the last checkpoint to go on.")
+      return
+    if self.known_step is not None:
+      new.known_step = self.known_step + 1
+    nvme = " and rewrote its NVMe shards" if self.engine.store is not None else ""
+    self.consumed = (f"this TrainState{at} was donated to train_step, which took its arrays{nvme}."
+                     " Use the state it returned: "
+                     "`state, metrics = zinfjax.train_step(state, batch, loss_fn)`.")
+
+  def close(self) -> None:
+    """End this run: join its threads, close its swap store (releasing the folders), and free
+    this state's arrays. Every state of the run is unusable afterwards; a second close does
+    nothing. A state dropped without close() is closed when it is collected."""
+    self.engine.close("closed by TrainState.close()")
+    for x in jax.tree.leaves(self):
+      if isinstance(x, jax.Array) and not x.is_deleted():
+        x.delete()
+
+  def __enter__(self) -> "TrainState":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def full_params(self, dtype=jnp.float32) -> Any:
     """The params in their logical shapes, from every tier (tests, export): the fp32 master of
     each trained leaf, the compute params of each frozen one."""
+    self.check_usable("full_params")
     plan = self.engine.plan
     return plan.unflatten([jnp.asarray(self._full(leaf, dtype)) for leaf in plan.leaves])
 
   def full_leaf(self, name: str, dtype=np.float32) -> np.ndarray:
     """One leaf's fp32 master (a frozen leaf: its compute params) in its logical shape, by its
     path (e.g. "layers/block/q/kernel"), as numpy: an export reads one leaf at a time."""
+    self.check_usable("full_leaf")
     found = [l for l in self.engine.plan.leaves if l.name == name]
     if not found:
       raise KeyError(f"the model has no leaf {name!r}.")
@@ -86,6 +145,7 @@ class TrainState:
 
   def model(self) -> nnx.Module:
     """An ordinary NNX model holding the current master params (gathered whole)."""
+    self.check_usable("TrainState.model()")
     return nnx.merge(self.engine.graphdef, self.full_params())
 
 
@@ -173,7 +233,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
       opt = jax.eval_shape(jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree)), tree)
     else:
       opt = HostAdamState(step, master, master)
-    return TrainState(step, plan.abstract("params"), master, opt, engine)
+    return TrainState(step, plan.abstract("params"), master, opt, engine, known_step=0)
 
   if weights is not None:
     fresh = lambda i: tuple(x[0] for x in random_states(engine, model_factory, key, [i]))
@@ -191,7 +251,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
     zeros = jax.jit(lambda m: jax.tree.map(jnp.zeros_like, m),
                     out_shardings=jax.tree.map(lambda x: x.sharding, master))
     opt = HostAdamState(jax.device_put(jnp.zeros((), jnp.int32), rep), zeros(master), zeros(master))
-  return TrainState(step, params, master, opt, engine)
+  return TrainState(step, params, master, opt, engine, known_step=0)
 
 
 def _matched(engine: Engine, model_factory: ModelFactory, weights: Any, init_missing: Any) -> list:
@@ -232,8 +292,7 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
   try:
     return make_states(engine, model_factory, rng, abstract=False, weights=weights)
   except BaseException:
-    if engine.store is not None:
-      engine.store.close()
+    engine.close("its init failed")
     raise
 
 

@@ -43,6 +43,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   over the `data` axis; `loss_fn` sees each rank's slice. The input state is
   donated: use the returned one.
   """
+  state.check_usable("make_train_step")
   engine = state.engine
   if loss_fn in engine.steps:
     return engine.steps[loss_fn]
@@ -230,9 +231,26 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     run = with_pipeline(engine, jitted, calls)
   if store is not None and engine.config.nvme_atomic_steps:
     run = all_or_nothing(engine, run)
-  run.jitted = jitted
-  engine.steps[loss_fn] = run
-  return run
+  guarded = consuming(run)
+  guarded.jitted = jitted
+  engine.steps[loss_fn] = guarded
+  return guarded
+
+
+def consuming(run: Step) -> Step:
+  """`run`, refusing a state that is no longer usable and marking the one it consumes."""
+  def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+    state.check_usable("train_step")
+    try:
+      new, metrics = run(state, batch)
+    except BaseException:
+      if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        state.mark_donated(None)  # the program ran (and took the arrays) before it failed
+      raise
+    state.mark_donated(new)
+    return new, metrics
+
+  return step
 
 
 def learning_rate(engine, opt_state) -> jax.Array | None:
@@ -248,4 +266,5 @@ def learning_rate(engine, opt_state) -> jax.Array | None:
 
 def train_step(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[TrainState, dict]:
   """One ZeRO training step; compiles once per (loss_fn, shapes) and reuses it."""
+  state.check_usable("train_step")
   return make_train_step(state, loss_fn)(state, batch)

@@ -159,8 +159,14 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
     for (int held : lock_fds_) close(held);  // the constructor fails: release what it took
     lock_fds_.clear();
     if (fd < 0) throw EngineError(SysError("cannot open lock file " + lock_path, err));
-    throw StoreLocked("swap folder " + folder + " is in use by another process (pid " +
-                      (n > 0 ? std::string(owner) : std::string("unknown")) +
+    std::string pid = n > 0 ? std::string(owner) : std::string("unknown");
+    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+    if (pid == std::to_string(getpid()))
+      throw StoreLocked("swap folder " + folder + " is in use by this process (pid " + pid +
+                        "): another swap store on it is still open; close it (or the "
+                        "TrainState holding it: state.close()) first, or give this one its "
+                        "own nvme_path");
+    throw StoreLocked("swap folder " + folder + " is in use by another process (pid " + pid +
                       "); give each process its own nvme_path or rank");
   }
 

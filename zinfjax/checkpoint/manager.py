@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -113,6 +114,7 @@ class Checkpointer:
   # ---------------------------------------------------------------- save
   def save(self, state, *, extra: dict | None = None) -> bool:
     """Save `state` as step `state.step`; False when that step is already saved."""
+    state.check_usable("Checkpointer.save")
     step = int(jax.device_get(state.step.addressable_data(0)))
     self.check()
     self.lock()  # makes the directory
@@ -126,7 +128,10 @@ class Checkpointer:
             "config": _config_json(engine.config), "devices": engine.dp,
             "processes": jax.process_count(), "extra": extra or {}}
     run = Run(leaves, engine.plan, engine.store)
-    self.manager.save(step, args=ocp.args.Composite(state=StateSave(run), meta=ocp.args.JsonSave(meta)))
+    self._saving = step
+    self._reported(lambda: self.manager.save(
+        step, args=ocp.args.Composite(state=StateSave(run), meta=ocp.args.JsonSave(meta))),
+        background=False)
     self._saving = step
     return True
 
@@ -142,18 +147,31 @@ class Checkpointer:
       if not self._manager.is_saving_in_progress():
         self._reported(self._manager.wait_until_finished)  # done: returns at once or raises
 
-  def _reported(self, fn: Callable[[], None]) -> None:
+  def _reported(self, fn: Callable[[], None], background: bool = True) -> None:
+    """Run `fn` (a save, or a wait on the one in the background); a failure becomes one
+    `CheckpointError` naming the step and the last committed one, its half-written folder
+    removed (a full drive keeps what space it had)."""
     try:
       fn()
       self._saving = None
     except Exception as e:  # noqa: BLE001 - orbax re-raises the background thread's error
       step, self._saving = self._saving, None
+      self._remove_unfinished(step)
       steps = [s for s in self.all_steps() if s != step]
       last = f"the last committed checkpoint is step {steps[-1]}" if steps else "no step is committed"
+      first = (str(e).strip().splitlines() or [""])[0][:400]
       raise CheckpointError(
-          f"saving step {step} to {self.directory} failed in the background: "
-          f"{type(e).__name__}: {e}. Nothing earlier was lost ({last}); free space there or "
+          f"saving step {step} to {self.directory} failed{' in the background' if background else ''}"
+          f": {type(e).__name__}: {first}. Nothing earlier was lost ({last}); free space there or "
           "choose another checkpoint directory.") from e
+
+  def _remove_unfinished(self, step: int | None) -> None:
+    """Delete the temporary folder of a save of `step` that failed (process 0 owns them)."""
+    if step is None or jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   # ---------------------------------------------------------------- restore
   def metadata(self, step: int | None = None) -> dict:
@@ -196,8 +214,7 @@ class Checkpointer:
       if engine.store is not None:
         engine.store.sync()
     except BaseException:
-      if engine.store is not None:  # its folders stay locked until closed
-        engine.store.close()
+      engine.close("its restore failed")  # its folders stay locked until closed
       raise
     plan = engine.plan
 
@@ -225,7 +242,7 @@ class Checkpointer:
       paths, treedef = jax.tree_util.tree_flatten_with_path(opt)
       opt_state = jax.tree.unflatten(treedef, [
           restored["opt/" + "/".join(key_name(k) for k in path) + "#0"] for path, _ in paths])
-    state = TrainState(restored["step#0"], params, master, opt_state, engine)
+    state = TrainState(restored["step#0"], params, master, opt_state, engine, known_step=step)
     return state, meta.get("extra", {})
 
   def restore_newest(self, model_factory: Callable, tx: optax.GradientTransformation, config,

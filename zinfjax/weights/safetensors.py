@@ -101,8 +101,13 @@ class Mapped:
   """One tensor of a file as a `zinfjax.weights` Tensor: each `read` maps just that tensor,
   copies the box asked for and unmaps it, so pages read stay out of the process's memory."""
 
-  def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+  def __init__(self, path: str, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+               name: str = ""):
     self.path, self.offset, self.shape, self.dtype = path, offset, tuple(shape), np.dtype(dtype)
+    self.name = name  # the tensor's name in the file (for errors)
+
+  def describe(self) -> str:
+    return f"tensor {self.name!r} {list(self.shape)} of {self.path}"
 
   def read(self, index: tuple = ()) -> np.ndarray:
     if not all(self.shape):
@@ -169,7 +174,8 @@ class Checkpoint(Mapping[str, np.ndarray]):
       raise KeyError(f"the checkpoint at {self.path} has no tensor {name!r}.")
     f = self._files[self._where[name]]
     info = f.header[name]
-    return Mapped(f.path, f._data + info["data_offsets"][0], info["shape"], DTYPES[info["dtype"]])
+    return Mapped(f.path, f._data + info["data_offsets"][0], info["shape"], DTYPES[info["dtype"]],
+                  name)
 
   def info(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, dtype) of a tensor, without mapping its data."""

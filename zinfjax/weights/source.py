@@ -147,12 +147,29 @@ def match(plan, tree: Any, may_miss: frozenset[str] = frozenset()) -> list[Tenso
         + ". Give a tree shaped like nnx.to_pure_dict(nnx.state(model)) (names joined by '/'); "
         "new leaves such as LoRA adapters come from the model's initializers with "
         "init(..., init_missing=nnx.LoRAParam).")
-  bad = [f"{n}: model {want[n].layout.shape}, weights {tuple(by_name[n].shape)}"
+  bad = [f"{n}: model {want[n].layout.shape}, weights {tuple(by_name[n].shape)}{origin(by_name[n])}"
          for n in want if n in by_name and tuple(by_name[n].shape) != tuple(want[n].layout.shape)]
   if bad:
     raise ValueError("the weights' shapes differ from the model's: " + "; ".join(bad[:8])
                      + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "") + ".")
   return [by_name.get(leaf.name) for leaf in plan.leaves]
+
+
+def origin(t: Tensor) -> str:
+  """Where a tensor comes from (" from tensor 'x' [2, 3] of FILE"), or "" for an array."""
+  while True:
+    if hasattr(t, "describe"):
+      return f" from {t.describe()}"
+    if isinstance(t, Transposed):
+      t = t.source
+    elif isinstance(t, Stacked):
+      bad = [l for l in t.layers if hasattr(l, "describe")]
+      if not bad:
+        return ""
+      return f" from {bad[0].describe()} and {len(bad) - 1} more" if len(bad) > 1 else \
+          f" from {bad[0].describe()}"
+    else:
+      return ""
 
 
 def _some(names: list[str]) -> str:

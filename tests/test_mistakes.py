@@ -1,0 +1,314 @@
+"""A user's mistakes: a donated or closed state is refused by every entry point (never a crash
+or a wrong answer); swap stores are released and replaced within one process; optimizer
+states move between every pair of tiers; bad input stops the CLI before any compute, with
+one line naming the problem; nothing saved is lost."""
+
+import gc
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import zinfjax
+from zinfjax import UnusableStateError
+from zinfjax.checkpoint import CheckpointError, Checkpointer
+from zinfjax.checkpoint.handler import open_checked, read
+from zinfjax.checkpoint.leaves import Leaf
+from zinfjax.engine import StoreReplacedWarning
+from zinfjax.models import GPT, get_config, hf, lm_loss
+
+from helpers import REPO, random_batches
+
+TIERS = ("device", "pinned_host", "nvme")
+TINY = get_config("tiny", num_layers=2, hidden=32, num_heads=2, seq_len=16, vocab_size=64)
+BATCHES = random_batches(3, batch=8, seq=16, vocab=64, seed=5)
+SCRIPT = os.path.join(REPO, "scripts", "train_gpt.py")
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script picks devices
+
+
+def factory(rngs):
+  return GPT(TINY, rngs=rngs)
+
+
+def tx():
+  return zinfjax.optim.adamw(1e-2, weight_decay=0.1, max_grad_norm=1.0)
+
+
+def zero(params: str, optimizer: str, nvme) -> zinfjax.ZeroConfig:
+  return zinfjax.ZeroConfig(precision="fp32", offload_param=params, offload_optimizer=optimizer,
+                            nvme_path=str(nvme))
+
+
+def loss(state, batch=BATCHES[0]) -> float:
+  return float(zinfjax.eval_step(state, batch, lm_loss)["loss"])
+
+
+# ------------------------------------------------------------------ consumed and closed states
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_donated_state_is_refused_by_every_entry_point(tier, mesh, tmp_path):
+  """With params and optimizer on `tier`, the state given to train_step is refused by eval_step,
+  train_step, model(), full_params and a save (before: a segfault on device and pinned host,
+  the new weights' loss on NVMe); the returned state is untouched by the refusals."""
+  state = zinfjax.init(factory, tx(), zero(tier, tier, tmp_path / "nvme"), mesh, 0)
+  before = loss(state)
+  new, _ = zinfjax.train_step(state, BATCHES[0], lm_loss)
+  after = loss(new)
+  assert after < before  # the step changed the weights: an answer from the old state would differ
+  uses = {"eval_step": lambda: zinfjax.eval_step(state, BATCHES[0], lm_loss),
+          "train_step": lambda: zinfjax.train_step(state, BATCHES[1], lm_loss),
+          "TrainState.model()": state.model, "full_params": state.full_params,
+          "Checkpointer.save": lambda: Checkpointer(tmp_path / "ckpt").save(state)}
+  for use, call in uses.items():
+    with pytest.raises(UnusableStateError, match=re.escape(use) + r": this TrainState \(step 0\) "
+                       "was donated to train_step.*Use the state it returned"):
+      call()
+  assert not os.path.exists(tmp_path / "ckpt" / "0")
+  # a new object over its pytree (the same donated arrays) is refused too
+  copy = jax.tree.map(lambda x: x, state)
+  with pytest.raises(UnusableStateError, match="arrays were deleted or donated"):
+    zinfjax.eval_step(copy, BATCHES[0], lm_loss)
+  newer, _ = zinfjax.train_step(new, BATCHES[1], lm_loss)
+  with pytest.raises(UnusableStateError, match=r"\(step 1\) was donated"):
+    loss(new)
+  assert loss(newer) != after
+  newer.close()
+
+
+def test_nvme_states_restore_in_the_same_process(mesh, tmp_path):
+  """A restore onto the nvme_path of a run that is still open replaces its store (a warning;
+  that run's states are refused after); after close() or once its states are dropped, the
+  folder is free at once; `with` closes the run."""
+  cfg = zero("nvme", "nvme", tmp_path / "nvme")
+  state = zinfjax.init(factory, tx(), cfg, mesh, 0)
+  state, _ = zinfjax.train_step(state, BATCHES[0], lm_loss)
+  want = loss(state)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(state)
+  with pytest.warns(StoreReplacedWarning, match="held by an earlier run of this process"):
+    restored, _ = Checkpointer(tmp_path / "ckpt").restore(factory, tx(), cfg, mesh)
+  assert loss(restored) == want
+  with pytest.raises(UnusableStateError, match="closed .*replaced by a later zinfjax.init or "
+                     "Checkpointer.restore on the same nvme_path"):
+    loss(state)
+  restored.close()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", StoreReplacedWarning)
+    again, _ = Checkpointer(tmp_path / "ckpt").restore(factory, tx(), cfg, mesh)
+    assert loss(again) == want
+    del again
+    gc.collect()
+    with zinfjax.init(factory, tx(), cfg, mesh, 0) as fresh:
+      assert loss(fresh) != want
+  with pytest.raises(UnusableStateError, match=r"run is closed \(closed by TrainState.close\(\)\)"):
+    loss(fresh)
+
+
+def test_a_second_store_on_a_folder_names_this_process(tmp_path):
+  from zinfjax.offload import AioStore, StoreLockedError
+  first = AioStore(tmp_path, backend="threads")
+  with pytest.raises(StoreLockedError, match=rf"in use by this process \(pid {os.getpid()}\).*"
+                     r"state.close\(\)"):
+    AioStore(tmp_path, backend="threads")
+  first.close()
+  AioStore(tmp_path, backend="threads").close()
+
+
+# ------------------------------------------------------------------ optimizer states on any tier
+def stored(folder) -> dict[str, np.ndarray]:
+  """Every array of a checkpoint's latest step, by name, as stored."""
+  ckpt = Checkpointer(folder)
+  meta = ckpt.metadata()
+  out = {}
+  for name, info in meta["leaves"].items():
+    leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
+    arr = open_checked(os.path.join(ckpt.directory, str(meta["step"]), "state", name), leaf)
+    out[name] = read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, leaf.dtype)
+  return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, mesh):
+  """Per optimizer tier: a checkpoint after 2 steps (moments far from zero)."""
+  out = {}
+  for tier in TIERS:
+    folder = tmp_path_factory.mktemp(f"opt-{tier}")
+    with zinfjax.init(factory, tx(), zero("device", tier, folder / "nvme"), mesh, 0) as state:
+      for batch in BATCHES[:2]:
+        state, _ = zinfjax.train_step(state, batch, lm_loss)
+      with Checkpointer(folder / "ckpt") as ckpt:
+        ckpt.save(state)
+    out[tier] = folder / "ckpt"
+  return out
+
+
+@pytest.mark.parametrize("source", TIERS)
+@pytest.mark.parametrize("target", TIERS)
+def test_optimizer_states_restore_onto_every_tier(source, target, saved, mesh, tmp_path):
+  """A checkpoint of the optimizer on `source` restores with it on `target` and saves back
+  bit for bit (master, both moments, counts)."""
+  state, _ = Checkpointer(saved[source]).restore(factory, tx(), zero("device", target, tmp_path),
+                                                 mesh)
+  assert state.engine.plan.tiers("master") == {target}
+  with state, Checkpointer(tmp_path / "again") as ckpt:
+    ckpt.save(state)
+  want, got = stored(saved[source]), stored(tmp_path / "again")
+  assert set(got) == set(want) and any(k.startswith("opt/mu/") for k in want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert all(np.abs(want[k]).max() > 0 for k in want if k.startswith(("opt/mu/", "opt/nu/")))
+
+
+def cli(*args, ok=True):
+  done = subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", "--batch-size", "4",
+                         "--seq-len", "16", "--devices", "2", "--log-every", "1", *map(str, args)],
+                        cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+  assert (done.returncode == 0) == ok, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr, done.stderr[-3000:]
+  return done
+
+
+def test_cli_resumes_onto_other_optimizer_tiers(tmp_path):
+  """train_gpt.py keeps one optimizer format on every tier: NVMe -> device -> pinned host; the
+  plan line counts the all-or-nothing copies on the drive."""
+  ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", "1"]
+  out = cli("--steps", "2", "--offload-optimizer", "nvme", "--nvme-path", tmp_path / "nvme", *ckpt)
+  plan = re.search(r"model states per device \(plan\): .*nvme ([\d.]+ \w+) \(of which ([\d.]+ \w+) "
+                   r"are the copies that make each step all or nothing\)", out.stdout)
+  assert plan, out.stdout
+  out = cli("--steps", "3", "--offload-optimizer", "device", "--resume", *ckpt)
+  assert "resumed from step 2 " in out.stdout
+  out = cli("--steps", "4", "--offload-optimizer", "pinned_host", "--resume", *ckpt)
+  assert "resumed from step 3 " in out.stdout and "step     4/4" in out.stdout
+
+
+# ------------------------------------------------------------------ the CLI's input checks
+def train_gpt_main():
+  spec = importlib.util.spec_from_file_location("train_gpt_script", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys):
+  """Each of these stops the CLI with one `error:` line before init (no step is lost)."""
+  monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # main() installs its own
+  main = train_gpt_main()
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  short = tmp_path / "short.txt"
+  short.write_text("to be or not")
+  broken = tmp_path / "broken"
+  shutil.copytree(os.path.join(REPO, "tests", "data", "hf", "llama"), broken)
+  (broken / "config.json").write_text('{"model_type": "llama",')
+  cases = [
+      (["--init-from", broken, "--layers", "3"],
+       "--layers with --init-from: the model's shape comes from"),
+      (["--init-from", broken], f"{broken / 'config.json'} is not valid JSON"),
+      (["--layers", "2", "--offload-param", "device:5,pinned_host"],
+       "offload_param='device:5,pinned_host' places 5 layers by count, but the model's stacks "
+       "have 2 layers"),
+      (["--save-every", "-1"], "--save-every -1: give a number of steps above 0"),
+      (["--eval-every", "-2"], "--eval-every -2: give a number of steps above 0"),
+      (["--keep", "0"], "--keep 0: keep at least 1 checkpoint"),
+      (["--export", a_file], f"--export {a_file} is an existing file"),
+      (["--export", a_file / "out"], f"--export {a_file / 'out'}: cannot write there"),
+      (["--metrics-jsonl", tmp_path], f"--metrics-jsonl {tmp_path} is a folder"),
+      (["--data", short, "--seq-len", "32"], f"--data {short} has 12 tokens, fewer than one "
+       "sequence needs (34 for --seq-len 32)"),
+  ]
+  for args, message in cases:
+    with pytest.raises(SystemExit) as stop:
+      main(["--steps", "1", "--batch-size", "8", *map(str, args)])
+    assert str(stop.value).startswith("error: ") and message in str(stop.value), (args, stop.value)
+    assert "init " not in capsys.readouterr().out
+  # a zero learning rate is a valid run (pipelines, exports): a warning, and the weights stay
+  out = cli("--steps", "2", "--same-batch", "--lr", "0")
+  assert "warning: --lr 0" in out.stderr
+  first, last = re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups()
+  assert first == last
+
+
+def test_weights_with_a_lying_shape_name_the_tensor_and_file(mesh, tmp_path):
+  folder = tmp_path / "llama"
+  shutil.copytree(os.path.join(REPO, "tests", "data", "hf", "llama"), folder)
+  path = folder / "model-00001-of-00003.safetensors"
+  raw = path.read_bytes()
+  n = struct.unpack("<Q", raw[:8])[0]
+  header = json.loads(raw[8:8 + n])
+  name = "model.embed_tokens.weight"
+  header[name]["shape"] = header[name]["shape"][::-1]  # the same bytes, another shape
+  text = json.dumps(header, separators=(",", ":")).encode()
+  path.write_bytes(raw[:8] + text.ljust(n) + raw[8 + n:])
+  config, make_model, weights = hf.load(str(folder))
+  with pytest.raises(ValueError, match=rf"from tensor '{re.escape(name)}' \[32, 128\] of "
+                     rf"{re.escape(str(path))}"):
+    zinfjax.init(make_model, tx(), zinfjax.ZeroConfig(), mesh, params=weights)
+
+
+def test_nvme_space_error_scales_its_sizes(mesh, tmp_path, monkeypatch):
+  from zinfjax import engine
+  from zinfjax.offload import NoSpaceError
+  real = shutil.disk_usage
+  monkeypatch.setattr(engine.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+  with pytest.raises(NoSpaceError, match=r"has 1000 B free, but the states placed on NVMe need "
+                     r"[\d.]+ (KiB|MiB) \(params [\d.]+ KiB"):
+    zinfjax.init(factory, tx(), zero("nvme", "nvme", tmp_path / "nvme"), mesh, 0)
+
+
+def test_a_save_that_fails_is_one_error_and_leaves_no_partial_folder(mesh, tmp_path, monkeypatch):
+  """A drive that fills while NVMe shards are copied into a save: a CheckpointError naming the
+  step and the last committed one; its temporary folder is removed; the earlier step stays."""
+  from zinfjax.checkpoint import handler
+  with zinfjax.init(factory, tx(), zero("nvme", "nvme", tmp_path / "nvme"), mesh, 0) as state:
+    state, _ = zinfjax.train_step(state, BATCHES[0], lm_loss)
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(state)
+    ckpt.wait()
+    state, _ = zinfjax.train_step(state, BATCHES[1], lm_loss)
+
+    def full(*args, **kwargs):
+      raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(handler, "save_blocks", full)
+    with pytest.raises(CheckpointError, match=r"^saving step 2 to .* failed: OSError: \[Errno 28\] "
+                       r"No space left on device\. Nothing earlier was lost \(the last committed "
+                       r"checkpoint is step 1\)"):
+      ckpt.save(state)
+    assert sorted(n for n in os.listdir(tmp_path / "ckpt") if not n.startswith(".")) == ["1"]
+    monkeypatch.undo()
+    assert ckpt.save(state)
+    ckpt.close()
+  assert Checkpointer(tmp_path / "ckpt").all_steps() == [1, 2]
+
+
+def test_ctrl_c_names_the_last_complete_checkpoint(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  proc = subprocess.Popen(
+      [sys.executable, SCRIPT, "--preset", "tiny", "--batch-size", "4", "--seq-len", "16",
+       "--devices", "2", "--log-every", "1", "--steps", "100000", "--save-every", "2",
+       "--checkpoint-dir", str(ckpt)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True, env=ENV)
+  try:
+    for line in proc.stdout:
+      if line.startswith("step     5/"):
+        break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130, err[-3000:]
+  found = re.search(r"interrupted during step (\d+): the last complete checkpoint is step (\d+) "
+                    rf"in {re.escape(str(ckpt))} \(--resume goes on from it\)", err)
+  assert found and "Traceback" not in err, err[-3000:]
+  last = int(found.group(2))
+  assert last >= 4 and last == max(Checkpointer(ckpt).all_steps())
