@@ -435,7 +435,7 @@ def main(argv=None) -> int:
       if state.engine.store is not None:
         tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
       breakdown = {k: float(v) for k, v in metrics.items()
-                   if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "skipped")}
+                   if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "nvme_clip_predicted", "skipped")}
       if held_out is not None and (step % args.eval_every == 0 or step == args.steps):
         breakdown["eval_loss"] = float(zinfjax.eval_step(state, held_out, lm_loss)["loss"])
       progress.update(step, {"loss": loss, "grad_norm": norm,

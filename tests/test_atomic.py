@@ -43,25 +43,31 @@ def test_failed_nvme_step_leaves_the_previous_states(clip, fault_after, mesh, tm
 
 def test_optimizer_under_backward_with_clipping_redoes_clipped_steps(mesh, tmp_path):
   """With clipping on, the NVMe optimizer still updates each layer under backward, as if no
-  clipping were needed; a step whose global norm needs it is rolled back and redone. The
-  states equal, bit for bit, those of the optimizer run after backward with the norm known."""
+  clipping were needed; a step whose global norm needs it is rolled back and redone, unless the
+  step before it clipped: then the update waits for the norm (its reads go ahead). The states
+  equal, bit for bit, those of the optimizer run after backward with the norm known."""
   batches = text_batches(6, batch=16, seq=32, seed=3)
   runs = {}
   for atomic in (False, True):
     zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
                               nvme_path=str(tmp_path / f"nvme{atomic}"), nvme_atomic_steps=atomic)
     state = zinfjax.init(lambda r: GPT(CONFIG, rngs=r), make_tx(CLIP), zero, mesh, 0)
-    losses, redone, waits = [], [], 0
+    losses, redone, predicted, waits = [], [], [], 0
     for batch in batches:
       state, metrics = zinfjax.train_step(state, batch, lm_loss)
       losses.append(float(metrics["loss"]))
       redone.append(metrics.get("nvme_redone"))
+      predicted.append(metrics.get("nvme_clip_predicted"))
       waits += metrics.get("nvme_grad_waits", 0)
-    runs[atomic] = losses, redone, waits, snapshot(state.engine.store)
-    state.engine.store.close()
-  (ref_losses, ref_redone, _, ref_store), (losses, redone, waits, store) = runs[False], runs[True]
-  assert ref_redone == [None] * 6  # after backward: nothing to redo
-  assert 0 < sum(redone) < 6, redone  # some steps clipped (redone), some not
+    runs[atomic] = losses, (redone, predicted), waits, snapshot(state.engine.store)
+    state.close()
+  (ref_losses, ref_redone, _, ref_store), (losses, (redone, predicted), waits, store) = (
+      runs[False], runs[True])
+  assert ref_redone == ([None] * 6, [None] * 6)  # after backward: nothing to redo
+  # a step after one that clipped waits for the norm instead of guessing (never redone); a
+  # step after one that did not guesses "no clipping", redone when that was wrong
+  assert 0 < sum(predicted) and 0 < sum(redone), (redone, predicted)
+  assert not any(r and p for r, p in zip(redone, predicted)), (redone, predicted)
   assert waits > 0  # the update ran under backward
   assert losses == ref_losses
   keys = [k for k in ref_store if k.startswith(("p/", "o/"))]

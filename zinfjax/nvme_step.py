@@ -68,6 +68,10 @@ def with_pipeline(engine, jitted, calls: list[int]) -> Step:
   atomic = engine.config.nvme_atomic_steps
   under_backward = pipeline.grads_all_on_nvme and (atomic or (clip is None and not skip))
   ordered: list[bool] = []
+  # the previous step's global norm: when it needed clipping, this one likely does too, and the
+  # update under backward waits for the norm (its reads still go ahead) instead of guessing
+  # "no clipping" and redoing the step
+  last_norm: list[float] = []
   # the pipeline under backward runs on its own thread, below the program's threads in priority
   optimizer_thread = concurrent.futures.ThreadPoolExecutor(
       1, thread_name_prefix="zinfjax-optim", initializer=lower_priority,
@@ -110,7 +114,13 @@ def with_pipeline(engine, jitted, calls: list[int]) -> Step:
       watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
                                                ended.append(time.perf_counter())), daemon=True)
       watch.start()
-      guess = None if clip is None else 0.0  # a norm below the limit: no clipping
+      predicted = clip is not None and bool(last_norm) and not last_norm[0] < clip
+      if clip is None:
+        guess = None
+      elif predicted:  # the exact norm, once the program has it: nothing to redo
+        guess = lambda: float(running[1]["grad_norm"])
+      else:
+        guess = 0.0  # a norm below the limit: no clipping (redone if wrong)
       try:
         outs = optimizer_thread.submit(pipeline.step, count, None, gate, guess).result()
       except BaseException:
@@ -122,13 +132,16 @@ def with_pipeline(engine, jitted, calls: list[int]) -> Step:
       extra["nvme_grad_waits"] = gate.waited
       norm = float(metrics["grad_norm"])
       skipped = skip and not math.isfinite(norm)
-      redo = clip is not None and not skipped and not norm < clip  # clipping was needed
+      # clipping was needed but not applied
+      redo = clip is not None and not predicted and not skipped and not norm < clip
       if skipped or redo:  # back to the states before the update
         engine.store.rollback()
         engine.store.begin(VERSIONED)
         outs = pipeline.step(count, None, None, norm) if redo else {}  # again, with clipping
       if clip is not None:
         extra["nvme_redone"] = int(redo)
+        extra["nvme_clip_predicted"] = int(predicted)
+        last_norm[:] = [norm]
     new.params = merge_params(plan, new.params, outs)
     stats = pipeline.last_step if under_backward or not skipped else dict.fromkeys(
         ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written"), 0.0)

@@ -207,13 +207,16 @@ class NvmePipeline:
     return all(self.on_nvme("grads", p) for p in self.parts)
 
   def step(self, count: int, grad_of: Callable[[Part], np.ndarray] | None = None,
-           gate: "GradGate | None" = None, grad_norm: float | None = None) -> dict[PartKey, np.ndarray]:
+           gate: "GradGate | None" = None,
+           grad_norm: float | Callable[[], float] | None = None) -> dict[PartKey, np.ndarray]:
     """One AdamW step over every sub-group.
 
     `grad_of(part)` gives a part's grad (host array) where it is not on NVMe.
     With `gate`, the grads on NVMe are still being written by a running
     backward pass: each is read once the gate says it is there. `grad_norm`
-    (the global norm of all grads) is needed when the AdamW clips.
+    (the global norm of all grads) is needed when the AdamW clips; a callable is
+    asked for it at the first update (blocking until it is known) while the
+    reads ahead of it go on.
     Returns the new compute params of the parts whose params are not on NVMe.
     """
     # jitted, like in the step: XLA's compiled pow/schedule can differ from eager by an ulp
@@ -222,6 +225,13 @@ class NvmePipeline:
     clip = self.hyper.max_grad_norm
     if clip is not None and grad_norm is None:
       raise ValueError("this AdamW clips grads (max_grad_norm): pass the step's grad_norm.")
+    known: list[float] = []
+
+    def norm() -> float:
+      if not known:
+        known.append(grad_norm() if callable(grad_norm) else grad_norm)
+      return known[0]
+
     outs: dict[PartKey, np.ndarray] = {}
     for p in self.parts:
       if not self.on_nvme("params", p):
@@ -257,8 +267,8 @@ class NvmePipeline:
         slot = {name: x.reshape(-1) for name, x in self._views(k, p).items()}
         grad = slot["grads"] if self.on_nvme("grads", p) else np.ascontiguousarray(
             grad_of(p)).reshape(-1)
-        if clip and grad_norm >= clip:  # as optax.clip_by_global_norm, in the grads' dtype
-          grad = ((grad / grad.dtype.type(grad_norm)) * grad.dtype.type(clip)).astype(grad.dtype)
+        if clip and norm() >= clip:  # as optax.clip_by_global_norm, in the grads' dtype
+          grad = ((grad / grad.dtype.type(norm())) * grad.dtype.type(clip)).astype(grad.dtype)
         param = slot["params"] if self.on_nvme("params", p) else outs[(p.leaf, p.rank, p.layer)]
         adamw_numpy(slot["master"], slot["mu"], slot["nu"], grad, param.reshape(-1), lr, bc1,
                     bc2, c, self.decays[p.leaf], self.threads)
