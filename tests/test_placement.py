@@ -222,3 +222,25 @@ def test_no_import_cycles_and_small_modules():
         inner = [n for n in ast.walk(node) if isinstance(n, ast.ImportFrom) and n.level
                  and not all(a.name.startswith("_engine") for a in n.names)]  # optional CUDA module
         assert not inner, f"{m}.{node.name} imports inside a function"
+
+
+def test_tier_names_live_in_placement_only():
+  """Tiers are `placement.Tier` everywhere else: no module outside placement.py spells a tier
+  as a string (a comparison, a default, a dict key), so where a tier means something is
+  found by one name."""
+  from zinfjax.placement import TIERS, Tier
+  assert [str(t) for t in TIERS] == ["device", "pinned_host", "nvme"]
+  assert Tier.NVME == "nvme" and {"nvme": 1}[Tier.NVME] == 1
+  assert f"{Tier.PINNED_HOST}" == "pinned_host"
+  assert not Tier.NVME.holds_arrays and Tier.PINNED_HOST.memory_kind == "pinned_host"
+  root = os.path.join(REPO, "zinfjax")
+  spelled = []
+  for d, _, names in os.walk(root):
+    for n in names:
+      path = os.path.join(d, n)
+      if not n.endswith(".py") or path == os.path.join(root, "placement.py"):
+        continue
+      for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Constant) and node.value in {"device", "pinned_host", "nvme"}:
+          spelled.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+  assert not spelled, spelled

@@ -26,9 +26,9 @@ from typing import Callable, Mapping
 
 import jax
 
-from .config import TIERS, ZeroConfig
+from .config import ZeroConfig
 from .optim.nvme import SLOTS
-from .placement import Plan
+from .placement import TIERS, Plan, Tier
 from .progress import human_bytes
 
 DEVICE_SHARE = 0.5   # of the device's free memory: the rest is for activations and gathered layers
@@ -61,8 +61,8 @@ def default_budgets(config: ZeroConfig) -> dict[str, int]:
       probe = os.path.dirname(probe) or "."
     nvme += shutil.disk_usage(probe).free + sum(  # this process's old swap files are reused
         os.path.getsize(f) for f in glob.glob(os.path.join(path, f"rank{jax.process_index()}", "*.bin")))
-  return {"device": device, "pinned_host": max(0, host),
-          "nvme": int(NVME_SHARE * nvme) // len(devices)}
+  return {Tier.DEVICE: device, Tier.PINNED_HOST: max(0, host),
+          Tier.NVME: int(NVME_SHARE * nvme) // len(devices)}
 
 
 def _available_ram() -> int:
@@ -108,7 +108,7 @@ def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   out = plan.tier_bytes()
   nvme = plan.nvme_bytes(ranks=1)
   copies = nvme["params"] + nvme["optimizer"] if config.nvme_atomic_steps else 0
-  out["nvme"] = sum(nvme.values()) + copies
+  out[Tier.NVME] = sum(nvme.values()) + copies
   return out
 
 
@@ -129,7 +129,8 @@ def pinned_need(plan: Plan, config: ZeroConfig) -> int:
   """The `pinned_budget` the plan's NVMe optimizer needs: `SLOTS` buffer sets of its largest
   part (one rank's shard of one layer: fp32 master, m, v, and the grads and params), which
   get three quarters of the budget (the rest stages the store's transfers)."""
-  parts = [leaf.local_size for leaf in plan.leaves if any(s.tier == "nvme" for s in leaf.optimizer)]
+  parts = [leaf.local_size for leaf in plan.leaves
+           if any(s.tier == Tier.NVME for s in leaf.optimizer)]
   if not parts:
     return config.pinned_budget
   per_set = max(parts) * (12 + 2 * plan.dtype("params").itemsize)
@@ -149,7 +150,7 @@ def plan_placement(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
   if pinned <= config.pinned_budget:
     return first
   extra = (pinned - config.pinned_budget) // len(jax.local_devices())
-  budget["pinned_host"] = max(0, budget["pinned_host"] - extra)
+  budget[Tier.PINNED_HOST] = max(0, budget[Tier.PINNED_HOST] - extra)
   again = _choose(config.replace(pinned_budget=pinned), build, budget)
   return dataclasses.replace(again, pinned_budget=max(
       pinned, pinned_need(build(again.resolve(config)), config)))
@@ -159,11 +160,11 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
             budget: dict[str, int]) -> AutoPlan:
   """The greedy choice (see the module docstring) for one set of budgets."""
   if not config.nvme_paths:
-    budget["nvme"] = 0
-  base = config.replace(offload=None, tier_budgets=None, offload_param="device",
-                        offload_optimizer="device")
+    budget[Tier.NVME] = 0
+  base = config.replace(offload=None, tier_budgets=None, offload_param=Tier.DEVICE,
+                        offload_optimizer=Tier.DEVICE)
   depth = max([s.num_layers for s in build(base).stacks], default=0)
-  slow = "nvme" if config.nvme_paths else "pinned_host"
+  slow = Tier.NVME if config.nvme_paths else Tier.PINNED_HOST
 
   def candidate(param: str, optimizer: str) -> ZeroConfig:
     return base.replace(offload_param=param, offload_optimizer=optimizer)
@@ -177,21 +178,23 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
     return next((k for k in range(top, -1, -1) if fits(make(k), tiers)), 0)
 
   rest = max(depth, 1)   # without stacks, one unit: all of the leaves
-  fast_tiers = ("device", "pinned_host") if slow == "nvme" else ("device",)
+  fast_tiers = (Tier.DEVICE, Tier.PINNED_HOST) if slow == Tier.NVME else (Tier.DEVICE,)
   lay = lambda *fast: _split(list(zip(fast_tiers, fast)), slow, depth)
   # params and grads first: device, then pinned host, the rest on NVMe (optimizer parked slow)
-  k_dev = most(lambda k: candidate(lay(k), slow), rest, ("device",))
-  k_host = most(lambda k: candidate(lay(k_dev, k), slow), rest - k_dev, ("device", "pinned_host"))
+  k_dev = most(lambda k: candidate(lay(k), slow), rest, (Tier.DEVICE,))
+  k_host = most(lambda k: candidate(lay(k_dev, k), slow), rest - k_dev,
+                (Tier.DEVICE, Tier.PINNED_HOST))
   param = lay(k_dev, k_host)
   # then the optimizer states, in what remains
-  o_dev = most(lambda k: candidate(param, lay(k)), rest, ("device",))
-  o_host = most(lambda k: candidate(param, lay(o_dev, k)), rest - o_dev, ("device", "pinned_host"))
+  o_dev = most(lambda k: candidate(param, lay(k)), rest, (Tier.DEVICE,))
+  o_host = most(lambda k: candidate(param, lay(o_dev, k)), rest - o_dev,
+                (Tier.DEVICE, Tier.PINNED_HOST))
   optimizer = lay(o_dev, o_host)
   chosen = candidate(param, optimizer)
   got = need(build(chosen), chosen)
   short = {t: got[t] - budget[t] for t in TIERS if got[t] > budget[t]}
   if short:
-    total = need(build(base), base)["device"]
+    total = need(build(base), base)[Tier.DEVICE]
     detail = ", ".join(f"{t} needs {_gb(got[t])} of a {_gb(budget[t])} budget ({_gb(n)} short)"
                        for t, n in short.items())
     hint = (" Give ZeroConfig.nvme_path a folder on a drive with room." if not config.nvme_paths
@@ -225,22 +228,22 @@ def predict(plan: Plan, tokens_per_device: int, num_params: int, rates: Rates = 
       p = leaf.local_size * item          # params; grads are the same size
       ptier = leaf.tier("params", layer)
       otier = leaf.tier("master", layer) if leaf.trainable else None
-      if ptier != "device":              # forward and backward reads come over the link,
+      if ptier != Tier.DEVICE:         # forward and backward reads come over the link,
         link += 3 * p                    # the grads go back over it
-      if ptier == "nvme":
+      if ptier == Tier.NVME:
         read, write = read + 2 * p, write + (p if leaf.trainable else 0)
       if otier is None:
         continue
-      if otier != "device":
+      if otier != Tier.DEVICE:
         host_elems += leaf.local_size
-        if ptier == "device":            # grads down, new params up
+        if ptier == Tier.DEVICE:       # grads down, new params up
           link += 2 * p
-      if otier == "nvme":                # master, m, v in and out; grads read, params written
-        read += 12 * leaf.local_size + (p if ptier == "nvme" else 0)
-        write += 12 * leaf.local_size + (p if ptier == "nvme" else 0)
+      if otier == Tier.NVME:           # master, m, v in and out; grads read, params written
+        read += 12 * leaf.local_size + (p if ptier == Tier.NVME else 0)
+        write += 12 * leaf.local_size + (p if ptier == Tier.NVME else 0)
   terms = {"compute": 6 * num_params * tokens_per_device / rates.flops,
            "host<->device": link / rates.link,
-           "nvme": read / rates.nvme_read + write / rates.nvme_write,
+           Tier.NVME: read / rates.nvme_read + write / rates.nvme_write,
            "host optimizer": host_elems / rates.host_adam}
   return {"step_s": max(terms.values()), "bound": max(terms, key=terms.get), "terms": terms,
           "bytes": {"host<->device": link, "nvme_read": read, "nvme_write": write}}

@@ -6,61 +6,9 @@ import dataclasses
 import os
 from typing import Any, Literal, Mapping, Sequence
 
+from .placement import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
+
 Precision = Literal["bf16", "fp32"]
-Tier = Literal["device", "pinned_host", "nvme"]
-TIERS = ("device", "pinned_host", "nvme")
-# a per-layer split: (tier, layers or fraction of each stack's layers), the last one None (the rest)
-TierSplit = tuple[tuple[str, "int | float | None"], ...]
-
-
-def parse_split(value: Any, name: str) -> TierSplit:
-  """A tier, a split string ("device:2,pinned_host") or a dict/pairs, as a `TierSplit`."""
-  if isinstance(value, str):
-    pairs = []
-    for item in value.split(","):
-      tier, _, amount = item.strip().partition(":")
-      pairs.append((tier.strip(), _amount(amount.strip(), name) if amount else None))
-  elif isinstance(value, Mapping):
-    pairs = list(value.items())
-  elif isinstance(value, (tuple, list)):
-    pairs = [tuple(p) for p in value]
-  else:
-    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split such as "
-                     f"'device:2,pinned_host', got {value!r}.")
-  example = f"e.g. {name}='pinned_host:0.25,nvme' (the first quarter of each stack's layers in " \
-            "pinned host, the rest on NVMe)"
-  tiers = [p[0] for p in pairs]
-  bad = [t for t in tiers if t not in TIERS]
-  if bad or not pairs:
-    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split of them, "
-                     f"got {value!r}; {example}.")
-  if len(set(tiers)) != len(tiers):
-    raise ValueError(f"ZeroConfig.{name}={value!r} names a tier twice; name each tier once, "
-                     f"{example}.")
-  for tier, amount in pairs[:-1]:
-    ok = (isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0) or (
-        isinstance(amount, float) and 0.0 <= amount <= 1.0)
-    if not ok:
-      raise ValueError(f"ZeroConfig.{name}={value!r}: {tier!r} needs a layer count (int >= 0) or "
-                       f"a fraction of the layers (0.0 to 1.0); {example}.")
-  if pairs[-1][1] is not None and len(pairs) > 1:
-    raise ValueError(f"ZeroConfig.{name}={value!r}: the last tier ({pairs[-1][0]!r}) takes the "
-                     f"remaining layers, so give it no amount; {example}.")
-  return tuple((t, a) for t, a in pairs[:-1]) + ((pairs[-1][0], None),)
-
-
-def _amount(text: str, name: str) -> int | float:
-  try:
-    if text.endswith("%"):
-      return float(text[:-1]) / 100
-    return float(text) if "." in text else int(text)
-  except ValueError:
-    raise ValueError(f"ZeroConfig.{name}: {text!r} is neither a layer count nor a fraction "
-                     "(write 2, 0.25 or 25%).") from None
-
-
-def split_tiers(split: TierSplit) -> tuple[str, ...]:
-  return tuple(t for t, _ in split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +110,9 @@ class ZeroConfig:
   tiles: int = 1
   offload: str | None = None
   tier_budgets: Mapping[str, int] | None = None
-  offload_param: Tier | str | Mapping = "device"
+  offload_param: Tier | str | Mapping = Tier.DEVICE
   offload_grad: Tier | str | Mapping | None = None
-  offload_optimizer: Tier | str | Mapping = "device"
+  offload_optimizer: Tier | str | Mapping = Tier.DEVICE
   nvme_path: str | Sequence[str] | None = None
   pinned_budget: int = 256 << 20
   nvme_prefetch_depth: int = 1
@@ -207,7 +155,8 @@ class ZeroConfig:
   def _check_offload(self) -> None:
     if self.offload not in (None, "auto"):
       raise ValueError(f"ZeroConfig.offload must be None or 'auto', got {self.offload!r}.")
-    if self.offload == "auto" and (self.offload_param, self.offload_optimizer) != ("device", "device"):
+    if self.offload == "auto" and (self.offload_param, self.offload_optimizer) != (
+        Tier.DEVICE, Tier.DEVICE):
       raise ValueError(
           f"ZeroConfig(offload='auto') chooses offload_param and offload_optimizer itself; got "
           f"offload_param={self.offload_param!r}, offload_optimizer={self.offload_optimizer!r}: "
@@ -276,11 +225,11 @@ class ZeroConfig:
   def offloads(self) -> bool:
     """Whether any state leaves the device (or activations go to the host)."""
     tiers = split_tiers(self.param_split) + split_tiers(self.optimizer_split)
-    return set(tiers) != {"device"} or self.offload_activations or self.offload == "auto"
+    return set(tiers) != {Tier.DEVICE} or self.offload_activations or self.offload == "auto"
 
   @property
   def uses_nvme(self) -> bool:
-    return "nvme" in split_tiers(self.param_split) + split_tiers(self.optimizer_split)
+    return Tier.NVME in split_tiers(self.param_split) + split_tiers(self.optimizer_split)
 
   @property
   def nvme_paths(self) -> list[str]:

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from .engine import Engine, ModelFactory
 from .layers import one_layer
 from .partition import norm_region
-from .placement import Plan
+from .placement import Plan, Tier
 from .rng import jit_unrolled
 from .shards import host_shards
 
@@ -34,7 +34,7 @@ def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None)
     flat = plan.flatten(nnx.to_pure_dict(nnx.state(model)))
     return [plan.leaves[i].layout.pad(flat[i].astype(jnp.float32)) for i in chosen]
 
-  shardings = [plan.sharding(plan.leaves[i], "device") for i in chosen]
+  shardings = [plan.sharding(plan.leaves[i], Tier.DEVICE) for i in chosen]
   return jit_unrolled(make, out_shardings=shardings)
 
 
@@ -66,7 +66,8 @@ def _by_layer(plan: Plan, leaf, stage: int) -> bool:
   """Whether init draws this leaf one layer at a time: stacked, and not all of it on the device
   (a whole draw would hold the leaf and its RNG temporaries in host memory, or in HBM the
   leaf was placed elsewhere to spare)."""
-  return leaf.stacked and any(s.tier != "device" for st in _created(stage) for s in leaf.segments(st))
+  return leaf.stacked and any(s.tier != Tier.DEVICE
+                              for st in _created(stage) for s in leaf.segments(st))
 
 
 def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pipeline,
@@ -92,7 +93,7 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
   parts = []
   shards = None
   for seg in leaf.segments(state):
-    if seg.tier != "nvme":
+    if seg.tier != Tier.NVME:
       piece = x if seg.layers == leaf.num_layers else leaf.take(x, seg)
       # a program, not device_put: each state gets its own buffers (fp32 params are not the master)
       put = jax.jit(lambda v: v.astype(dtype), out_shardings=plan.sharding(leaf, seg.tier))
@@ -115,7 +116,7 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
   array parts, as `_place` does."""
   plan = engine.plan
   nvme_at = lambda layer: [st for st in _created(plan.stage)
-                           if any(s.tier == "nvme" and layer in s for s in leaf.segments(st))]
+                           if any(s.tier == Tier.NVME and layer in s for s in leaf.segments(st))]
   # XLA casts the NVMe compute params in the draw's program (several times numpy's bf16 cast)
   low = _low(plan) if any(nvme_at(layer) for layer in range(leaf.num_layers)) else None
   draw = layer_initializer(engine, model_factory, leaf.index, low)

@@ -26,7 +26,7 @@ from .optim.adam import OffloadedTransformation
 from .optim.hyper import AdamHyper
 from .optim.pipeline import NvmePipeline
 from .partition import plan_layouts
-from .placement import Plan, make_plan
+from .placement import Plan, Tier, make_plan
 from .progress import human_bytes
 
 Path = tuple[Any, ...]
@@ -143,7 +143,7 @@ def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConf
         f"{type(tx).__name__}. Gradient clipping is built in: adamw(..., max_grad_norm=c) "
         "instead of optax.chain(optax.clip_by_global_norm(c), ...); other chains need "
         "offload_optimizer='device', which trains with any optax transformation.")
-  if tx.offload != "device":
+  if tx.offload != Tier.DEVICE:
     raise ValueError(
         f"the optimizer tier is set by ZeroConfig.offload_optimizer ({config.offload_optimizer!r});"
         f" build the tx without offload= (got adamw(offload={tx.offload!r})).")
@@ -264,7 +264,7 @@ def with_store(engine: Engine) -> Engine:
   _replace_holders(config)
   store = open_store(config, plan)
   pipeline = None
-  if "nvme" in plan.tiers("master"):
+  if Tier.NVME in plan.tiers("master"):
     try:
       pipeline = NvmePipeline(store, plan, engine.hyper, engine.decays,
                               budget=config.pinned_budget - config.pinned_budget // 4)

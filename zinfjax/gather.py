@@ -33,6 +33,7 @@ from jax import lax
 from . import micro
 from .offload import swap, tiers
 from .partition import LeafLayout, is_layout
+from .placement import Tier
 from .schedule import LayerSchedule, layer_schedule
 from .tiling import tile_matmuls
 
@@ -91,13 +92,13 @@ def fetch_from(x: jax.Array, layout: LeafLayout, axis_name: str, tier: str,
 
 
 def _fetch_from_fwd(x, layout, axis_name, tier, nvme):
-  local = nvme[0].read(0, tiers.rank(axis_name)) if tier == "nvme" else tiers.to_device(x, tier)
-  return gather(local, layout, axis_name), x if tier == "nvme" else None
+  local = nvme[0].read(0, tiers.rank(axis_name)) if tier == Tier.NVME else tiers.to_device(x, tier)
+  return gather(local, layout, axis_name), x if tier == Tier.NVME else None
 
 
 def _fetch_from_bwd(layout, axis_name, tier, nvme, anchor, g):
   g = reduce_scatter(g, layout, axis_name)
-  if tier != "nvme":
+  if tier != Tier.NVME:
     return (tiers.to_tier(g, tier),)
   token = nvme[1].write(g, tiers.rank(axis_name)).astype(jnp.float32)
   return (jnp.stack([token, sum_squares_share(g, layout, axis_name)]).reshape(anchor.shape),)
@@ -121,7 +122,7 @@ class ScanPlan:
   prefetch_depth: int
   axis_name: str
   tiles: int = 1          # > 1: gather large weights tile by tile (memory-centric tiling)
-  param_tier: str = "device"
+  param_tier: Tier = Tier.DEVICE
   nvme: Any = None        # param_tier "nvme": tree of NvmeLeaf for params and grads
   grad_nvme: Any = None
   nvme_depth: int = 0     # NVMe reads run this many layers ahead of the device prefetch
@@ -140,7 +141,7 @@ class ScanPlan:
     return tile_matmuls(run, tiles=self.tiles)(params, x, args)
 
   def schedule(self, reverse: bool) -> LayerSchedule:
-    depth = self.nvme_depth if self.param_tier == "nvme" else 0
+    depth = self.nvme_depth if self.param_tier == Tier.NVME else 0
     return layer_schedule(self.num_layers, self.prefetch_depth, depth, reverse=reverse)
 
   def gather_layer(self, local: Any) -> Any:
@@ -156,11 +157,11 @@ class ScanPlan:
     return lax.psum(g, self.axis_name) if layout.axis is None else g
 
   def save_activation(self, h: jax.Array) -> jax.Array:
-    return tiers.to_tier(h, "pinned_host") if self.offload_activations else h
+    return tiers.to_tier(h, Tier.PINNED_HOST) if self.offload_activations else h
 
   def load_activation(self, inputs: jax.Array, i) -> jax.Array:
     h = lax.dynamic_index_in_dim(inputs, i, 0, keepdims=False)
-    return tiers.to_device(h, "pinned_host") if self.offload_activations else h
+    return tiers.to_device(h, Tier.PINNED_HOST) if self.offload_activations else h
 
 
 class _Fetcher:
@@ -172,7 +173,7 @@ class _Fetcher:
 
   def __init__(self, plan: ScanPlan, shards: Any, schedule: LayerSchedule):
     self.plan, self.shards, self.sched = plan, shards, schedule
-    self.nvme = plan.param_tier == "nvme"
+    self.nvme = plan.param_tier == Tier.NVME
     self.rank = tiers.rank(plan.axis_name) if self.nvme else None
     if self.nvme:  # a layer's leaves move as one store job: one ticket per layer
       self.leaves, self.treedef = jax.tree.flatten(plan.nvme)
@@ -290,7 +291,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
 
   sched = plan.schedule(reverse=True)
   fetcher = _Fetcher(plan, shards, sched)
-  to_nvme = plan.param_tier == "nvme"
+  to_nvme = plan.param_tier == Tier.NVME
   rank = tiers.rank(plan.axis_name) if to_nvme else None
   grad_nvme = jax.tree.leaves(plan.grad_nvme) if to_nvme else None
 

@@ -23,7 +23,7 @@ from . import gather as G
 from .layers import micro_batches
 from .offload import swap, tiers
 from .partition import is_layout
-from .placement import LeafPlan, Plan, Segment
+from .placement import LeafPlan, Plan, Segment, Tier
 
 LossFn = Callable[[nnx.Module, Any], jax.Array]
 is_parts = lambda x: isinstance(x, tuple)
@@ -53,10 +53,10 @@ def _set_attr(model: nnx.Module, path, value: Any) -> None:
 def _fetch(plan: Plan, store, leaf: LeafPlan, x: jax.Array) -> jax.Array:
   """A leaf outside the stacks, from its tier to the device, gathered."""
   (seg,) = leaf.params
-  if seg.tier == "device":
+  if seg.tier == Tier.DEVICE:
     return G.fetch(x, leaf.layout, plan.axis)
   pair = None
-  if seg.tier == "nvme":
+  if seg.tier == Tier.NVME:
     pair = tuple(nvme_leaf(plan, store, leaf, s, seg) for s in ("params", "grads"))
   return G.fetch_from(x, leaf.layout, plan.axis, seg.tier, pair)
 
@@ -69,7 +69,7 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
   block = lambda xs: jax.tree.unflatten(treedef, xs)
   segments = []
   for j, seg in enumerate(stack.params):
-    nvme = seg.tier == "nvme"
+    nvme = seg.tier == Tier.NVME
     scan = G.ScanPlan(
         block_graph, block([l.layout.layer() for l in leaves]), seg.layers, config.prefetch_depth,
         plan.axis, config.tiles, param_tier=seg.tier,
@@ -86,7 +86,7 @@ def param_specs(plan: Plan, state: str = "params") -> Any:
   """PartitionSpecs of the params (or grads: none for a frozen leaf) in parts; an NVMe
   segment's anchor is split over `data`."""
   anchor = P(plan.axis)
-  return plan.unflatten([tuple(anchor if s.tier == "nvme" else plan.spec(l, True)
+  return plan.unflatten([tuple(anchor if s.tier == Tier.NVME else plan.spec(l, True)
                                for s in l.segments(state)) for l in plan.leaves])
 
 
@@ -97,7 +97,7 @@ def with_anchors(plan: Plan, params: Any) -> Any:
   out = []
   for leaf, parts in zip(plan.leaves, plan.flatten(params)):
     it = iter(parts)
-    out.append(tuple(anchor() if s.tier == "nvme" else next(it) for s in leaf.params))
+    out.append(tuple(anchor() if s.tier == Tier.NVME else next(it) for s in leaf.params))
   return plan.unflatten(out)
 
 
@@ -151,7 +151,7 @@ def sum_squares(plan: Plan, grads: Any) -> jax.Array:
   total = jnp.float32(0)
   for leaf, parts in zip(plan.leaves, plan.flatten(grads)):
     for seg, g in zip(leaf.params, parts):
-      if seg.tier == "nvme":
+      if seg.tier == Tier.NVME:
         total = total + jnp.sum(g[:, 1])
       else:
         total = total + G.sum_squares_share(tiers.to_device(g, seg.tier), leaf.layout, plan.axis)

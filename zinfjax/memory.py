@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-TIERS = ("device", "pinned_host", "nvme")
+from .placement import TIERS, Tier
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
 
 
@@ -36,8 +36,8 @@ class MemoryEstimate:
 
 def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024,
                     batch_per_device: int = 1, devices: int = 1, devices_per_node: int | None = None,
-                    stage: int = 3, checkpoint_interval: int = 1, offload_param: str = "device",
-                    offload_grad: str | None = None, offload_optimizer: str = "device",
+                    stage: int = 3, checkpoint_interval: int = 1, offload_param: str = Tier.DEVICE,
+                    offload_grad: str | None = None, offload_optimizer: str = Tier.DEVICE,
                     num_params: int | None = None) -> MemoryEstimate:
   """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
 
@@ -79,7 +79,7 @@ def tier_bytes(tree: Any) -> dict[str, int]:
   for x in jax.tree.leaves(tree):
     if not isinstance(x, jax.Array):
       continue
-    kind = getattr(x.sharding, "memory_kind", None) or "device"
+    kind = getattr(x.sharding, "memory_kind", None) or Tier.DEVICE.memory_kind
     shard = x.addressable_shards[0].data if x.addressable_shards else x
-    held[kind if kind in held else "device"] += shard.nbytes
+    held[kind if kind in held else Tier.DEVICE] += shard.nbytes
   return held

@@ -23,21 +23,103 @@ its layers [start, stop)); segments on `nvme` live in the swap store only.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _engine
-from .config import TierSplit, ZeroConfig
 from .partition import LeafLayout, is_layout, key_name
+
+if TYPE_CHECKING:
+  from .config import ZeroConfig
+
+class Tier(str, enum.Enum):
+  """Where a shard lives: HBM and pinned host memory (JAX memory kinds, held in `jax.Array`s),
+  or the NVMe swap store. Equal to its name as a string (configs and JSON speak strings)."""
+
+  DEVICE = "device"
+  PINNED_HOST = "pinned_host"
+  NVME = "nvme"
+
+  __hash__ = str.__hash__  # a key of a dict or set, found by its string too
+  __str__ = lambda self: self.value  # noqa: E731 - printed, formatted and repr'd as the string
+  __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731
+  __repr__ = lambda self: repr(self.value)  # noqa: E731
+
+  @property
+  def holds_arrays(self) -> bool:
+    """A tier of `jax.Array`s (a JAX memory kind), not the swap store."""
+    return self is not Tier.NVME
+
+  @property
+  def memory_kind(self) -> str:
+    """The JAX memory kind of an array on this tier."""
+    if self is Tier.NVME:
+      raise ValueError("NVMe shards live in the swap store, not in a JAX memory kind.")
+    return self.value
+
+
+TIERS = tuple(Tier)
+# a per-layer split: (tier, layers or fraction of each stack's layers), the last one None (the rest)
+TierSplit = tuple[tuple[Tier, "int | float | None"], ...]
+
+
+def parse_split(value: Any, name: str) -> TierSplit:
+  """A tier, a split string ("device:2,pinned_host") or a dict/pairs, as a `TierSplit`."""
+  if isinstance(value, str):
+    pairs = []
+    for item in value.split(","):
+      tier, _, amount = item.strip().partition(":")
+      pairs.append((tier.strip(), _amount(amount.strip(), name) if amount else None))
+  elif isinstance(value, Mapping):
+    pairs = list(value.items())
+  elif isinstance(value, (tuple, list)):
+    pairs = [tuple(p) for p in value]
+  else:
+    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split such as "
+                     f"'device:2,pinned_host', got {value!r}.")
+  example = f"e.g. {name}='pinned_host:0.25,nvme' (the first quarter of each stack's layers in " \
+            "pinned host, the rest on NVMe)"
+  tiers = [p[0] for p in pairs]
+  bad = [t for t in tiers if t not in TIERS]
+  if bad or not pairs:
+    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split of them, "
+                     f"got {value!r}; {example}.")
+  if len(set(tiers)) != len(tiers):
+    raise ValueError(f"ZeroConfig.{name}={value!r} names a tier twice; name each tier once, "
+                     f"{example}.")
+  for tier, amount in pairs[:-1]:
+    ok = (isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0) or (
+        isinstance(amount, float) and 0.0 <= amount <= 1.0)
+    if not ok:
+      raise ValueError(f"ZeroConfig.{name}={value!r}: {tier!r} needs a layer count (int >= 0) or "
+                       f"a fraction of the layers (0.0 to 1.0); {example}.")
+  if pairs[-1][1] is not None and len(pairs) > 1:
+    raise ValueError(f"ZeroConfig.{name}={value!r}: the last tier ({pairs[-1][0]!r}) takes the "
+                     f"remaining layers, so give it no amount; {example}.")
+  return tuple((Tier(t), a) for t, a in pairs[:-1]) + ((Tier(pairs[-1][0]), None),)
+
+
+def _amount(text: str, name: str) -> int | float:
+  try:
+    if text.endswith("%"):
+      return float(text[:-1]) / 100
+    return float(text) if "." in text else int(text)
+  except ValueError:
+    raise ValueError(f"ZeroConfig.{name}: {text!r} is neither a layer count nor a fraction "
+                     "(write 2, 0.25 or 25%).") from None
+
+
+def split_tiers(split: TierSplit) -> tuple[Tier, ...]:
+  return tuple(t for t, _ in split)
+
 
 STATES = ("params", "grads", "master", "mu", "nu")
 PREFIX = {"params": "p", "grads": "g", "master": "o/master", "mu": "o/m", "nu": "o/v"}
-ARRAY_TIERS = ("device", "pinned_host")   # tiers that hold jax.Arrays (JAX memory kinds)
-MEMORY_KIND = {"device": "device", "pinned_host": "pinned_host"}
 
 
 def shard_key(base: str, rank: int, layer: int = 0) -> str:
@@ -49,9 +131,12 @@ def shard_key(base: str, rank: int, layer: int = 0) -> str:
 class Segment:
   """Layers [start, stop) of a leaf on `tier` (a leaf outside the stacks: [0, 1))."""
 
-  tier: str
+  tier: Tier
   start: int
   stop: int
+
+  def __post_init__(self):
+    object.__setattr__(self, "tier", Tier(self.tier))
 
   @property
   def layers(self) -> int:
@@ -107,12 +192,12 @@ class LeafPlan:
 
   def params_with_master(self, layer: int) -> bool:
     """Whether the NVMe master's writes make this layer's NVMe compute params too."""
-    return self.trainable and self.tier("master", layer) == "nvme"
+    return self.trainable and self.tier("master", layer) == Tier.NVME
 
   def array_segments(self, state: str) -> tuple[Segment, ...]:
-    return tuple(s for s in self.segments(state) if s.tier in ARRAY_TIERS)
+    return tuple(s for s in self.segments(state) if s.tier.holds_arrays)
 
-  def tier(self, state: str, layer: int = 0) -> str:
+  def tier(self, state: str, layer: int = 0) -> Tier:
     return next(s.tier for s in self.segments(state) if layer in s)
 
   def base_key(self, state: str) -> str:
@@ -175,7 +260,7 @@ class Plan:
     return self.treedef.flatten_up_to(tree)
 
   # ------------------------------------------------------------ tiers
-  def tiers(self, state: str) -> set[str]:
+  def tiers(self, state: str) -> set[Tier]:
     return {s.tier for leaf in self.leaves for s in leaf.segments(state)}
 
   def uses(self, tier: str) -> bool:
@@ -184,7 +269,7 @@ class Plan:
   @property
   def optimizer_on_device(self) -> bool:
     """Every optimizer state whole on the device: any optax transformation runs in the step."""
-    return self.tiers("master") == {"device"}
+    return self.tiers("master") == {Tier.DEVICE}
 
   # ------------------------------------------------------------ shardings
   def spec(self, leaf: LeafPlan, compute: bool = False) -> P:
@@ -193,7 +278,7 @@ class Plan:
     return leaf.layout.spec(self.axis)
 
   def sharding(self, leaf: LeafPlan, tier: str, compute: bool = False) -> NamedSharding:
-    return NamedSharding(self.mesh, self.spec(leaf, compute), memory_kind=MEMORY_KIND[tier])
+    return NamedSharding(self.mesh, self.spec(leaf, compute), memory_kind=Tier(tier).memory_kind)
 
   def dtype(self, state: str) -> Any:
     return jnp.dtype(self.compute_dtype if state in ("params", "grads") else jnp.float32)
@@ -221,7 +306,7 @@ class Plan:
     item = jnp.dtype(self.compute_dtype).itemsize
     disk = lambda nbytes: -(-nbytes // _engine.ALIGNMENT) * _engine.ALIGNMENT
     for leaf in self.leaves:
-      n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == "nvme")
+      n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == Tier.NVME)
       out["params"] += n("params") * disk(leaf.local_size * item) * ranks
       out["grads"] += n("grads") * disk(leaf.local_size * item) * ranks
       out["optimizer"] += n("master") * 3 * disk(leaf.local_size * 4) * ranks
@@ -235,7 +320,7 @@ class Plan:
 
   def tier_bytes(self) -> dict[str, int]:
     """Bytes of model states one device holds on each tier (params, grads, master, moments)."""
-    out = {"device": 0, "pinned_host": 0, "nvme": 0}
+    out = dict.fromkeys(Tier, 0)
     item = jnp.dtype(self.compute_dtype).itemsize
     for leaf in self.leaves:
       for seg in leaf.params:

@@ -25,7 +25,7 @@ from .optim.host import UPDATES, HostAdamState
 from .optim.hyper import clip_scale
 from .inputs import shard_batch
 from .nvme_step import all_or_nothing, checked, with_pipeline
-from .placement import Segment
+from .placement import Segment, Tier
 from .state import TrainState, gather_params, retuple, untuple
 
 Step = Callable[[TrainState, Any], tuple[TrainState, dict]]
@@ -74,8 +74,8 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
             lo, hi = _overlap(seg, start, stop)
             if lo >= hi:
               continue
-            if seg.tier == "nvme":
-              sub = nvme_leaf(plan, store, leaf, "grads", Segment("nvme", lo, hi))
+            if seg.tier == Tier.NVME:
+              sub = nvme_leaf(plan, store, leaf, "grads", Segment(Tier.NVME, lo, hi))
               pieces.append(sub.read_all(g[0, 0].astype(jnp.int32), rank))
             else:
               x = tiers.to_device(g, seg.tier)
@@ -92,11 +92,11 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     for leaf, olds, pieces in zip(leaves, plan.flatten(old_params), new):
       olds, parts = iter(olds), []
       for seg in leaf.params:
-        old = None if seg.tier == "nvme" else next(olds)
+        old = None if seg.tier == Tier.NVME else next(olds)
         covered = [(lo, hi, x, a) for a, b, x in pieces for lo, hi in [_overlap(seg, a, b)]
                    if lo < hi]
-        if seg.tier == "nvme":
-          writes += [(leaf, Segment("nvme", lo, hi), x[lo - a:hi - a] if leaf.stacked else x)
+        if seg.tier == Tier.NVME:
+          writes += [(leaf, Segment(Tier.NVME, lo, hi), x[lo - a:hi - a] if leaf.stacked else x)
                      for lo, hi, x, a in covered]
           continue
         chunks, at = [], seg.start
@@ -140,7 +140,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     return retuple(plan, master), opt_state, new
 
   def adamw_update(state, grads, norm, ok):
-    ranges = [[(s.start, s.stop) for s in l.optimizer if s.tier != "nvme"] for l in leaves]
+    ranges = [[(s.start, s.stop) for s in l.optimizer if s.tier != Tier.NVME] for l in leaves]
     count = state.opt_state.count
     new_count = count + 1 if ok is None else count + ok.astype(count.dtype)
     if not any(ranges):  # every optimizer state on NVMe: the pipeline updates them all
@@ -212,7 +212,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
       metrics["lr"] = lr
     if token is not None:
       metrics["nvme_token"] = token
-    kept = plan.unflatten([tuple(g for s, g in zip(l.params, parts) if s.tier != "nvme")
+    kept = plan.unflatten([tuple(g for s, g in zip(l.params, parts) if s.tier != Tier.NVME)
                            for l, parts in zip(leaves, plan.flatten(grads))]) if host_grads else None
     return TrainState(state.step + 1, params, master, opt_state, engine), metrics, kept
 

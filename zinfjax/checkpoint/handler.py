@@ -22,7 +22,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.futures import future
 
 from ..offload.aligned import aligned_empty
-from ..placement import Plan, shard_key
+from ..placement import Plan, Tier, shard_key
 from ..partition import Region, bounding, clip, norm_region, shifted, size
 from .arrays import LeafRead, fill, host_buffer, read_leaves
 from .errors import CheckpointError
@@ -93,7 +93,8 @@ def _blocks(leaf: Leaf, src: Source) -> list[_Block]:
 
 def _accelerator(shard) -> bool:
   """Whether a shard lives in an accelerator's own memory (HBM)."""
-  return shard.device.platform != "cpu" and shard.data.sharding.memory_kind == "device"
+  return (shard.device.platform != "cpu"
+          and shard.data.sharding.memory_kind == Tier.DEVICE.memory_kind)
 
 
 def _host_copy(shard) -> np.ndarray:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..placement import Tier
 from . import swap
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
@@ -28,12 +29,12 @@ DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
 def to_device(x: jax.Array, tier: str) -> jax.Array:
   """A shard held on `tier` (device or pinned_host) as a device array."""
-  return jax.device_put(x, DEVICE) if tier == "pinned_host" else x
+  return jax.device_put(x, DEVICE) if tier == Tier.PINNED_HOST else x
 
 
 def to_tier(x: jax.Array, tier: str) -> jax.Array:
   """A device array sent to `tier` (device or pinned_host)."""
-  return jax.device_put(x, HOST) if tier == "pinned_host" else x
+  return jax.device_put(x, HOST) if tier == Tier.PINNED_HOST else x
 
 
 @dataclasses.dataclass(frozen=True)

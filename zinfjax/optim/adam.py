@@ -29,9 +29,9 @@ from jax.experimental import io_callback
 from .kernel import AdamConstants, adamw_host, adamw_jnp, bias_corrections, on_host
 from .nvme import NvmeAdam
 from ..partition import key_name
+from ..placement import TIERS, Tier
 from .hyper import AdamHyper, clip_scale, weight_decays
 
-TIERS = ("device", "pinned_host", "nvme")
 
 
 class OffloadAdamState(NamedTuple):
@@ -77,7 +77,7 @@ def _as_updates(new_params: list, params: list) -> list:
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-          mask: Any = None, *, max_grad_norm: float | None = None, offload: str = "device",
+          mask: Any = None, *, max_grad_norm: float | None = None, offload: str = Tier.DEVICE,
           nvme_path: str | None = None,
           sub_group_size: int = 1 << 22, rank: int = 0, threads: int = 0,
           **store_options) -> optax.GradientTransformation:
@@ -102,7 +102,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
   """
   if offload not in TIERS:
     raise ValueError(f"offload must be one of {TIERS}, got {offload!r}.")
-  if offload == "nvme" and not nvme_path:
+  if offload == Tier.NVME and not nvme_path:
     raise ValueError("offload='nvme' needs nvme_path: a folder on a fast local drive.")
   if max_grad_norm is not None and not max_grad_norm > 0:
     raise ValueError(f"max_grad_norm must be positive (or None), got {max_grad_norm!r}.")
@@ -111,7 +111,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
   constants = AdamConstants(b1, b2, eps)
   schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
   nvme = (NvmeAdam(nvme_path, rank=rank, sub_group_size=sub_group_size, constants=constants,
-                   threads=threads, **store_options) if offload == "nvme" else None)
+                   threads=threads, **store_options) if offload == Tier.NVME else None)
   shapes: list[tuple[int, ...]] = []  # of the params given to init
 
   def init(params):
@@ -129,7 +129,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     zeros = jax.tree.map(jnp.zeros_like, master)
     state = OffloadAdamState(jnp.zeros((), jnp.int32), master, zeros,
                              jax.tree.map(jnp.zeros_like, master))
-    if offload == "pinned_host":
+    if offload == Tier.PINNED_HOST:
       state = state._replace(**{k: jax.device_put(getattr(state, k), jax.memory.Space.Host)
                                 for k in ("master", "mu", "nu")})
     return state
@@ -158,7 +158,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
       return jax.tree.unflatten(treedef, updates), NvmeAdamState(count)
 
     masters, mus, nus = (jax.tree.leaves(getattr(state, k)) for k in ("master", "mu", "nu"))
-    if offload == "pinned_host":
+    if offload == Tier.PINNED_HOST:
       platform = jax.default_backend()  # the user's jit runs on the default backend
       @on_host(out_memory_spaces=[[jax.memory.Space.Host] * len(masters)] * 4)
       def host_update(masters, mus, nus, grads, lr, bc1, bc2):
@@ -200,6 +200,6 @@ class OffloadedTransformation(optax.GradientTransformation):
 
 
 def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-         offload: str = "device", **options) -> optax.GradientTransformation:
+         offload: str = Tier.DEVICE, **options) -> optax.GradientTransformation:
   """Adam (no weight decay) with states offloaded to `offload`; see `adamw`."""
   return adamw(learning_rate, b1, b2, eps, weight_decay=0.0, offload=offload, **options)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ..offload import tiers
+from ..placement import Tier
 from .hyper import AdamHyper
 from .kernel import adamw_host, adamw_jnp, on_host
 
@@ -63,7 +64,7 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
     return [], [], [], []
   lr, bc1, bc2, *ok = scalars
   ok = ok[0] if ok else jnp.bool_(True)
-  grads = [tiers.to_tier(g, "pinned_host") for g in grads]
+  grads = [tiers.to_tier(g, Tier.PINNED_HOST) for g in grads]
 
   @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
   def update(masters, mus, nus, grads, lr, bc1, bc2, ok):
@@ -72,8 +73,9 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
     return [list(x) for x in zip(*out)]
 
   new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2, ok)
-  host = lambda xs: [tiers.to_tier(x, "pinned_host") for x in xs]
-  return host(new_m), host(new_mu), host(new_nu), [tiers.to_device(p, "pinned_host") for p in params]
+  host = lambda xs: [tiers.to_tier(x, Tier.PINNED_HOST) for x in xs]
+  return (host(new_m), host(new_mu), host(new_nu),
+          [tiers.to_device(p, Tier.PINNED_HOST) for p in params])
 
 
-UPDATES = {"device": device_update, "pinned_host": pinned_update}
+UPDATES = {Tier.DEVICE: device_update, Tier.PINNED_HOST: pinned_update}

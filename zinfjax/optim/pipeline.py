@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..offload.store import AioStore, aligned_empty
-from ..placement import Plan
+from ..placement import Plan, Tier
 from ..schedule import grad_write_order
 from .hyper import AdamHyper
 from .kernel import adamw_numpy
@@ -102,7 +102,7 @@ class NvmePipeline:
     self.ranks = plan.ranks
     # (leaf, layer) pairs whose states are on NVMe, per state: asked for every part every step
     self._on_nvme = {state: {(leaf.index, layer) for leaf in plan.leaves
-                             for seg in leaf.segments(state) if seg.tier == "nvme"
+                             for seg in leaf.segments(state) if seg.tier == Tier.NVME
                              for layer in range(seg.start, seg.stop)}
                      for state in ("master", "params", "grads")}
     self._nvme = self._on_nvme["master"]
