@@ -42,6 +42,13 @@ class GPTConfig:
     block = (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 4 * d
     return v * d + t * d + l * block + 2 * d
 
+  def train_flops(self, tokens: int) -> int:
+    """FLOPs of one training step over `tokens` tokens, counted the standard way: 6·N·T for
+    the products with params (forward 2, backward 4 per param and token) plus causal
+    attention's 12·L·T·s·d / 2 (q·k and p·v, forward and backward, half the positions)."""
+    attention = 12 * self.num_layers * tokens * self.seq_len * self.hidden // 2
+    return 6 * self.num_params * tokens + attention
+
   def replace(self, **changes) -> "GPTConfig":
     return dataclasses.replace(self, **changes)
 

@@ -10,13 +10,13 @@ forward: norms and softmax in fp32, rotary embedding with `rotate_half`.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from zinfjax.layers import Stack
+from .attention import causal_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +123,8 @@ class Block(nnx.Module):
     q_BxTxHxK = rotary(self.q(x_BxTxD).reshape(b, t, h, k), self.rope_theta)
     k_BxTxGxK = rotary(self.k(x_BxTxD).reshape(b, t, g, k), self.rope_theta)
     v_BxTxGxK = self.v(x_BxTxD).reshape(b, t, g, k)
-    q_BxTxGxRxK = q_BxTxHxK.reshape(b, t, g, h // g, k)  # head j uses kv head j // (h // g)
-    logits = jnp.einsum("bqgrk,btgk->bgrqt", q_BxTxGxRxK, k_BxTxGxK,
-                        preferred_element_type=jnp.float32) / math.sqrt(k)
-    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
-    logits = jnp.where(causal_TxT, logits, -1e30)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxTxGxK.dtype)
-    y_BxTxGxRxK = jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxTxGxK)
-    return self.o(y_BxTxGxRxK.reshape(b, t, h * k))
+    y_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)  # head j: kv head j // (h // g)
+    return self.o(y_BxTxHxK.reshape(b, t, h * k))
 
   def mlp(self, x_BxTxD: jax.Array) -> jax.Array:
     return self.down(jax.nn.silu(self.gate(x_BxTxD)) * self.up(x_BxTxD))
