@@ -1,13 +1,18 @@
 """Causal self-attention for the models, in their `[B, T, heads, head_dim]` layout.
 
-`jax.nn.dot_product_attention` with `is_causal=True`: cuDNN's fused (flash)
-attention on a GPU for bf16/fp16 inputs, where it takes the shapes, and XLA's
-(fp32 logits and softmax, no `[T, T]` mask array built by the model) everywhere
-else. Grouped-query attention (fewer key/value heads than query heads) is the
-same call.
+On a GPU with bf16/fp16 inputs whose shapes it takes, cuDNN's fused (flash)
+attention through `jax.nn.dot_product_attention(..., is_causal=True)`: no
+`[T, T]` logits in HBM. Elsewhere (the CPU, fp32 runs) the explicit form:
+fp32 logits, a causal mask, softmax. It is kept rather than XLA's
+`dot_product_attention` because its programs round the same whatever the
+placement around them, which the exact-resume tests rely on (XLA's fused
+form differed by an ulp between two placements' programs). Grouped-query
+attention (fewer key/value heads than query heads) is the same call.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,18 +23,36 @@ CUDNN_HEAD_DIMS = (64, 128)
 
 def use_cudnn(q_BxTxNxH: jax.Array) -> bool:
   """Whether cuDNN's fused attention can run these queries: a GPU backend, a 16-bit dtype and a
-  head dim it takes (fp32 runs, the exact tests, stay on XLA)."""
+  head dim it takes (fp32 runs, the exact tests, stay on the explicit form)."""
   return (jax.default_backend() == "gpu" and q_BxTxNxH.dtype in (jnp.bfloat16, jnp.float16)
           and q_BxTxNxH.shape[-1] in CUDNN_HEAD_DIMS)
 
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:
-  """softmax(q k^T / sqrt(H) + causal mask) v, per head (N query heads over K <= N kv heads)."""
+  """softmax(q k^T / sqrt(H) + causal mask) v, per head (N query heads over K <= N kv heads;
+  query head j uses kv head j // (N // K))."""
   if use_cudnn(q_BxTxNxH):
     try:
       return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                           implementation="cudnn")
     except (NotImplementedError, ValueError, RuntimeError):  # shapes or a cuDNN it refuses
       pass
-  return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
-                                      implementation="xla")
+  return explicit_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+
+
+def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array,
+                       v_BxTxKxH: jax.Array) -> jax.Array:
+  """The same attention written out: fp32 logits and softmax, a [T, T] causal mask."""
+  b, t, n, h = q_BxTxNxH.shape
+  g = k_BxTxKxH.shape[2]
+  causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+  if g == n:
+    logits = jnp.einsum("bqhk,bthk->bhqt", q_BxTxNxH, k_BxTxKxH,
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    probs = jax.nn.softmax(jnp.where(causal_TxT, logits, -1e30), axis=-1).astype(v_BxTxKxH.dtype)
+    return jnp.einsum("bhqt,bthk->bqhk", probs, v_BxTxKxH)
+  q_BxTxGxRxH = q_BxTxNxH.reshape(b, t, g, n // g, h)
+  logits = jnp.einsum("bqgrk,btgk->bgrqt", q_BxTxGxRxH, k_BxTxKxH,
+                      preferred_element_type=jnp.float32) / math.sqrt(h)
+  probs = jax.nn.softmax(jnp.where(causal_TxT, logits, -1e30), axis=-1).astype(v_BxTxKxH.dtype)
+  return jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxTxKxH).reshape(b, t, n, h)

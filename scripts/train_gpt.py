@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -186,6 +187,23 @@ def check_outputs(args) -> None:
     except OSError as e:
       raise SystemExit(f"error: --metrics-jsonl {args.metrics_jsonl}: cannot write it "
                        f"({e.strerror or e}).") from None
+
+
+def interrupt_at_step_end() -> list:
+  """Ctrl-C (SIGINT) ends the run at the next step boundary, not wherever it lands (inside the
+  runtime, or a garbage-collection callback that would swallow the KeyboardInterrupt); a second
+  Ctrl-C stops at once. Returns the flag the loop checks (non-empty once asked)."""
+  stop: list = []
+
+  def handler(signum, frame):
+    if stop:
+      raise KeyboardInterrupt
+    stop.append(signum)
+    print("\nCtrl-C: stopping after this step (Ctrl-C again to stop at once)", file=sys.stderr,
+          flush=True)
+
+  signal.signal(signal.SIGINT, handler)
+  return stop
 
 
 def split_held_out(tokens, seq_len: int, args):
@@ -408,8 +426,11 @@ def main(argv=None) -> int:
   first_loss = last_loss = None
   skipped_in_a_row = 0
   step = start
+  stop = interrupt_at_step_end()
   try:
     for step in range(start + 1, args.steps + 1):
+      if stop:
+        raise KeyboardInterrupt
       batch = data.at(0) if args.same_batch else next(data)
       t0 = time.perf_counter()
       state, metrics = step_fn(state, batch)
