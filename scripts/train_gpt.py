@@ -410,11 +410,11 @@ def main(argv=None) -> int:
   planned = plan.tier_bytes()
   copies = ""
   if zero.uses_nvme:  # as it lies on the drive: shards aligned, and the all-or-nothing copies
-    disk = plan.nvme_disk_bytes(zero.nvme_atomic_steps)
-    planned["nvme"] = sum(disk.values()) // len(jax.local_devices())
+    disk = plan.nvme_disk_bytes(zero.nvme_atomic_steps, ranks=1)
+    planned["nvme"] = sum(disk.values())
     if disk["copies"]:
-      copies = (f" (of which {human_bytes(disk['copies'] // len(jax.local_devices()))} are the "
-                "copies that make each step all or nothing)")
+      copies = (f" (of which {human_bytes(disk['copies'])} are the copies that make each step "
+                "all or nothing)")
   say("model states per device (plan): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in planned.items())
       + copies)
   step_fn = zinfjax.make_train_step(state, lm_loss)

@@ -106,9 +106,7 @@ def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   """Bytes per device on each tier: the plan's states, and on NVMe the store's aligned
   shards plus the second copy all-or-nothing steps write."""
   out = plan.tier_bytes()
-  nvme = plan.nvme_bytes(ranks=1)
-  copies = nvme["params"] + nvme["optimizer"] if config.nvme_atomic_steps else 0
-  out[Tier.NVME] = sum(nvme.values()) + copies
+  out[Tier.NVME] = sum(plan.nvme_disk_bytes(config.nvme_atomic_steps, ranks=1).values())
   return out
 
 

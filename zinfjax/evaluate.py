@@ -28,7 +28,6 @@ Eval = Callable[[TrainState, Any], dict]
 
 def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
   """A jitted `(state, batch) -> {"loss": mean over the global batch}` (state kept)."""
-  state.check_usable("make_eval_step")
   engine = state.engine
   key = ("eval", loss_fn)
   if key in engine.steps:
@@ -63,5 +62,4 @@ def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
 
 def eval_step(state: TrainState, batch: Any, loss_fn: LossFn) -> dict:
   """The loss of `batch` under the current params (compiled once per loss_fn and shapes)."""
-  state.check_usable("eval_step")
   return make_eval_step(state, loss_fn)(state, batch)

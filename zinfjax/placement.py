@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _engine
 from .partition import LeafLayout, is_layout, key_name
-
-if TYPE_CHECKING:
-  from .config import ZeroConfig
 
 class Tier(str, enum.Enum):
   """Where a shard lives: HBM and pinned host memory (JAX memory kinds, held in `jax.Array`s),
@@ -312,10 +309,10 @@ class Plan:
       out["optimizer"] += n("master") * 3 * disk(leaf.local_size * 4) * ranks
     return out
 
-  def nvme_disk_bytes(self, atomic: bool) -> dict[str, int]:
+  def nvme_disk_bytes(self, atomic: bool, ranks: int | None = None) -> dict[str, int]:
     """`nvme_bytes` plus "copies": what all-or-nothing steps (`atomic`) write besides, a second
     copy of the params and optimizer states they rewrite."""
-    need = self.nvme_bytes()
+    need = self.nvme_bytes(ranks)
     return {**need, "copies": need["params"] + need["optimizer"] if atomic else 0}
 
   def tier_bytes(self) -> dict[str, int]:
@@ -350,7 +347,7 @@ def local_shape(layout: LeafLayout, dp: int) -> tuple[int, ...]:
   return tuple(shape[1:] if layout.stacked else shape)
 
 
-def make_plan(config: ZeroConfig, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
+def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
               mesh: Mesh, frozen: frozenset[str] = frozenset()) -> Plan:
   """The plan of a model whose leaves have `layouts` and whose `Stack`s sit at `stack_paths`;
   the leaves named in `frozen` are not trained (params only)."""

@@ -85,11 +85,15 @@ class TrainState:
       raise UnusableStateError(
           f"{use}: this TrainState's run is closed ({closed}). Restore it from a checkpoint to go "
           "on with it.")
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self)):
+    if self.arrays_deleted():
       raise UnusableStateError(
           f"{use}: this TrainState's arrays were deleted or donated (to a train_step, or a jitted "
           "function that donates them). Use the state train_step returned: "
           "`state, metrics = zinfjax.train_step(state, batch, loss_fn)`.")
+
+  def arrays_deleted(self) -> bool:
+    """Whether any of this state's arrays was deleted or donated."""
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(self))
 
   def mark_donated(self, new: "TrainState | None") -> None:
     """Record that a step consumed this state (and returned `new`, when it did)."""

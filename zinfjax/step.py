@@ -43,7 +43,6 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   over the `data` axis; `loss_fn` sees each rank's slice. The input state is
   donated: use the returned one.
   """
-  state.check_usable("make_train_step")
   engine = state.engine
   if loss_fn in engine.steps:
     return engine.steps[loss_fn]
@@ -244,7 +243,7 @@ def consuming(run: Step) -> Step:
     try:
       new, metrics = run(state, batch)
     except BaseException:
-      if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+      if state.arrays_deleted():
         state.mark_donated(None)  # the program ran (and took the arrays) before it failed
       raise
     state.mark_donated(new)
@@ -266,5 +265,4 @@ def learning_rate(engine, opt_state) -> jax.Array | None:
 
 def train_step(state: TrainState, batch: Any, loss_fn: LossFn) -> tuple[TrainState, dict]:
   """One ZeRO training step; compiles once per (loss_fn, shapes) and reuses it."""
-  state.check_usable("train_step")
   return make_train_step(state, loss_fn)(state, batch)

@@ -128,11 +128,11 @@ class Checkpointer:
             "config": _config_json(engine.config), "devices": engine.dp,
             "processes": jax.process_count(), "extra": extra or {}}
     run = Run(leaves, engine.plan, engine.store)
-    self._saving = step
+    self._saving = step  # the step a failure names (`_reported` clears it)
     self._reported(lambda: self.manager.save(
         step, args=ocp.args.Composite(state=StateSave(run), meta=ocp.args.JsonSave(meta))),
         background=False)
-    self._saving = step
+    self._saving = step  # its device and pinned-host shards still being written
     return True
 
   def wait(self) -> None:
