@@ -16,7 +16,7 @@ from zinfjax.checkpoint import Checkpointer
 from zinfjax.config import parse_split
 from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.placement import Segment, shard_key, split_layers
-from zinfjax.schedule import grad_write_order
+from zinfjax.schedule import timeline
 
 from helpers import REPO, text_batches, zero_training
 
@@ -157,7 +157,7 @@ def test_two_stacks_train_under_every_placement(param, optimizer, mesh, batches,
   plan, pipeline = state.engine.plan, state.engine.pipeline
   assert [s.path for s in plan.stacks] == [("a_top",), ("b_bottom",)]
   if param == "nvme" and optimizer == "nvme":  # under backward: in the order backward writes
-    order = grad_write_order(plan, [1, 0])
+    order = timeline(plan, [1, 0]).grad_order
     first = {(p.leaf, p.layer) for p in pipeline.units[0].parts}
     assert first <= {o for o in order[:len(plan.stacks[0].leaves)]}
     assert plan.leaves[order[0][0]].name.startswith("a_top/") and order[0][1] == 1
@@ -244,3 +244,16 @@ def test_tier_names_live_in_placement_only():
         if isinstance(node, ast.Constant) and node.value in {"device", "pinned_host", "nvme"}:
           spelled.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
   assert not spelled, spelled
+
+
+def test_slow_list_names_existing_tests():
+  """Every entry of tests/slow.txt (the `slow` marker's list) names a test function that exists,
+  so a renamed test does not silently join the quick run."""
+  with open(os.path.join(REPO, "tests", "slow.txt")) as f:
+    entries = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+  assert entries
+  for entry in entries:
+    path, name = entry.split("::")
+    name = name.split("[")[0]
+    with open(os.path.join(REPO, path)) as f:
+      assert f"def {name}(" in f.read(), entry

@@ -67,6 +67,16 @@ class ZeroConfig:
       layers up to i+prefetch_depth+nvme_prefetch_depth are being read.
     offload_activations: keep each block's activation checkpoint in pinned
       host memory between the forward and backward pass.
+    layer_residuals: what the ZeRO-3 layer scan keeps for backward.
+      "recompute": each layer's input only; backward runs the block again
+      (least memory, a third more compute). "save": every layer's residuals
+      (the block's activations; its params are gathered again, never kept),
+      no recompute. "auto" (default): save where one stack's residuals fit
+      `residual_budget`, else recompute. Saving needs tiles=1,
+      micro_batches=1 and offload_activations=False; otherwise it recomputes.
+    residual_budget: bytes one stack's saved residuals may take under "auto";
+      None: a quarter of the device's memory where the platform reports it,
+      else 0 (recompute; XLA:CPU reports none).
     nvme_atomic_steps: a step is all or nothing on NVMe: the params and
       optimizer states it rewrites there go to fresh extents, committed when
       the step ends; a step that fails (an I/O error, a corrupted shard)
@@ -123,6 +133,8 @@ class ZeroConfig:
   trainable: Any = None
   host_nice: int = 5
   micro_batches: int = 1
+  layer_residuals: str = "auto"
+  residual_budget: int | None = None
   skip_nonfinite: bool = True
 
   def __post_init__(self):
@@ -143,6 +155,13 @@ class ZeroConfig:
 
     if not isinstance(self.tiles, int) or self.tiles < 1:
       raise ValueError(f"ZeroConfig.tiles must be an int >= 1, got {self.tiles!r}.")
+    if self.layer_residuals not in ("recompute", "save", "auto"):
+      raise ValueError(f"ZeroConfig.layer_residuals must be 'recompute', 'save' or 'auto', got "
+                       f"{self.layer_residuals!r}.")
+    if self.residual_budget is not None and not (
+        isinstance(self.residual_budget, int) and self.residual_budget >= 0):
+      raise ValueError(f"ZeroConfig.residual_budget must be bytes (an int >= 0) or None, got "
+                       f"{self.residual_budget!r}.")
     if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or \
         self.micro_batches < 1:
       raise ValueError(f"ZeroConfig.micro_batches must be an int >= 1, got {self.micro_batches!r}.")

@@ -156,7 +156,7 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
   store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
                    pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice,
                    fresh=True)
-  store.defer_errors()  # raised after each step (see nvme_step.checked)
+  store.defer_errors()  # raised after each step (see runner.checked)
   # what a previous run left in the swap files is reused before the drive's free space
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
   # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy

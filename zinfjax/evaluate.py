@@ -21,7 +21,7 @@ from .offload import swap
 from .ordering import needs_order, ordered_collectives
 from .state import TrainState
 from .inputs import shard_batch
-from .nvme_step import checked
+from .runner import checked
 
 Eval = Callable[[TrainState, Any], dict]
 

@@ -31,6 +31,7 @@ from flax import nnx
 from jax import lax
 
 from . import micro
+from . import residuals as R
 from .offload import swap, tiers
 from .partition import LeafLayout, is_layout
 from .placement import Tier
@@ -130,6 +131,15 @@ class ScanPlan:
   first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
   trainable: Any = None   # tree of bools: False for a frozen leaf (no grads); None: all trained
   micro_batches: int = 1  # > 1: each layer runs the batch as this many micro-batches in turn
+  residuals: str = "recompute"  # "save" / "auto": forward keeps what backward needs (residuals.py)
+  residual_budget: int = 0      # "auto": bytes the stack's saved residuals may take
+
+  @property
+  def can_save_residuals(self) -> bool:
+    """Saving needs one whole pullback per layer: not tiled, one micro-batch, activations
+    on the device."""
+    return (self.residuals != "recompute" and self.tiles == 1 and self.micro_batches == 1
+            and not self.offload_activations)
 
   def apply(self, params: Any, x: jax.Array, args: tuple = ()) -> jax.Array:
     """One block on `x` (and the per-call `args`): `params` are gathered, or (tiles > 1) this
@@ -237,19 +247,30 @@ class _Fetcher:
       self._wait(ticket, self._layer(layer))
 
 
-def _forward(plan: ScanPlan, shards, x, args):
+def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
+  """The scan over the layers: (output, each layer's input, each layer's kept residuals or
+  None). With `keep`, the residuals are kept where the plan's policy says."""
   sched = plan.schedule(reverse=False)
   fetcher = _Fetcher(plan, shards, sched)
+  d = R.Layer.of(plan, args)
 
   def body(carry, i):
     h, state = carry
     full, state = fetcher.next(state, i)
+    if keep and plan.can_save_residuals:
+      leaves = jax.tree.leaves(full)
+      y, pull = d.pull(plan, leaves, h)
+      res = R.split(pull, d.known(leaves, h))
+      # the policy, from the shapes of one layer's residuals (static: the body is traced once)
+      kept = res if R.keep(plan.residuals, res.nbytes, plan.num_layers,
+                           plan.residual_budget) else None
+      return (y, state), (plan.save_activation(h), kept)
     y = micro.apply(lambda x, a: plan.apply(full, x, a), plan.micro_batches, h, args)
-    return (y, state), plan.save_activation(h)
+    return (y, state), (plan.save_activation(h), None)
 
-  (y, state), inputs = lax.scan(body, (x, fetcher.prologue()), jnp.arange(plan.num_layers))
+  (y, state), (inputs, kept) = lax.scan(body, (x, fetcher.prologue()), jnp.arange(plan.num_layers))
   fetcher.drain(state)
-  return y, inputs
+  return y, inputs, kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -265,29 +286,17 @@ def layer_scan(plan: ScanPlan, shards: Any, x: jax.Array, args: tuple = ()) -> j
 
 
 def _layer_scan_fwd(plan, shards, x, args):
-  y, inputs = _forward(plan, shards, x, args)
-  return y, (shards, inputs, args)
-
-
-def _inexact(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  y, inputs, kept = _forward(plan, shards, x, args, keep=True)
+  return y, (shards, inputs, args, kept)
 
 
 def _layer_scan_bwd(plan, residuals, g_y):
-  shards, inputs, args = residuals
-  # cotangents of the float per-call args add up over layers; integer ones have none
-  diff = [i for i, a in enumerate(jax.tree.leaves(args)) if _inexact(a)]
-  arg_leaves, arg_tree = jax.tree.flatten(args)
-  # only the trained leaves of a layer are differentiated, reduced and sent to their tier
-  layouts, treedef = jax.tree.flatten(plan.layouts, is_leaf=is_layout)
-  flags = [True] * len(layouts) if plan.trainable is None else jax.tree.leaves(plan.trainable)
-  trained = [k for k, f in enumerate(flags) if f]
-
-  def with_args(trained_params, frozen_params, h, leaves):
-    params = list(frozen_params)
-    for k, p in zip(trained, trained_params):
-      params[k] = p
-    return plan.apply(jax.tree.unflatten(treedef, params), h, jax.tree.unflatten(arg_tree, leaves))
+  shards, inputs, args, kept = residuals
+  # cotangents of the float per-call args add up over layers; integer ones have none; only the
+  # trained leaves of a layer are differentiated, reduced and sent to their tier
+  d = R.Layer.of(plan, args)
+  layouts, treedef, trained, diff = d.layouts, d.treedef, d.trained, d.diff
+  arg_leaves, arg_tree = d.arg_leaves, d.arg_tree
 
   sched = plan.schedule(reverse=True)
   fetcher = _Fetcher(plan, shards, sched)
@@ -299,10 +308,13 @@ def _layer_scan_bwd(plan, residuals, g_y):
     g, state, sums, g_args = carry
     full, state = fetcher.next(state, i)
     full = jax.tree.leaves(full)
-    frozen = [None if f else x for x, f in zip(full, flags)]
-    g_trained, g_h, g_arg = micro.vjp(
-        lambda t, h, a: with_args(t, frozen, h, a), [full[k] for k in trained],
-        plan.load_activation(inputs, i), arg_leaves, diff, g, plan.micro_batches)
+    h = plan.load_activation(inputs, i)
+    if kept is not None:  # the forward's pullback, with this layer's params and input put back
+      layer = jax.tree.map(lambda r: r[i], kept)
+      g_trained, g_h, g_arg = R.pullback(layer, d.known(full, h))(g)
+    else:  # the layer recomputed
+      g_trained, g_h, g_arg = micro.vjp(d.block(plan, full), [full[k] for k in trained], h,
+                                        arg_leaves, diff, g, plan.micro_batches)
     g_args = [a + b for a, b in zip(g_args, g_arg)]
     g_shard = [plan.reduce_grad(x, layouts[k]) for k, x in zip(trained, g_trained)]
     if not to_nvme:

@@ -20,20 +20,14 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
+from . import residuals as R
 from .layers import micro_batches
-from .offload import swap, tiers
+from .offload import tiers
 from .partition import is_layout
-from .placement import LeafPlan, Plan, Segment, Tier
+from .placement import LeafPlan, Plan, Tier
 
 LossFn = Callable[[nnx.Module, Any], jax.Array]
 is_parts = lambda x: isinstance(x, tuple)
-
-
-def nvme_leaf(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> tiers.NvmeLeaf:
-  """The swap-store shards of one segment of one leaf's `state`."""
-  return tiers.NvmeLeaf(store.handle, leaf.base_key(state), leaf.local_shape, plan.dtype(state),
-                        seg.layers if leaf.stacked else None, seg.start,
-                        swap.rank_table(plan.mesh, plan.axis))
 
 
 def _get(tree: Any, path) -> Any:
@@ -56,8 +50,8 @@ def _fetch(plan: Plan, store, leaf: LeafPlan, x: jax.Array) -> jax.Array:
   if seg.tier == Tier.DEVICE:
     return G.fetch(x, leaf.layout, plan.axis)
   pair = None
-  if seg.tier == Tier.NVME:
-    pair = tuple(nvme_leaf(plan, store, leaf, s, seg) for s in ("params", "grads"))
+  if not seg.tier.holds_arrays:
+    pair = tuple(tiers.nvme_leaf(plan, store, leaf, s, seg) for s in ("params", "grads"))
   return G.fetch_from(x, leaf.layout, plan.axis, seg.tier, pair)
 
 
@@ -67,17 +61,19 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
   leaves = [plan.leaves[i] for i in stack.leaves]
   treedef = jax.tree.structure(_get(plan.layouts, stack.path + ("block",)), is_leaf=is_layout)
   block = lambda xs: jax.tree.unflatten(treedef, xs)
+  budget = (R.device_budget() if config.residual_budget is None else config.residual_budget)
   segments = []
   for j, seg in enumerate(stack.params):
-    nvme = seg.tier == Tier.NVME
+    nvme = not seg.tier.holds_arrays
+    shards = lambda state: block([tiers.nvme_leaf(plan, store, l, state, seg) for l in leaves])
     scan = G.ScanPlan(
         block_graph, block([l.layout.layer() for l in leaves]), seg.layers, config.prefetch_depth,
         plan.axis, config.tiles, param_tier=seg.tier,
-        nvme=block([nvme_leaf(plan, store, l, "params", seg) for l in leaves]) if nvme else None,
-        grad_nvme=block([nvme_leaf(plan, store, l, "grads", seg) for l in leaves]) if nvme else None,
+        nvme=shards("params") if nvme else None, grad_nvme=shards("grads") if nvme else None,
         nvme_depth=config.nvme_prefetch_depth, offload_activations=config.offload_activations,
         first_layer=seg.start, trainable=block([l.trainable for l in leaves]),
-        micro_batches=config.micro_batches)
+        micro_batches=config.micro_batches, residuals=config.layer_residuals,
+        residual_budget=budget)
     segments.append((scan, block([flat[l.index][j] for l in leaves])))
   return G.ZeroStack(segments, index, on_call)
 
@@ -86,7 +82,7 @@ def param_specs(plan: Plan, state: str = "params") -> Any:
   """PartitionSpecs of the params (or grads: none for a frozen leaf) in parts; an NVMe
   segment's anchor is split over `data`."""
   anchor = P(plan.axis)
-  return plan.unflatten([tuple(anchor if s.tier == Tier.NVME else plan.spec(l, True)
+  return plan.unflatten([tuple(plan.spec(l, True) if s.tier.holds_arrays else anchor
                                for s in l.segments(state)) for l in plan.leaves])
 
 
@@ -97,7 +93,7 @@ def with_anchors(plan: Plan, params: Any) -> Any:
   out = []
   for leaf, parts in zip(plan.leaves, plan.flatten(params)):
     it = iter(parts)
-    out.append(tuple(anchor() if s.tier == Tier.NVME else next(it) for s in leaf.params))
+    out.append(tuple(next(it) if s.tier.holds_arrays else anchor() for s in leaf.params))
   return plan.unflatten(out)
 
 
@@ -118,8 +114,7 @@ def local_model(engine, params: Any, on_call: Callable[[int], None] | None = Non
   return model
 
 
-def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
-                         on_call: Callable[[int], None] | None = None):
+def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any):
   """Per-rank loss and gradients (already reduced to this rank's storage shards), in parts."""
   plan, axis, dp = engine.plan, engine.plan.axis, engine.plan.dp
 
@@ -131,7 +126,7 @@ def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any,
     for i, p in zip(trained, parts):
       merged[i] = p
     with micro_batches(engine.config.micro_batches):  # the stacks of stages 1 and 2
-      return loss_fn(local_model(engine, plan.unflatten(merged), on_call), batch) / dp
+      return loss_fn(local_model(engine, plan.unflatten(merged)), batch) / dp
 
   loss, got = jax.value_and_grad(loss_of)([flat[i] for i in trained])
   grads = [()] * len(flat)
@@ -150,9 +145,23 @@ def sum_squares(plan: Plan, grads: Any) -> jax.Array:
   NVMe anchors summed locally (a whole leaf counts 1/dp on each rank), then one psum."""
   total = jnp.float32(0)
   for leaf, parts in zip(plan.leaves, plan.flatten(grads)):
+    share = lambda x, leaf=leaf: G.sum_squares_share(x, leaf.layout, plan.axis)
     for seg, g in zip(leaf.params, parts):
-      if seg.tier == Tier.NVME:
-        total = total + jnp.sum(g[:, 1])
-      else:
-        total = total + G.sum_squares_share(tiers.to_device(g, seg.tier), leaf.layout, plan.axis)
+      total = total + tiers.ops(plan, None, leaf, "grads", seg).sum_squares(g, share)
   return lax.psum(total, plan.axis)
+
+
+def forward_order(engine, loss_fn: LossFn, params: Any, batch: Any) -> list[int]:
+  """The order the model's forward runs its stacks (indices into `plan.stacks`), found by
+  tracing the forward alone (`jax.eval_shape`: nothing runs) before the step's first run."""
+  plan, calls = engine.plan, []
+  if plan.stage != 3 or len(plan.stacks) < 2:
+    return list(range(len(plan.stacks)))
+
+  def local(p, b):
+    return loss_fn(local_model(engine, p, lambda i: calls.append(i)), b)
+
+  fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs(plan), P(plan.axis)),
+                     out_specs=P(), check_vma=False)
+  jax.eval_shape(lambda p, b: fn(with_anchors(plan, p), b), params, batch)
+  return list(dict.fromkeys(calls))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..placement import Tier
+from ..placement import LeafPlan, Plan, Segment, Tier
 from . import swap
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
@@ -82,6 +82,66 @@ class NvmeLeaf:
       return token + self.write(layer, rank, swap.layer_at(self._layers(), i)), None
 
     return lax.scan(one, jnp.int32(0), (jnp.arange(self.layers), x))[0]
+
+
+def nvme_leaf(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> NvmeLeaf:
+  """The swap-store shards of layers `seg` of one leaf's `state`."""
+  return NvmeLeaf(store.handle, leaf.base_key(state), leaf.local_shape, plan.dtype(state),
+                  seg.layers if leaf.stacked else None, seg.start,
+                  swap.rank_table(plan.mesh, plan.axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayOps:
+  """A segment held in an array on the device or in pinned host memory."""
+
+  tier: Tier
+  seg: Segment
+  stacked: bool
+
+  def fetch(self, x: jax.Array, lo: int, hi: int, rank) -> jax.Array:
+    """Layers [lo, hi) of the segment's local shard `x`, on the device."""
+    x = to_device(x, self.tier)
+    return x[lo - self.seg.start:hi - self.seg.start] if self.stacked else x
+
+  def put(self, x: jax.Array, lo: int, hi: int, rank) -> jax.Array:
+    """Layers [lo, hi) (`x`, on the device) sent to the tier; the array to keep."""
+    return to_tier(x, self.tier)
+
+  def sum_squares(self, g: jax.Array, share) -> jax.Array:
+    return share(to_device(g, self.tier))
+
+
+@dataclasses.dataclass(frozen=True)
+class NvmeOps:
+  """A segment in the swap store; its slot in the step's arrays is an anchor (float32[1, 2])
+  whose first entry orders the reads after the writes they need."""
+
+  plan: Plan
+  store: Any
+  leaf: LeafPlan
+  state: str
+  seg: Segment
+
+  def shards(self, lo: int, hi: int) -> NvmeLeaf:
+    return nvme_leaf(self.plan, self.store, self.leaf, self.state, Segment(Tier.NVME, lo, hi))
+
+  def fetch(self, anchor: jax.Array, lo: int, hi: int, rank) -> jax.Array:
+    return self.shards(lo, hi).read_all(anchor[0, 0].astype(jnp.int32), rank)
+
+  def put(self, x: jax.Array, lo: int, hi: int, rank) -> jax.Array:
+    """Written layer by layer; a token (int32) for all of it."""
+    return self.shards(lo, hi).write_all(x, rank)
+
+  def sum_squares(self, anchor: jax.Array, share) -> jax.Array:
+    return jnp.sum(anchor[:, 1])  # the writes' own sum of squares, in the anchor's gradient
+
+
+def ops(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> ArrayOps | NvmeOps:
+  """The operations on one segment of one leaf's `state`, chosen by its tier."""
+  if seg.tier.holds_arrays:
+    return ArrayOps(seg.tier, seg, leaf.stacked)
+  return NvmeOps(plan, store, leaf, state, seg)
 
 
 def _one_store(leaves: Sequence[NvmeLeaf]) -> int:

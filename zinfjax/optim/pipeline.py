@@ -6,7 +6,7 @@ rank's layer, none larger than the largest part) and streamed through 3 to 8
 rotating pinned buffer sets (as many as `pinned_budget` holds): while
 sub-group k is updated by the C++ kernel, the next ones are being read and
 k-1 written, so NVMe reads, the CPU kernel and NVMe writes overlap. Sub-groups
-go in the order backward writes their grads (`schedule.grad_write_order`), so
+go in the order backward writes their grads (`Timeline.grad_order`), so
 with the grads on NVMe the update of a layer runs while backward is still on
 the layers below it. Where a part's grads or compute params live (NVMe, or an
 array on another tier) is the plan's to say, per layer.
@@ -24,7 +24,7 @@ import numpy as np
 
 from ..offload.store import AioStore, aligned_empty
 from ..placement import Plan, Tier
-from ..schedule import grad_write_order
+from ..schedule import Phase, timeline
 from .hyper import AdamHyper
 from .kernel import adamw_numpy
 from .nvme import SLOTS, run_pipeline
@@ -100,17 +100,19 @@ class NvmePipeline:
     self.grads_dtype = np.dtype(plan.dtype("grads"))
     self.threads, self.budget = threads, budget
     self.ranks = plan.ranks
-    # (leaf, layer) pairs whose states are on NVMe, per state: asked for every part every step
-    self._on_nvme = {state: {(leaf.index, layer) for leaf in plan.leaves
-                             for seg in leaf.segments(state) if seg.tier == Tier.NVME
-                             for layer in range(seg.start, seg.stop)}
-                     for state in ("master", "params", "grads")}
+    # (leaf, layer) pairs this pipeline updates (master and moments on NVMe), whose grads it
+    # reads from NVMe, and whose compute params it writes there: the step's timeline says
+    moves = timeline(plan)
+    layers = lambda ms: {(m.leaf, l) for m in ms if m.dst == Tier.NVME for l in range(m.start, m.stop)}
+    self._on_nvme = {"master": layers(moves.select(Phase.OPTIMIZER)),
+                     "params": layers(moves.select(Phase.AFTER)),
+                     "grads": layers(moves.select(Phase.BACKWARD, "grads"))}
     self._nvme = self._on_nvme["master"]
     self._slots: list[dict[str, np.ndarray]] = []
     self._zero_buf: np.ndarray | None = None
     self._scalars = jax.jit(hyper.scalars)
     self.last_step: dict[str, float] = {}
-    self.set_order(grad_write_order(plan))  # until the step has seen the stacks' order
+    self.set_order(moves.grad_order)  # the plan's stack order, until the step finds the forward's
 
   def set_order(self, order: Sequence[tuple[int, int]]) -> None:
     """Update the sub-groups in this (leaf, layer) order: the order backward writes grads."""

@@ -1,0 +1,107 @@
+"""ZeroConfig.layer_residuals: saving each layer's backward residuals in the ZeRO-3 scan trains
+exactly like recomputing the layer, keeps none of its params, and does run fewer matmuls."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import zinfjax
+from zinfjax import residuals as R
+from zinfjax.models import GPT, get_config, lm_loss
+
+from helpers import text_batches, zero_training
+
+TINY = get_config("tiny", num_layers=3)
+LR = 3e-3
+# the two programs round the same math apart (fused differently); AdamW moves a param by about
+# lr a step whatever its grad's size, so params are held to 0.1% of that movement
+PARAM_ATOL = 1e-3 * LR * 3
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return zinfjax.make_mesh(jax.devices()[:4])
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return text_batches(3, 8, TINY.seq_len, seed=1)
+
+
+def run(mesh, batches, tmp_path, residuals, param="device", **extra):
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=param,
+                            nvme_path=str(tmp_path), layer_residuals=residuals, **extra)
+  losses, state = zero_training(lambda r: GPT(TINY, rngs=r), zinfjax.optim.adamw(LR), zero,
+                                mesh, batches, lm_loss)
+  return losses, state
+
+
+def dots(state, batch) -> int:
+  """matmuls in the step's program (inside scans, custom vjps and shard_maps too)."""
+  step = zinfjax.make_train_step(state, lm_loss)
+  jaxpr = step.jitted.trace(state, zinfjax.step.shard_batch(state.engine, batch)).jaxpr
+
+  def count(jx):
+    n = 0
+    for eqn in jx.eqns:
+      n += eqn.primitive.name == "dot_general"
+      for p in eqn.params.values():
+        for inner in (p if isinstance(p, (tuple, list)) else [p]):
+          inner = getattr(inner, "jaxpr", inner)
+          if hasattr(inner, "eqns"):
+            n += count(inner)
+    return n
+
+  return count(jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize("param", ["device", "nvme"])
+def test_saved_residuals_train_like_recompute(param, mesh, batches, tmp_path):
+  want, ref = run(mesh, batches, tmp_path / "a", "recompute", param)
+  got, state = run(mesh, batches, tmp_path / "b", "save", param)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=PARAM_ATOL),
+               state.full_params(), ref.full_params())
+  # no recompute: backward runs each block's forward matmuls no more
+  assert dots(state, batches[0]) < dots(ref, batches[0])
+  ref.close()
+  state.close()
+
+
+def test_auto_saves_within_the_budget_only(mesh, batches, tmp_path):
+  fits, state_fits = run(mesh, batches[:1], tmp_path / "a", "auto", residual_budget=1 << 40)
+  over, state_over = run(mesh, batches[:1], tmp_path / "b", "auto", residual_budget=1)
+  _, state_rec = run(mesh, batches[:1], tmp_path / "c", "recompute")
+  np.testing.assert_allclose(fits, over, rtol=1e-6)
+  assert dots(state_over, batches[0]) == dots(state_rec, batches[0])
+  assert dots(state_fits, batches[0]) < dots(state_over, batches[0])
+  for s in (state_fits, state_over, state_rec):
+    s.close()
+
+
+def test_kept_residuals_hold_no_params():
+  """The pullback's residuals that are the layer's params (or its input) are named, not kept."""
+  block = lambda p, h: jax.numpy.tanh(h @ p["w1"]) @ p["w2"] + h
+  params = {"w1": jax.random.normal(jax.random.key(0), (8, 8)),
+            "w2": jax.random.normal(jax.random.key(1), (8, 8))}
+  h = jax.random.normal(jax.random.key(2), (4, 8))
+
+  def check(p, h):
+    _, pull = jax.vjp(block, p, h)
+    known = [p["w1"], p["w2"], h]
+    res = R.split(pull, known)
+    assert all(x.shape != (8, 8) for x in res.kept)  # no weight among the kept
+    assert set(res.sources) >= {0, 1}
+    g = jax.numpy.ones((4, 8))
+    return R.pullback(res, known)(g), pull(g)
+
+  got, want = jax.jit(check)(params, h)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), got, want)
+
+
+def test_bad_policy_is_refused():
+  with pytest.raises(ValueError, match="layer_residuals"):
+    zinfjax.ZeroConfig(layer_residuals="sometimes")
+  with pytest.raises(ValueError, match="residual_budget"):
+    zinfjax.ZeroConfig(residual_budget=-1)

@@ -1,0 +1,227 @@
+"""What runs a step's compiled program: alone, or with the host pipeline around it.
+
+`run_program` runs the program and raises what its NVMe transfers recorded.
+`PipelineRunner` adds the host pipeline. The optimizer segments on NVMe are updated by the host pipeline
+(`optim/pipeline.py`): after the program, or while its backward pass is still
+running when their grads are written to NVMe (with clipping on, speculatively:
+a step whose global norm needs clipping is rolled back and redone). Every step
+is one transaction of the swap store, so a step that fails leaves the previous
+step's params and optimizer states on NVMe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import math
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from .grads import forward_order
+from .inputs import shard_batch
+from .optim.pipeline import GradGate
+from .placement import PREFIX
+from .schedule import timeline
+from .shards import from_host_shards, host_shards
+
+Step = Callable[[Any, Any], tuple[Any, dict]]
+
+
+# swap-store keys of the states a step rewrites on NVMe (not the grads: scratch of one step)
+VERSIONED = tuple(f"{PREFIX[s]}/" for s in ("params", "master", "mu", "nu"))
+
+
+def all_or_nothing(engine, run: Step) -> Step:
+  """`run` as one transaction of the swap store: the params and optimizer states it rewrites on
+  NVMe are committed when it returns and rolled back when it raises, so a failed step (an I/O
+  error, a corrupted shard, a fault in the optimizer) leaves the previous step's there."""
+  store = engine.store
+
+  def step(state, batch):
+    if store.in_transaction:  # left open by a step interrupted during its rollback
+      store.rollback()
+    store.begin(VERSIONED)
+    try:
+      out = run(state, batch)
+    except BaseException as e:
+      store.rollback()
+      e.add_note("zinfjax: the step failed; the params and optimizer states on NVMe were rolled "
+                 "back to those before it (nothing half-written). The TrainState passed in was "
+                 "donated to the step: continue from a checkpoint.")
+      raise
+    store.commit()
+    return out
+
+  return step
+
+
+def run_program(engine, jitted, state, batch) -> tuple[Any, dict]:
+  """The step's program alone (every optimizer segment it updates itself)."""
+  new, metrics, _ = checked(engine, jitted(state, shard_batch(engine, batch)))
+  return new, metrics
+
+
+class PipelineRunner:
+  """The step's program followed (or accompanied, under backward) by the host pipeline that
+  updates the NVMe optimizer segments. `close()` joins its thread."""
+
+  def __init__(self, engine, jitted, loss_fn):
+    self.engine, self.jitted, self.loss_fn = engine, jitted, loss_fn
+    pipeline = engine.pipeline
+    self.clip, self.skip = engine.hyper.max_grad_norm, engine.config.skip_nonfinite
+    # the update under backward is speculative (as if the grads need no clipping and are
+    # finite): a step whose global norm turns out to need clipping is rolled back and redone,
+    # one with a non-finite norm rolled back (skipped); all-or-nothing steps make both possible
+    atomic = engine.config.nvme_atomic_steps
+    self.under_backward = pipeline.grads_all_on_nvme and (
+        atomic or (self.clip is None and not self.skip))
+    self.ordered = False
+    # the previous step's global norm: when it needed clipping, this one likely does too, and
+    # the update under backward waits for the norm (its reads still go ahead) instead of
+    # guessing "no clipping" and redoing the step
+    self.last_norm: float | None = None
+    # the pipeline under backward runs on its own thread, below the program's in priority
+    self.thread = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="zinfjax-optim", initializer=lower_priority,
+        initargs=(engine.config.host_nice,))
+
+  def close(self) -> None:
+    self.thread.shutdown(wait=True)
+
+  def __call__(self, state, batch) -> tuple[Any, dict]:
+    engine, pipeline = self.engine, self.engine.pipeline
+    t0 = time.perf_counter()
+    count = int(state.opt_state.count)
+    batch = shard_batch(engine, batch)
+    if self.under_backward:
+      if not self.ordered:  # backward writes the grads in the reverse of the forward's order
+        order = forward_order(engine, self.loss_fn, state.params, batch)
+        pipeline.set_order(timeline(engine.plan, order).grad_order)
+        self.ordered = True
+      new, metrics, outs, t1, extra = self._under_backward(state, batch, count)
+      skipped = False
+    else:
+      new, metrics, outs, t1, skipped = self._after(state, batch, count)
+      extra = {}
+    new.params = merge_params(engine.plan, new.params, outs)
+    stats = pipeline.last_step if not skipped else dict.fromkeys(
+        ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written"), 0.0)
+    metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],
+               "adam_s": stats["compute_s"], "nvme_read_wait_s": stats["read_wait_s"],
+               "nvme_write_wait_s": stats["write_wait_s"], "nvme_bytes_read": stats["bytes_read"],
+               "nvme_bytes_written": stats["bytes_written"], **extra}
+    return new, metrics
+
+  def _after(self, state, batch, count):
+    """The pipeline after the program (the grads or the global norm come from it)."""
+    engine, plan = self.engine, self.engine.plan
+    new, metrics, grads = checked(engine, self.jitted(state, batch))
+    t1 = time.perf_counter()
+    cache: dict[tuple[int, int], dict] = {}
+
+    def grad_of(p):
+      leaf = plan.leaves[p.leaf]
+      j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
+      if (p.leaf, j) not in cache:
+        cache[(p.leaf, j)] = host_shards(plan.flatten(grads)[p.leaf][j], plan.mesh)
+      seg = leaf.array_segments("grads")[j]
+      g = cache[(p.leaf, j)][p.rank]
+      return g[p.layer - seg.start] if leaf.stacked else g
+
+    norm = float(metrics["grad_norm"])
+    skipped = self.skip and not math.isfinite(norm)
+    outs = {} if skipped else engine.pipeline.step(count, grad_of, grad_norm=norm)
+    return new, metrics, outs, t1, skipped
+
+  def _under_backward(self, state, batch, count):
+    """Grads land on NVMe layer by layer: each layer is updated while backward goes on below."""
+    engine, pipeline, clip = self.engine, self.engine.pipeline, self.clip
+    running: list = []
+    ended: list[float] = []
+    gate = GradGate(engine.store, pipeline.grad_keys(),
+                    lambda: bool(ended) or (bool(running) and all(
+                        x.is_ready() for x in jax.tree.leaves(running))))
+    running.extend(self.jitted(state, batch))  # dispatched: runs while the pipeline waits
+    watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
+                                             ended.append(time.perf_counter())), daemon=True)
+    watch.start()
+    predicted = clip is not None and self.last_norm is not None and not self.last_norm < clip
+    if clip is None:
+      guess = None
+    elif predicted:  # the exact norm, once the program has it: nothing to redo
+      guess = lambda: float(running[1]["grad_norm"])
+    else:
+      guess = 0.0  # a norm below the limit: no clipping (redone if wrong)
+    try:
+      outs = self.thread.submit(pipeline.step, count, None, gate, guess).result()
+    except BaseException:
+      watch.join()  # the program's own transfers end before anything is undone
+      raise
+    new, metrics, _ = checked(engine, tuple(running))
+    watch.join()
+    extra: dict[str, Any] = {"nvme_grad_waits": gate.waited}
+    norm = float(metrics["grad_norm"])
+    skipped = self.skip and not math.isfinite(norm)
+    # clipping was needed but not applied
+    redo = clip is not None and not predicted and not skipped and not norm < clip
+    if skipped or redo:  # back to the states before the update
+      engine.store.rollback()
+      engine.store.begin(VERSIONED)
+      outs = pipeline.step(count, None, None, norm) if redo else {}  # again, with clipping
+    if clip is not None:
+      extra["nvme_redone"] = int(redo)
+      extra["nvme_clip_predicted"] = int(predicted)
+      self.last_norm = norm
+    return new, metrics, outs, ended[0], extra
+
+
+def merge_params(plan, params: Any, outs: dict) -> Any:
+  """Compute params the NVMe pipeline made (per (leaf, rank, layer)) put into their arrays."""
+  if not outs:
+    return params
+  flat = [list(parts) for parts in plan.flatten(params)]
+  for leaf in plan.leaves:
+    for j, seg in enumerate(leaf.array_segments("params")):
+      layers = [l for l in range(seg.start, seg.stop) if (leaf.index, plan.ranks[0], l) in outs]
+      if not layers:
+        continue
+      x = flat[leaf.index][j]
+      if len(layers) == seg.layers:  # all of it is new: no need to read the old values back
+        shards = {r: (np.stack([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
+                      else outs[(leaf.index, r, layers[0])]) for r in plan.ranks}
+        flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
+        continue
+      shards = {r: np.array(s) for r, s in host_shards(x, plan.mesh).items()}
+      for r, shard in shards.items():
+        for l in layers:
+          if leaf.stacked:
+            shard[l - seg.start] = outs[(leaf.index, r, l)]
+          else:
+            shard[...] = outs[(leaf.index, r, l)]
+      flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
+  return plan.unflatten([tuple(p) for p in flat])
+
+
+def lower_priority(nice: int, name: bytes = b"zinfjax-optim") -> None:
+  """Name the calling thread (for top -H) and add `nice` to its nice value (Linux: per
+  thread; threads it starts, such as the AdamW kernel's, inherit it)."""
+  try:
+    ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
+  except (OSError, AttributeError):
+    pass
+  if nice > 0 and hasattr(os, "setpriority"):
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
+def checked(engine, outputs):
+  """`outputs` once the step is done, raising any error its NVMe transfers recorded."""
+  if engine.store is not None:
+    jax.block_until_ready(outputs)
+    engine.store.raise_deferred()
+  return outputs
