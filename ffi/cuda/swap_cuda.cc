@@ -27,8 +27,6 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -108,18 +106,6 @@ ffi::Error Check(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("zinfjax CUDA swap: ") + what + ": " + cudaGetErrorString(err));
 }
 
-// ZINFJAX_SWAP_TRACE=1: one stderr line per handler call (the schedule as the host sees it).
-std::vector<std::string> TracedKeys(const char* what, const SwapSite& at, int32_t ordinal,
-                                    ffi::RunId run) {
-  static const bool tracing = std::getenv("ZINFJAX_SWAP_TRACE") != nullptr;
-  std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id);
-  if (tracing)
-    std::fprintf(stderr, "zinfjax swap %s site=%lld ordinal=%d run=%lld key0=%s\n", what,
-                 static_cast<long long>(at.site), ordinal, static_cast<long long>(run.run_id),
-                 keys.empty() ? "" : keys.front().c_str());
-  return keys;
-}
-
 std::shared_ptr<SwapStore> Prepared(const SwapSite& at) {
   returns().Drain();
   std::shared_ptr<SwapStore> store = StoreLookup()(at.store);
@@ -132,15 +118,8 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                          ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = TracedKeys("write", at, ordinal, run);
-    if (keys.size() != xs.size())
-      throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
-                        std::to_string(keys.size()) + " keys");
-    std::vector<ShardIo> shards;
-    for (size_t i = 0; i < xs.size(); ++i) {
-      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
-      shards.push_back({keys[i], nullptr, x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
-    }
+    std::vector<std::string> keys = ScheduledKeys("write", at, ordinal, run.run_id);
+    std::vector<ShardIo> shards = WriteShards(keys, xs, /*with_data=*/false);
     auto pending = std::make_unique<PendingWrite>(PendingWrite{store, s.BeginDetached(shards)});
     cudaError_t err = cudaSuccess;
     for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i) {
@@ -163,7 +142,7 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId ru
                              ffi::ResultBuffer<ffi::S32> ticket, SwapSite at) {
   Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = TracedKeys("start", at, ordinal, run);
+    std::vector<std::string> keys = ScheduledKeys("start", at, ordinal, run.run_id);
     ProcessOwnedReads().Put(at.store, keys.front(), s.ReadOwnedAsync(keys, /*urgent=*/true));
     return Check(cudaMemsetAsync(ticket->typed_data(), 0, sizeof(int32_t), stream), "ticket");
   });
@@ -174,16 +153,12 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run
                             ffi::RemainingRets ys, SwapSite at) {
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
-    std::vector<std::string> keys = TracedKeys("wait", at, ordinal, run);
+    std::vector<std::string> keys = ScheduledKeys("wait", at, ordinal, run.run_id);
     auto ticket = ProcessOwnedReads().Take(at.store, keys.front());
     if (!ticket)
       throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + keys.front() +
                         "' was started (the start and wait calls' schedules disagree)");
-    std::vector<ShardIo> outs;
-    for (size_t i = 0; i < ys.size(); ++i) {
-      ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-      outs.push_back({"", nullptr, y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
-    }
+    std::vector<ShardIo> outs = ReadOuts(ys, /*with_data=*/false);
     std::vector<size_t> offsets;
     auto back = std::make_unique<Returned>(Returned{store, s.TakeOwned(*ticket, outs, &offsets)});
     cudaError_t err = cudaSuccess;

@@ -6,6 +6,8 @@
 #define ZINFJAX_XLA_FFI_UTIL_H_
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <string>
@@ -13,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/errors.h"
 #include "core/keys.h"
 #include "core/schedule.h"
 #include "core/store.h"
@@ -99,6 +102,48 @@ inline std::vector<std::string> HostKeys(CallSchedule& schedule, const SwapSite&
   if (rank) *rank = r;
   if (layer) *layer = l;
   return ShardKeys(at.keys, r, l);
+}
+
+// The part of a swap handler the CPU and CUDA platforms share: a call's shard
+// keys from the schedule (ZINFJAX_SWAP_TRACE=1 prints one stderr line per
+// call), the shards a write_many moves and the outputs a read_wait_many
+// fills. `with_data`: the shards point at the buffers themselves (the CPU,
+// where they are host memory); else at nothing (CUDA copies them through the
+// store's page-locked buffers).
+inline std::vector<std::string> ScheduledKeys(const char* call, const SwapSite& at,
+                                              int32_t ordinal, int64_t run, int32_t* rank = nullptr,
+                                              int32_t* layer = nullptr) {
+  static const bool tracing = std::getenv("ZINFJAX_SWAP_TRACE") != nullptr;
+  std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run, rank, layer);
+  if (tracing)
+    std::fprintf(stderr, "zinfjax swap %s site=%lld ordinal=%d run=%lld key0=%s\n", call,
+                 static_cast<long long>(at.site), ordinal, static_cast<long long>(run),
+                 keys.empty() ? "" : keys.front().c_str());
+  return keys;
+}
+
+inline std::vector<ShardIo> WriteShards(const std::vector<std::string>& keys,
+                                        xla::ffi::RemainingArgs xs, bool with_data) {
+  if (keys.size() != xs.size())
+    throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) +
+                      " arrays for " + std::to_string(keys.size()) + " keys");
+  std::vector<ShardIo> shards;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    xla::ffi::AnyBuffer x = xs.get<xla::ffi::AnyBuffer>(i).value();
+    shards.push_back({keys[i], with_data ? x.untyped_data() : nullptr, x.size_bytes(),
+                      DtypeName(x.element_type()), Dims(x)});
+  }
+  return shards;
+}
+
+inline std::vector<ShardIo> ReadOuts(xla::ffi::RemainingRets ys, bool with_data) {
+  std::vector<ShardIo> outs;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    xla::ffi::Result<xla::ffi::AnyBuffer> y = ys.get<xla::ffi::AnyBuffer>(i).value();
+    outs.push_back({"", with_data ? y->untyped_data() : nullptr, y->size_bytes(),
+                    DtypeName(y->element_type()), Dims(*y)});
+  }
+  return outs;
 }
 
 }  // namespace zinfjax

@@ -36,7 +36,7 @@ std::vector<std::string> Keys(const char* call, const SwapSite& at, int32_t ordi
                               ffi::RunId run, const ffi::Buffer<ffi::S32>& rank,
                               const ffi::Buffer<ffi::S32>& layer) {
   int32_t r = 0, l = 0;
-  std::vector<std::string> keys = HostKeys(ProcessSchedule(), at, ordinal, run.run_id, &r, &l);
+  std::vector<std::string> keys = ScheduledKeys(call, at, ordinal, run.run_id, &r, &l);
   if (r != rank.typed_data()[0] || l != layer.typed_data()[0])
     throw EngineError(std::string(call) + " (site " + std::to_string(at.site) +
                       "): the host schedule gives rank " + std::to_string(r) + ", layer " +
@@ -52,15 +52,7 @@ ffi::Error WriteManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S32> 
                          ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
   return WithStore(at.store, [&](SwapStore& s) {
     std::vector<std::string> names = Keys("zinfjax_swap_write_many", at, ordinal, run, rank, layer);
-    if (names.size() != xs.size())
-      throw EngineError("zinfjax_swap_write_many got " + std::to_string(xs.size()) + " arrays for " +
-                        std::to_string(names.size()) + " keys");
-    std::vector<ShardIo> shards;
-    for (size_t i = 0; i < xs.size(); ++i) {
-      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
-      shards.push_back({names[i], x.untyped_data(), x.size_bytes(), DtypeName(x.element_type()), Dims(x)});
-    }
-    s.WriteDetachedMany(shards);  // returns once copied: the disk write overlaps the program
+    s.WriteDetachedMany(WriteShards(names, xs, /*with_data=*/true));  // returns once copied: the disk write overlaps the program
     token->typed_data()[0] = write_tokens.fetch_add(1);
   });
 }
@@ -87,12 +79,7 @@ ffi::Error ReadWaitManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S3
       throw EngineError("zinfjax_swap_read_wait_many (site " + std::to_string(at.site) +
                         "): the schedule names shard " + names.front() + " but ticket " +
                         std::to_string(t) + " read another");
-    std::vector<ShardIo> outs;
-    for (size_t i = 0; i < ys.size(); ++i) {
-      ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-      outs.push_back({"", y->untyped_data(), y->size_bytes(), DtypeName(y->element_type()), Dims(*y)});
-    }
-    s.TakeResults(t, outs);
+    s.TakeResults(t, ReadOuts(ys, /*with_data=*/true));
   });
 }
 

@@ -1,0 +1,239 @@
+// The swap store's reads and writes: the jobs that move shards, detached
+// writes, owned reads and the generations readers on other threads wait for.
+#include "core/store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/errors.h"
+#include "core/store_internal.h"
+
+namespace zinfjax {
+
+uint64_t SwapStore::WriteAsync(const std::string& key, const void* src, size_t nbytes,
+                               const std::string& dtype, const std::vector<int64_t>& shape) {
+  ShardEntry e = Allocate(key, nbytes, dtype, shape);
+  return Enqueue(WriteWork({key}, {e}, {static_cast<const uint8_t*>(src)}), {key}, {e}, /*write=*/true);
+}
+
+uint64_t SwapStore::WriteManyAsync(const std::vector<ShardIo>& shards) {
+  if (shards.empty()) throw EngineError("WriteManyAsync needs at least one shard");
+  std::vector<std::string> keys;
+  std::vector<ShardEntry> entries;
+  std::vector<const uint8_t*> srcs;
+  for (const ShardIo& s : shards) {
+    keys.push_back(s.key);
+    entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
+    srcs.push_back(static_cast<const uint8_t*>(s.data));
+  }
+  return Enqueue(WriteWork(keys, entries, std::move(srcs)), keys, entries, /*write=*/true);
+}
+
+std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::string> keys,
+                                                          std::vector<ShardEntry> entries,
+                                                          std::vector<const uint8_t*> srcs) {
+  return [this, keys = std::move(keys), entries = std::move(entries),
+          srcs = std::move(srcs)](Job&) mutable {
+    TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (fault_writes_ >= 0 && fault_writes_-- == 0)
+        throw EngineError("injected write fault (test switch) writing '" + keys[0] + "'");
+    }
+    std::vector<Extent> extents;
+    for (size_t i = 0; i < keys.size(); ++i)
+      extents.push_back({BlocksFor(entries[i]), const_cast<uint8_t*>(srcs[i]), entries[i].nbytes, ""});
+    std::vector<uint64_t> sums = WriteExtents(*current_backend_, *pool_, extents, options);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      bytes_written_ += entries[i].nbytes;
+      entries[i].checksum = sums[i];
+      manifest_[keys[i]] = entries[i];
+      ++generations_[keys[i]];  // waiters are woken when the job is marked done
+    }
+  };
+}
+
+void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nbytes,
+                              const std::string& dtype, const std::vector<int64_t>& shape) {
+  WriteDetachedMany({{key, const_cast<void*>(src), nbytes, dtype, shape}});
+}
+
+void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
+  DetachedWrite write = BeginDetached(shards);
+  for (size_t i = 0; i < shards.size(); ++i)
+    std::memcpy(write.buffer->data() + write.at[i], shards[i].data, shards[i].nbytes);
+  FinishDetached(std::move(write));
+}
+
+SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& shards) {
+  if (shards.empty()) throw EngineError("a detached write needs at least one shard");
+  size_t nbytes = 0;
+  for (const ShardIo& s : shards) nbytes += AlignUp(s.nbytes);
+  auto pending = [&] {
+    for (const ShardIo& s : shards)
+      if (detached_.count(s.key)) return true;
+    return false;
+  };
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] {
+      return !pending() && (detached_bytes_ == 0 || detached_bytes_ + nbytes <= config_.pinned_budget);
+    });
+    for (const ShardIo& s : shards) ++detached_[s.key];
+    detached_bytes_ += nbytes;
+  }
+  DetachedWrite write;
+  try {
+    write.buffer = TakeBuffer(nbytes);
+    size_t at = 0;
+    for (const ShardIo& s : shards) {
+      write.keys.push_back(s.key);
+      write.entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
+      write.at.push_back(at);
+      at += AlignUp(s.nbytes);
+    }
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const ShardIo& s : shards)
+        if (--detached_[s.key] == 0) detached_.erase(s.key);
+      detached_bytes_ -= nbytes;
+    }
+    done_cv_.notify_all();
+    throw;
+  }
+  return write;
+}
+
+void SwapStore::FinishDetached(DetachedWrite write) noexcept {
+  std::vector<const uint8_t*> srcs;
+  for (size_t offset : write.at) srcs.push_back(write.buffer->data() + offset);
+  const size_t nbytes = write.buffer->size();
+  try {
+    Enqueue(WriteWork(write.keys, write.entries, std::move(srcs)), write.keys, write.entries,
+            /*write=*/true, std::move(write.buffer));
+  } catch (...) {  // only allocation can fail here: release the keys, keep the error
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!deferred_) deferred_ = std::current_exception();
+    for (const std::string& key : write.keys)
+      if (--detached_[key] == 0) detached_.erase(key);
+    detached_bytes_ -= nbytes;
+  }
+  done_cv_.notify_all();
+}
+
+void SwapStore::WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const {
+  done_cv_.wait(lock, [&] { return !detached_.count(key); });
+}
+
+uint64_t SwapStore::Generation(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = generations_.find(key);
+  return it == generations_.end() ? 0 : it->second;
+}
+
+bool SwapStore::WaitGeneration(const std::string& key, uint64_t generation, int timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return done_cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] {
+    auto it = generations_.find(key);
+    return it != generations_.end() && it->second >= generation;
+  });
+}
+
+std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string> keys,
+                                                         std::vector<ShardEntry> entries,
+                                                         std::vector<uint8_t*> dsts) {
+  return [this, keys = std::move(keys), entries = std::move(entries),
+          dsts = std::move(dsts)](Job& job) mutable {
+    TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
+    std::vector<Extent> extents;
+    if (dsts.empty()) {  // into the job's own buffer (TakeResults copies the shards out)
+      size_t total = 0;
+      std::vector<size_t> at = Offsets(entries, &total);
+      job.result = TakeBuffer(total);
+      for (size_t offset : at) dsts.push_back(job.result->data() + offset);
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      uint8_t* out = dsts[i];
+      extents.push_back({BlocksFor(entries[i]), out, entries[i].nbytes,
+                         "swap file " + folders_[0] + "/swap.bin (shard '" + keys[i] + "')"});
+    }
+    std::vector<uint64_t> sums = ReadExtents(*current_backend_, *pool_, extents, options);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const ShardEntry& e = entries[i];
+      bytes_read_ += e.nbytes;
+      if (sums[i] != e.checksum)
+        throw CorruptShard("checksum mismatch for shard '" + keys[i] + "' (" +
+                           std::to_string(e.nbytes) + " bytes at offset " +
+                           std::to_string(e.offset) + ") in " +
+                           (fds_.size() > 1 ? "the swap files under " : "") + folders_[0] +
+                           "/swap.bin: the swap file is corrupted; restore it from a checkpoint");
+    }
+  };
+}
+
+uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
+                              const std::string& dtype, const std::vector<int64_t>& shape,
+                              bool urgent) {
+  if (dst == nullptr) throw EngineError("ReadAsync needs a destination for '" + key + "'");
+  ShardEntry e = ReadableEntry(key, dtype, shape, nbytes);
+  return Enqueue(ReadWork({key}, {e}, {static_cast<uint8_t*>(dst)}), {key}, {e}, /*write=*/false,
+                 nullptr, urgent);
+}
+
+uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent) {
+  if (keys.empty()) throw EngineError("ReadOwnedAsync needs at least one shard");
+  std::vector<ShardEntry> entries;
+  for (const std::string& key : keys) {
+    ShardEntry e = Entry(key);  // waits for its detached writes
+    CheckReadable(key, e, e.dtype, e.shape, e.nbytes);
+    entries.push_back(e);
+  }
+  return Enqueue(ReadWork(keys, entries, {}), keys, entries, /*write=*/false, nullptr, urgent);
+}
+
+uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent) {
+  if (shards.empty()) throw EngineError("ReadManyAsync needs at least one shard");
+  std::vector<std::string> keys;
+  std::vector<ShardEntry> entries;
+  std::vector<uint8_t*> dsts;
+  for (const ShardIo& s : shards) {
+    if (s.data == nullptr) throw EngineError("ReadManyAsync needs a destination for '" + s.key + "'");
+    keys.push_back(s.key);
+    entries.push_back(ReadableEntry(s.key, s.dtype, s.shape, s.nbytes));
+    dsts.push_back(static_cast<uint8_t*>(s.data));
+  }
+  return Enqueue(ReadWork(keys, entries, std::move(dsts)), keys, entries, /*write=*/false, nullptr,
+                 urgent);
+}
+
+std::unique_ptr<AlignedBuffer> SwapStore::TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
+                                                    std::vector<size_t>* at) {
+  std::shared_ptr<Job> job = FindJob(ticket);
+  Wait(ticket);
+  if (!job->result || outs.size() != job->entries.size())
+    throw EngineError("ticket " + std::to_string(ticket) + " holds " +
+                      std::to_string(job->result ? job->entries.size() : 0) + " read shards, not " +
+                      std::to_string(outs.size()));
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const ShardEntry& e = job->entries[i];
+    if (e.dtype != outs[i].dtype || e.shape != outs[i].shape || e.nbytes != outs[i].nbytes) {
+      GiveBuffer(std::move(job->result));
+      throw ShardMismatch("shard '" + job->keys[i] + "' was written as " + Describe(e.dtype, e.shape) +
+                          " but is read as " + Describe(outs[i].dtype, outs[i].shape));
+    }
+  }
+  size_t total = 0;
+  *at = Offsets(job->entries, &total);
+  return std::move(job->result);
+}
+
+void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
+  std::vector<size_t> at;
+  std::unique_ptr<AlignedBuffer> buffer = TakeOwned(ticket, outs, &at);
+  for (size_t i = 0; i < outs.size(); ++i) std::memcpy(outs[i].data, buffer->data() + at[i], outs[i].nbytes);
+  GiveBuffer(std::move(buffer));
+}
+
+}  // namespace zinfjax
