@@ -4,7 +4,8 @@ from .config import PRESETS, GPTConfig, get_config
 from .data import CharTokenizer, TokenDataset, load_tokens
 from .gpt import GPT, Block, lm_loss
 from .llama import Llama, LlamaConfig
+from .loss import chunked_cross_entropy
 from . import hf
 
 __all__ = ["GPT", "Block", "GPTConfig", "Llama", "LlamaConfig", "hf", "PRESETS", "get_config", "lm_loss",
-           "CharTokenizer", "TokenDataset", "load_tokens"]
+           "chunked_cross_entropy", "CharTokenizer", "TokenDataset", "load_tokens"]

@@ -4,21 +4,26 @@ Blocks are built by `zinfjax.layers.Stack` (parameters stacked on a layer axis,
 run with `nnx.scan`, each block remat-able), so the same model trains on one
 device or layer by layer under ZeRO-3. Matrix products run in the parameters'
 dtype (bf16 under mixed precision); layer norms, softmax and the loss in fp32. Attention is
-`attention.causal_attention` (cuDNN's fused attention on a GPU).
+`attention.causal_attention` (cuDNN's fused attention on a GPU); `lm_loss` scores the output
+projection in chunks of tokens (`loss.py`).
 """
 
 from __future__ import annotations
 
 import math
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from zinfjax.layers import Stack
 from .attention import causal_attention
 from .config import GPTConfig
+from .loss import lm_loss, tied
+
+__all__ = ["Block", "GPT", "lm_loss"]
 
 
 def _layer_norm(features: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -69,17 +74,19 @@ class GPT(nnx.Module):
                         rngs=rngs, remat=config.remat)
     self.ln_f = _layer_norm(config.hidden, rngs)
 
-  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+  def features(self, tokens_BxT: jax.Array) -> jax.Array:
+    """The last layer norm's output `[B, T, hidden]`, in the compute dtype."""
     t = tokens_BxT.shape[1]
     if t > self.config.seq_len:
       raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}.")
     x_BxTxD = self.wte(tokens_BxT) + self.wpe(jnp.arange(t))
     x_BxTxD = self.blocks(x_BxTxD)
-    x_BxTxD = self.ln_f(x_BxTxD).astype(x_BxTxD.dtype)
-    return self.wte.attend(x_BxTxD).astype(jnp.float32)
+    return self.ln_f(x_BxTxD).astype(x_BxTxD.dtype)
 
+  def head(self) -> tuple[jax.Array, Callable]:
+    """The output projection as (weight, project): the tied token embedding."""
+    return self.wte.embedding[...], tied
 
-def lm_loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
-  """Mean next-token cross entropy of `batch["inputs"]` against `batch["targets"]`."""
-  logits_BxTxV = model(batch["inputs"])
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"]).mean()
+  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+    weight, project = self.head()
+    return project(self.features(tokens_BxT), weight).astype(jnp.float32)

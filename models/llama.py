@@ -10,6 +10,7 @@ forward: norms and softmax in fp32, rotary embedding with `rotate_half`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 
 from zinfjax.layers import Stack
 from .attention import causal_attention
+from .loss import dense, tied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +151,20 @@ class Llama(nnx.Module):
       self.lm_head = nnx.Linear(config.hidden, config.vocab_size, use_bias=False,
                                 kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
-  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+  def features(self, tokens_BxT: jax.Array) -> jax.Array:
+    """The final norm's output `[B, T, hidden]`, in the compute dtype."""
     if tokens_BxT.shape[1] > self.config.seq_len:
       raise ValueError(f"sequence of {tokens_BxT.shape[1]} tokens is longer than "
                        f"seq_len={self.config.seq_len}.")
     x_BxTxD = self.layers(self.embed(tokens_BxT))
-    x_BxTxD = self.norm(x_BxTxD).astype(x_BxTxD.dtype)
+    return self.norm(x_BxTxD).astype(x_BxTxD.dtype)
+
+  def head(self) -> tuple[jax.Array, Callable]:
+    """The output projection as (weight, project): the tied embedding or `lm_head`."""
     if self.config.tie_embeddings:
-      return self.embed.attend(x_BxTxD).astype(jnp.float32)
-    return self.lm_head(x_BxTxD).astype(jnp.float32)
+      return self.embed.embedding[...], tied
+    return self.lm_head.kernel[...], dense
+
+  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+    weight, project = self.head()
+    return project(self.features(tokens_BxT), weight).astype(jnp.float32)
