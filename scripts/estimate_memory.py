@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--offload-grad", default=None, choices=("device", "pinned_host", "nvme"))
   p.add_argument("--offload-optimizer", default="device", choices=("device", "pinned_host", "nvme"))
   p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+  p.add_argument("--no-atomic-nvme", dest="atomic_nvme", action="store_false",
+                 help="NVMe steps rewrite in place (ZeroConfig.nvme_atomic_steps=False)")
   p.add_argument("--plan", action="store_true",
                  help="print the placement offload='auto' chooses and the step time it allows")
   p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
                         devices_per_node=args.devices_per_node, stage=args.zero_stage,
                         checkpoint_interval=args.checkpoint_interval,
                         offload_param=args.offload_param, offload_grad=args.offload_grad,
-                        offload_optimizer=args.offload_optimizer)
+                        offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme)
   inputs = {k: v for k, v in vars(args).items() if k != "json"}
   inputs.update(layers=layers, hidden=hidden, heads=heads)
   if args.json:
@@ -135,6 +137,11 @@ def main(argv=None) -> int:
   width = max(len(r[0]) for r in rows)
   for name, value in rows:
     print(f"  {name:<{width}}  {fmt(value):>14}")
+  kept = ", ".join(f"{t} {b:g}" for t, b in est.per_param.items() if b)
+  print(f"  zinfjax keeps per parameter (bytes, before the split over devices): {kept}"
+        + ("; NVMe params and optimizer states twice (all-or-nothing steps; "
+           "--no-atomic-nvme: once)" if args.atomic_nvme and "nvme" in
+           (args.offload_param, args.offload_optimizer) else ""))
   return 0
 
 

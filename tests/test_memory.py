@@ -88,3 +88,28 @@ def test_init_never_materializes_the_whole_model(mesh):
   total = sum(x.nbytes for x in jax.tree.leaves(state.master))
   assert analysis.output_size_in_bytes <= total / 8 + 4096
   assert analysis.temp_size_in_bytes < total / 4, (analysis.temp_size_in_bytes, total)
+
+
+@pytest.mark.parametrize("param,optimizer,atomic", [("pinned_host", "nvme", True),
+                                                    ("nvme", "nvme", False),
+                                                    ("device", "pinned_host", True)])
+def test_bytes_per_param_match_the_plan(param, optimizer, atomic, tmp_path):
+  """`bytes_per_param` times the params equals what the plan keeps on each tier (the NVMe
+  copies of all-or-nothing steps included), to the shards' alignment padding."""
+  import jax
+  import zinfjax
+  from zinfjax.engine import build_engine
+  from zinfjax.memory import bytes_per_param
+  from zinfjax.models import GPT, get_config
+  config = get_config("tiny", num_layers=2, hidden=256, num_heads=4)
+  zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
+                            nvme_path=str(tmp_path), nvme_atomic_steps=atomic)
+  plan = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
+                      zinfjax.make_mesh(jax.devices()[:1]), open_store_=False).plan
+  n = sum(leaf.num_layers * leaf.local_size for leaf in plan.leaves)
+  per = bytes_per_param(param, None, optimizer, atomic_nvme=atomic)
+  held = plan.tier_bytes()
+  nvme = sum(plan.nvme_disk_bytes(atomic).values())
+  for tier in ("device", "pinned_host"):
+    assert held[tier] == per[tier] * n, tier  # arrays: exact
+  assert per["nvme"] * n <= nvme <= per["nvme"] * n * 1.1  # + padding to 4 KiB per shard
