@@ -8,6 +8,18 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+SLOW = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Mark the tests tests/slow.txt lists (made by scripts/slow_tests.py from a timed run) with
+  `slow`: `pytest -m "not slow"` is the quick run."""
+  with open(SLOW) as f:
+    slow = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)
+
 @pytest.fixture(scope="session")
 def mesh():
   import zinfjax
