@@ -7,6 +7,9 @@
 #                                          3 minutes: run it as its own call, after `build`) and
 #                                          `largest` (the largest GPT per placement, 3 steps each;
 #                                          LARGEST="nvme" picks placements: one per call fits)
+#                                          and `profile` (a jax.profiler trace of the bench GPT,
+#                                          all on device and on pinned host, and the top kernels
+#                                          by time as text: profile_device.txt, profile_pinned_host.txt)
 #   scripts/gpu_check.sh OUT --dry-run     on a machine without a GPU: checks that every
 #                                          stage's commands exist and run (GPU tests skipped,
 #                                          benchmarks at tiny sizes), builds nothing
@@ -21,7 +24,7 @@ STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
 DRY=0
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
-  STAGES=env,gpu-tests,bench,ckpt,largest
+  STAGES=env,gpu-tests,bench,ckpt,largest,profile
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
@@ -100,6 +103,18 @@ if want bench; then
     run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT"
   fi
   note "bench: table in bench_gpu.log, numbers in bench_gpu.json"
+fi
+
+if want profile; then
+  STAGE=profile
+  for where in device pinned_host; do
+    extra=()
+    if [[ $DRY == 1 ]]; then extra=(--tiny); fi
+    (cd /tmp && run "profile_$where.txt" 280 $PY "$REPO/scripts/profile_step.py" \
+       --out "$OUT/profile_$where" --offload "$where" "${extra[@]}")
+    rm -rf "$OUT/profile_$where/nvme"
+  done
+  note "profile: top kernels in profile_device.txt and profile_pinned_host.txt, traces under profile_*/trace"
 fi
 
 if want ckpt; then
