@@ -55,6 +55,9 @@ def parse_args(argv=None):
   p.add_argument("--sections", default="copies,matmul,disk,steps",
                  help="comma-separated parts to run (a failing part is recorded and the rest run)")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
+  p.add_argument("--host-adam-ffi", action="store_true",
+                 help="also run the pinned-host row with ZINFJAX_HOST_ADAM=ffi (the C++ AdamW "
+                      "registered for XLA:GPU's host computations)")
   args = p.parse_args(argv)
   if args.tiny:
     args.layers, args.hidden, args.heads, args.seq_len = 2, 64, 4, 32
@@ -228,7 +231,11 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                   ("pinned_host", "pinned_host", "params + optimizer on pinned_host")]
     if tokens in nvme_tokens:
       placements.append(("nvme", "nvme", "params + optimizer on nvme"))
+    if tokens in nvme_tokens and args.host_adam_ffi:  # last: a crash keeps the rows before it
+      placements.append(("pinned_host", "pinned_host",
+                         "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code"))
     for param, optimizer, name in placements:
+      os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}"))

@@ -9,6 +9,7 @@ C++ kernel (no fused multiply-adds) agrees to float32 rounding.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 from jax.experimental import compute_on as _compute_on
@@ -55,8 +56,10 @@ def adamw_host(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay:
                apply=True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """AdamW on one leaf in host memory, inside `on_host`: the fused C++ kernel on CPU
   platforms; elsewhere the same math in jnp (XLA:GPU compiles host code in its own
-  plugin, whose FFI registry takes handlers for the CUDA platform alone)."""
-  if platform == "cpu":
+  plugin, whose FFI registry takes handlers for the CUDA platform alone), or, with
+  ZINFJAX_HOST_ADAM=ffi, the C++ kernel registered there too (`_ffi.HOST_ON_CUDA`; not yet
+  the default: it waits for a GPU run to show it computes the same)."""
+  if platform == "cpu" or os.environ.get("ZINFJAX_HOST_ADAM") == "ffi":
     return adamw_ffi(master, m, v, grad, lr, bc1, bc2, c, weight_decay, params_dtype, apply)
   new = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay)
   master, m, v = (jnp.where(apply, a, b) for a, b in zip(new, (master, m, v)))
