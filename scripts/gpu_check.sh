@@ -6,7 +6,7 @@
 #                                          (checkpoint save/restore per tier on the GPU, about
 #                                          3 minutes: run it as its own call, after `build`) and
 #                                          `largest` (the largest GPT per placement, 3 steps each;
-#                                          LARGEST="nvme" picks placements: one per call fits)
+#                                          LARGEST="nvme" or "mixed" picks placements: one per call fits)
 #                                          and `profile` (a jax.profiler trace of the bench GPT,
 #                                          all on device and on pinned host, and the top kernels
 #                                          by time as text: profile_device.txt, profile_pinned_host.txt)

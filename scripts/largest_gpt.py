@@ -12,6 +12,13 @@ runs. The table: layers, params, states per tier, init s, step s, tokens/s, TFLO
 (6 x params x tokens/s), losses, peak host RSS; OUT/largest_gpt.json holds every run.
 `--hbm-gib`, `--ram-gib` and `--disk-gib` (per device) replace the measured rooms (a check of the script
 on a small machine).
+
+The placement `mixed` uses every tier at once: zinfjax's `offload="auto"` fills HBM first, then
+host RAM, then the drive, layer by layer (params before optimizer states), with each tier's
+room x `--fill` as its budget (the device's less the activations' estimate). The search builds
+the placement plan alone (no state, in a CPU child process) for each layer count and keeps the
+largest that fits; NVMe steps rewrite in place (`--no-atomic-steps`: all-or-nothing steps would
+need the drive twice over).
 """
 
 from __future__ import annotations
@@ -81,6 +88,73 @@ def need(layers: int, tier: str, args) -> dict[str, int]:
   return out
 
 
+def mixed_budgets(layers: int, room: dict[str, int], args) -> dict[str, int]:
+  """`offload="auto"` budgets per device for `layers` layers: each tier's room x `--fill`, the
+  device's less the activations and working memory (zinfjax.memory's estimate)."""
+  from zinfjax.memory import estimate_memory
+  est = estimate_memory(layers=layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+                        batch_per_device=max(1, args.batch_size // args.devices), devices=args.devices,
+                        num_params=num_params(layers, args))
+  work = est.activation_checkpoints + est.activation_working_memory + est.model_state_working_memory
+  return {"device": max(0, int(args.fill * room["device"]) - work),
+          "pinned_host": int(args.fill * room["pinned_host"]), "nvme": int(args.fill * room["nvme"])}
+
+
+def mixed_plan(layers: int, room: dict[str, int], args, folder: str) -> dict | None:
+  """The placement `offload="auto"` chooses for `layers` layers (its splits and the bytes per tier
+  per device), or None where the model does not fit the budgets. Builds the plan only."""
+  import zinfjax
+  from zinfjax.autoplace import PlacementError
+  from zinfjax.engine import build_engine
+  from zinfjax.models import GPT, get_config
+  config = get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
+                      vocab_size=65, seq_len=args.seq_len)
+  zero = zinfjax.ZeroConfig(offload="auto", tier_budgets=mixed_budgets(layers, room, args),
+                            nvme_path=folder, nvme_atomic_steps=False,
+                            pinned_budget=args.pinned_budget << 20)
+  try:
+    auto = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
+                        zinfjax.make_mesh(), open_store_=False).auto
+  except PlacementError:
+    return None
+  return {"offload_param": auto.offload_param, "offload_optimizer": auto.offload_optimizer,
+          "need": {str(t): int(b) for t, b in auto.need.items()}, "budgets": auto.budgets}
+
+
+def search_mixed(room: dict[str, int], args, folder: str,
+                 layers: int | None = None) -> tuple[int, dict | None]:
+  """The most layers `mixed_plan` places and its placement (or, given `layers`, that count's
+  placement), asked of a child process on the CPU with `--devices` host devices: this one must
+  not hold the GPU."""
+  code = ("import json, sys, types; sys.path.insert(0, sys.argv[1]); import largest_gpt as L; "
+          "a = json.loads(sys.argv[2]); ns = types.SimpleNamespace(**a['args']); "
+          "place = lambda n: L.mixed_plan(n, a['room'], ns, a['folder']); "
+          "print(json.dumps(L.bisect(place) if a['layers'] is None "
+          "else (a['layers'], place(a['layers']))))")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+  payload = json.dumps({"room": room, "args": vars(args), "folder": folder, "layers": layers})
+  out = subprocess.run([sys.executable, "-c", code, SCRIPTS, payload], capture_output=True,
+                       text=True, env=env, cwd="/")
+  if out.returncode:
+    raise SystemExit(f"the mixed placement search failed:\n{out.stderr[-3000:]}")
+  found, plan = json.loads(out.stdout.strip().splitlines()[-1])
+  return found, plan
+
+
+def bisect(place) -> tuple[int, object]:
+  """The largest n >= 1 with `place(n)` not None (doubling, then halving) and its value;
+  (0, None) when not even one layer places."""
+  lo, hi, best = 0, 1, None
+  while (got := place(hi)) is not None:
+    lo, hi, best = hi, hi * 2, got
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    got = place(mid)
+    lo, hi, best = (mid, hi, got) if got is not None else (lo, mid, best)
+  return lo, best
+
+
 def largest(tier: str, room: dict[str, int], args) -> int:
   """The most layers whose estimate fits `room` x `--fill` on every tier (0: not even one)."""
   fits = lambda n: all(b <= args.fill * room[t] for t, b in need(n, tier, args).items() if b)
@@ -93,16 +167,21 @@ def largest(tier: str, room: dict[str, int], args) -> int:
   return lo
 
 
-def train(tier: str, layers: int, args, folder: str) -> dict:
-  """One `train_gpt.py` run; its metrics, return code and the tail of its output."""
+def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None) -> dict:
+  """One `train_gpt.py` run; its metrics, return code and the tail of its output. `mixed` trains
+  with `--offload auto` and `budgets`."""
   metrics = os.path.join(args.out, f"{tier}_{layers}.jsonl")
   cmd = [sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny",
          "--layers", str(layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
          "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
          "--steps", str(args.steps), "--log-every", "1", "--same-batch", "--warmup-steps", "0",
          "--lr", str(args.lr),
-         "--offload-param", tier, "--offload-optimizer", tier, "--metrics-jsonl", metrics]
-  if tier == "nvme":
+         "--metrics-jsonl", metrics]
+  if tier == "mixed":
+    cmd += ["--offload", "auto"] + [f"--budget={t}={b}" for t, b in budgets.items()]
+  else:
+    cmd += ["--offload-param", tier, "--offload-optimizer", tier]
+  if tier in ("nvme", "mixed"):
     cmd += ["--nvme-path", folder, "--no-atomic-steps", "--pinned-budget", str(args.pinned_budget)]
   cmd += ["--devices", str(args.devices)]
   t0 = time.perf_counter()
@@ -125,7 +204,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="folder for largest_gpt.json and the runs' metrics")
   p.add_argument("--placements", nargs="+", default=["device", "pinned_host", "nvme"],
-                 choices=["device", "pinned_host", "nvme"])
+                 choices=["device", "pinned_host", "nvme", "mixed"])
   p.add_argument("--hidden", type=int, default=4096)
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--seq-len", type=int, default=1024)
@@ -154,16 +233,27 @@ def main(argv=None) -> int:
         + ", ".join(f"{t} {human_bytes(b)}" for t, b in room.items()), flush=True)
   runs = []
   for tier in args.placements:
-    layers = largest(tier, room, args)
+    placed = None
+    if tier == "mixed":
+      layers, placed = search_mixed(room, args, folder)
+    else:
+      layers = largest(tier, room, args)
     for _ in range(args.tries):
       if layers < 1:
         print(f"{tier}: not even one layer of {args.hidden} fits", flush=True)
         break
-      states = need(layers, tier, args)
+      if tier == "mixed" and placed is None:  # after a failed run: the plan of fewer layers
+        _, placed = search_mixed(room, args, folder, layers)
+      states = placed["need"] if placed else need(layers, tier, args)
       print(f"{tier}: {layers} layers, states per device "
-            + ", ".join(f"{t} {human_bytes(b)}" for t, b in states.items() if b), flush=True)
-      run = train(tier, layers, args, folder)
+            + ", ".join(f"{t} {human_bytes(b)}" for t, b in states.items() if b)
+            + (f" (params {placed['offload_param']}, optimizer {placed['offload_optimizer']})"
+               if placed else ""), flush=True)
+      run = train(tier, layers, args, folder,
+                  mixed_budgets(layers, room, args) if tier == "mixed" else None)
       run["need"] = states
+      if placed:
+        run["placement"] = {k: placed[k] for k in ("offload_param", "offload_optimizer")}
       runs.append(run)
       with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:  # after every run: a cut
         json.dump({"room": room, "args": vars(args), "runs": runs}, f, indent=1)  # call keeps it
@@ -174,7 +264,7 @@ def main(argv=None) -> int:
       if run["returncode"] == 0:
         break
       print(f"{tier}: {layers} layers failed (exit {run['returncode']}):\n{run['tail'][-1500:]}", flush=True)
-      layers = int(layers * args.shrink)
+      layers, placed = int(layers * args.shrink), None
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
         f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "
@@ -189,7 +279,9 @@ def main(argv=None) -> int:
       trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}",
                  f"{6 * n * last['tokens_per_s'] / 1e12:.1f}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}",
                  f"{max(r['peak_rss'] for r in rs) / GIB:.2f}"]
-    print("| " + " | ".join([run["tier"], str(run["layers"]), f"{n / 1e9:.2f}", states,
+    where = run["tier"] + (" (params {offload_param}; optimizer {offload_optimizer})".format(
+        **run["placement"]) if "placement" in run else "")
+    print("| " + " | ".join([where, str(run["layers"]), f"{n / 1e9:.2f}", states,
                              str(run["returncode"]), *trained, f"{run['wall_s']:.0f}"]) + " |")
   last = {run["tier"]: run["returncode"] for run in runs}  # each placement's last run
   return 0 if len(last) == len(args.placements) and not any(last.values()) else 1

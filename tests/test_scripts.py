@@ -174,6 +174,34 @@ def largest_runs_are_the_largest_that_fit(result: dict) -> None:
   assert result["runs"][2]["layers"] > result["runs"][1]["layers"] > result["runs"][0]["layers"] > 1
 
 
+def test_largest_gpt_mixed_fills_every_tier(tmp_path):
+  """largest_gpt.py's mixed placement: `offload="auto"` splits the layers over HBM, RAM and the
+  drive; the search keeps the most layers that place (one more does not), that run trains with
+  falling loss and holds on each tier what the plan said (on the drive, its states; in memory,
+  the params without the grads the plan also counts)."""
+  import importlib.util
+  import types
+  out = tmp_path / "largest"
+  run([os.path.join(SCRIPTS, "largest_gpt.py"), "--out", str(out), "--placements", "mixed",
+       "--hidden", "128", "--heads", "4", "--seq-len", "64", "--batch-size", "4", "--devices", "2",
+       "--hbm-gib", "0.005", "--ram-gib", "0.008", "--disk-gib", "0.02", "--pinned-budget", "64",
+       "--steps", "4", "--lr", "3e-3"])
+  result = json.loads((out / "largest_gpt.json").read_text())
+  (mixed,) = result["runs"]
+  losses = [r["loss"] for r in mixed["records"]]
+  assert mixed["returncode"] == 0 and losses[-1] < losses[0], mixed["tail"]
+  splits = mixed["placement"]["offload_param"] + "," + mixed["placement"]["offload_optimizer"]
+  assert all(tier in splits for tier in ("device", "pinned_host", "nvme")), splits
+  held, planned = mixed["records"][-1]["tiers"], mixed["need"]  # the plan's count has the grads too
+  assert abs(held["nvme"] - planned["nvme"]) <= 0.01 * planned["nvme"], (held, planned)
+  assert all(planned[t] / 2 <= held[t] <= planned[t] for t in ("device", "pinned_host")), (held, planned)
+  spec = importlib.util.spec_from_file_location("largest_gpt", os.path.join(SCRIPTS, "largest_gpt.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  args = types.SimpleNamespace(**result["args"])
+  assert mod.search_mixed(result["room"], args, str(tmp_path / "nvme"), mixed["layers"] + 1)[1] is None
+
+
 def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
   """A Latin-1 text file stops the CLI before any compute with the file and the problem named,
   not a UnicodeDecodeError traceback."""
