@@ -228,7 +228,8 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                 for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
     placements = [("device", "device", "all on device (compute alone)"),
-                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host")]
+                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host"),
+                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host, host pipeline")]
     if tokens in nvme_tokens:
       placements.append(("nvme", "nvme", "params + optimizer on nvme"))
     if tokens in nvme_tokens and args.host_adam_ffi:  # last: a crash keeps the rows before it
@@ -238,7 +239,9 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
       os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
-                                nvme_path=os.path.join(root, f"steps-{tokens}-{param}"))
+                                host_optimizer="pipeline" if "host pipeline" in name else "xla",
+                                nvme_path=os.path.join(root, f"steps-{tokens}-{param}")
+                                if "nvme" in (param, optimizer) else None)
       state = None
       try:
         state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero, mesh, 0)

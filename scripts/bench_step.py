@@ -83,10 +83,11 @@ def main(argv=None) -> int:
         f"batch {args.batch_size} x {args.seq_len}, {args.precision}, {args.devices} "
         f"{jax.devices()[0].platform} devices, swap store under {root}")
 
-  def timed_steps(param, optimizer, tag):
+  def timed_steps(param, optimizer, tag, host_optimizer="xla"):
     zero = zinfjax.ZeroConfig(precision=args.precision, offload_param=param,
                               offload_optimizer=optimizer, pinned_budget=args.pinned_budget << 20,
-                              nvme_path=os.path.join(root, tag))
+                              host_optimizer=host_optimizer, nvme_path=os.path.join(root, tag)
+                              if "nvme" in (param, optimizer) else None)
     state = zinfjax.init(lambda r: GPT(config, rngs=r), tx, zero, mesh, 0)
     return median_step(state, batches, lm_loss)
 
@@ -125,6 +126,10 @@ def main(argv=None) -> int:
 
   results["params + optimizer on pinned_host"], state, _ = timed_steps("pinned_host", "pinned_host", "pinned")
   del state
+  results["params + optimizer on pinned_host, host pipeline"], state, _ = timed_steps(
+      "pinned_host", "pinned_host", "pinned", "pipeline")
+  state.close()
+  del state
   results["params + optimizer on nvme"], state, metrics = timed_steps("nvme", "nvme", "nvme")
   io = io_alone(state.engine.store)
   print(f"\ncompute alone: {compute:.3f} s (fwd/bwd {fwd_bwd:.3f} s + AdamW {adam:.3f} s)")
@@ -139,8 +144,8 @@ def main(argv=None) -> int:
   print(f"CPU time:      compute alone {compute_cpu:.2f} s, I/O alone {io['cpu_s']:.2f} s (checksums, "
         f"staging, syscalls) on {cores} cores: overlapping both needs at least {cpu_bound:.3f} s "
         f"({cpu_bound / bound:.2f}x max(compute, I/O))\n")
-  print(f"| placement | step s | vs compute alone | vs max(compute, I/O) |")
-  print(f"|---|---|---|---|")
+  print("| placement | step s | vs compute alone | vs max(compute, I/O) |")
+  print("|---|---|---|---|")
   for name, t in results.items():
     print(f"| {name} | {t:.3f} | {t / compute:.2f}x | {t / bound:.2f}x |")
   print(f"| compute alone | {compute:.3f} | 1.00x | {compute / bound:.2f}x |")

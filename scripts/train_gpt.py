@@ -77,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-atomic-steps", action="store_true",
                  help="rewrite NVMe states in place (nvme_atomic_steps=False): half the drive "
                       "space, but a step that fails on NVMe is not rolled back")
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline"),
+                 help="who updates the optimizer states in pinned host memory: the step's XLA "
+                      "program, or zinfjax's host pipeline (C++ AdamW on host threads, states in "
+                      "a store in RAM, updated in place)")
   p.add_argument("--nvme-io-threads", type=int, default=4,
                  help="shards the swap store moves at once (the drive's queue depth)")
   p.add_argument("--offload-activations", action="store_true",
@@ -311,6 +315,7 @@ def main(argv=None) -> int:
         nvme_path=args.nvme_path[0] if args.nvme_path and len(args.nvme_path) == 1 else args.nvme_path,
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
         nvme_io_threads=args.nvme_io_threads, nvme_atomic_steps=not args.no_atomic_steps,
+        host_optimizer=args.host_optimizer,
         offload_activations=args.offload_activations, micro_batches=args.micro_batches,
         ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives],
         trainable=nnx.LoRAParam if args.lora_rank else None, offload=args.offload,
@@ -355,7 +360,8 @@ def main(argv=None) -> int:
         f"layers x {config.hidden}) | ZeRO-{zero.stage} {zero.precision} on {dp} "
         f"{jax.devices()[0].platform} devices{processes} | data {args.data} ({len(tokens):,} "
         f"tokens, vocab {vocab})")
-  say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}, "
+  host = " (host pipeline)" if zero.with_host_pipeline().host_store else ""
+  say(f"placement: params+grads {zero.offload_param}, optimizer {zero.offload_optimizer}{host}, "
         f"activations {'pinned_host' if zero.offload_activations else 'device'}"
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else "")
         + (f" | {zero.micro_batches} micro-batches of {args.batch_size // dp // zero.micro_batches}"
@@ -453,8 +459,9 @@ def main(argv=None) -> int:
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
       tiers = tier_bytes(state)
-      if state.engine.store is not None:
-        tiers["nvme"] = state.engine.store.stats()["bytes_used"] // len(jax.local_devices())
+      if state.engine.store is not None:  # on the drive, or in RAM (host_optimizer="pipeline")
+        tiers[str(plan.store_tier)] = tiers.get(str(plan.store_tier), 0) + (
+            state.engine.store.stats()["bytes_used"] // len(jax.local_devices()))
       breakdown = {k: float(v) for k, v in metrics.items()
                    if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "nvme_clip_predicted", "skipped")}
       if held_out is not None and (step % args.eval_every == 0 or step == args.steps):

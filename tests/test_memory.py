@@ -113,3 +113,24 @@ def test_bytes_per_param_match_the_plan(param, optimizer, atomic, tmp_path):
   for tier in ("device", "pinned_host"):
     assert held[tier] == per[tier] * n, tier  # arrays: exact
   assert per["nvme"] * n <= nvme <= per["nvme"] * n * 1.1  # + padding to 4 KiB per shard
+
+
+def test_xla_gpu_pinned_host_limit_is_raised_and_checked():
+  """XLA:GPU's pinned-host cap (64 GiB unless set) is raised to 90% of the machine's RAM where
+  the environment leaves it unset, never lowered, and a plan above it is refused by name."""
+  import os
+  from zinfjax import hostlimit
+  env = {}
+  hostlimit.raise_default(env, ram=512 << 30)
+  assert env == {hostlimit.ENV: "460"}
+  env = {}
+  hostlimit.raise_default(env, ram=16 << 30)
+  assert env == {hostlimit.ENV: "64"}
+  env = {hostlimit.ENV: "32"}
+  hostlimit.raise_default(env, ram=512 << 30)
+  assert env == {hostlimit.ENV: "32"}
+  assert hostlimit.ENV in os.environ  # importing zinfjax set it (or the environment had)
+  with pytest.raises(ValueError, match=f"set {hostlimit.ENV}=101 "):
+    hostlimit.check((100 << 30) + 1, "gpu", {hostlimit.ENV: "64"})
+  hostlimit.check((100 << 30) + 1, "cpu", {hostlimit.ENV: "64"})  # XLA:CPU has no such cap
+  hostlimit.check(64 << 30, "gpu", {hostlimit.ENV: "64"})

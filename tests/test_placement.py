@@ -112,7 +112,9 @@ def test_resume_onto_another_split_is_exact(mesh, batches, tmp_path):
   for batch in batches[5:10]:
     state, metrics = zinfjax.train_step(state, batch, lm_loss)
     losses.append(float(metrics["loss"]))
-  np.testing.assert_array_equal(np.concatenate([half, losses]), straight)
+  # the same states; the loss itself comes from programs of other splits, whose reductions XLA
+  # may associate differently (by the CPU's vector width): 1 ulp apart on an AVX-512 EPYC
+  np.testing.assert_allclose(np.concatenate([half, losses]), straight, rtol=1e-6, atol=0)
   state.engine.store.close()
 
 

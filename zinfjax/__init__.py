@@ -9,6 +9,8 @@ except ImportError as e:  # pragma: no cover - depends on how Python was started
       f"at {_os.path.dirname(__file__)} instead of an installed zinfjax. Install it with "
       "`pip install .` and run Python from outside the repository root.") from e
 
+from . import hostlimit as _hostlimit
+_hostlimit.raise_default()  # before jax starts a GPU client: host tiers may use the machine's RAM
 from . import _ffi, optim  # noqa: F401  (_ffi registers the XLA handlers)
 from .config import ZeroConfig
 from .layers import Stack

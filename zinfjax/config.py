@@ -8,6 +8,10 @@ from typing import Any, Literal, Mapping, Sequence
 
 from .placement import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
 
+# the nvme_path of a swap store kept in host RAM: where `host_optimizer="pipeline"` puts the
+# pinned-host optimizer states (set by `ZeroConfig.with_host_pipeline`, not by hand)
+HOST_MEMORY = ":host-memory:"
+
 Precision = Literal["bf16", "fp32"]
 
 
@@ -106,6 +110,14 @@ class ZeroConfig:
       optimizer states (its count included) stay as they were, and the
       step's metrics say `skipped` = 1. On NVMe this rests on all-or-nothing
       steps (`nvme_atomic_steps`). False applies the update whatever it holds.
+    host_optimizer: who updates the optimizer states placed in pinned host
+      memory. "xla" (the default): the step's program, in XLA's host
+      computation. "pipeline": the host pipeline that updates NVMe states
+      (the C++ AdamW on host threads, layer by layer), with a store in host
+      RAM instead of the drive: master params and moments live in memory
+      the store owns and are updated in place; grads are read once from the
+      program, new params returned once. Needs zinfjax's AdamW and no state
+      on NVMe; its steps are not all-or-nothing (as with "xla").
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -136,6 +148,7 @@ class ZeroConfig:
   layer_residuals: str = "auto"
   residual_budget: int | None = None
   skip_nonfinite: bool = True
+  host_optimizer: str = "xla"
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -202,6 +215,16 @@ class ZeroConfig:
           f"{self.offload_optimizer!r}, offload_activations={self.offload_activations}) needs "
           f"stage=3, got stage={self.stage}: zinfjax moves each rank's 1/dp shard of every state "
           "between tiers, and stages 1 and 2 keep whole params on every device.")
+    if self.host_optimizer not in ("xla", "pipeline"):
+      raise ValueError(f"ZeroConfig.host_optimizer must be 'xla' or 'pipeline', got "
+                       f"{self.host_optimizer!r}.")
+    if (self.nvme_path == HOST_MEMORY) != (self.host_optimizer == "pipeline" and self.uses_nvme):
+      raise ValueError(
+          f"ZeroConfig(offload_param={self.offload_param!r}, offload_optimizer="
+          f"{self.offload_optimizer!r}, host_optimizer={self.host_optimizer!r}, nvme_path="
+          f"{self.nvme_path!r}): host_optimizer='pipeline' keeps the pinned-host optimizer states "
+          "in a store in host RAM and cannot also use a drive yet; place no state on 'nvme' with "
+          "it (or use host_optimizer='xla'), and leave nvme_path unset.")
     if self.uses_nvme and not self.nvme_path:
       raise ValueError(
           "a state is placed on 'nvme' but ZeroConfig.nvme_path is not set: give a folder on a "
@@ -251,8 +274,24 @@ class ZeroConfig:
     return Tier.NVME in split_tiers(self.param_split) + split_tiers(self.optimizer_split)
 
   @property
+  def host_store(self) -> bool:
+    """Whether the swap store lives in host RAM (`with_host_pipeline`), not on a drive."""
+    return self.nvme_path == HOST_MEMORY
+
+  def with_host_pipeline(self) -> "ZeroConfig":
+    """The config the engine plans with: under host_optimizer="pipeline", the pinned-host
+    optimizer segments become segments of a swap store in host RAM (the host pipeline updates
+    them as it updates NVMe ones), steps not all-or-nothing; otherwise itself."""
+    split = self.optimizer_split
+    if self.host_optimizer != "pipeline" or self.host_store or Tier.PINNED_HOST not in split_tiers(split):
+      return self
+    return self.replace(offload_optimizer=tuple(
+        (Tier.NVME if t is Tier.PINNED_HOST else t, a) for t, a in split),
+        nvme_path=HOST_MEMORY, nvme_atomic_steps=False)
+
+  @property
   def nvme_paths(self) -> list[str]:
-    if self.nvme_path is None:
+    if self.nvme_path is None or self.host_store:
       return []
     if isinstance(self.nvme_path, (str, os.PathLike)):
       return [os.fspath(self.nvme_path)]

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .autoplace import AutoPlan, plan_placement
+from . import hostlimit
 from .config import ZeroConfig
 from .layers import Stack
 from .offload.store import AioStore, NoSpaceError
@@ -155,8 +156,15 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
   included) allocated now: a drive that cannot hold them fails here, not at step 1."""
   store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
                    pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice,
-                   fresh=True)
+                   fresh=True, memory=config.host_store)
   store.defer_errors()  # raised after each step (see runner.checked)
+  if config.host_store:  # host RAM: all of it now (the memory store's NoSpaceError names it)
+    try:
+      store.reserve(sum(plan.nvme_disk_bytes(False).values()), exact=True)
+    except BaseException:
+      store.close()
+      raise
+    return store
   # what a previous run left in the swap files is reused before the drive's free space
   free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
   # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
@@ -205,7 +213,10 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
     auto = plan_placement(config, lambda c: make_plan(c, layouts, stack_paths, mesh, frozen),
                           config.tier_budgets)
     config = auto.resolve(config)
+  config = config.with_host_pipeline()
   plan = make_plan(config, layouts, stack_paths, mesh, frozen)
+  hostlimit.check(plan.tier_bytes()[Tier.PINNED_HOST] * len(mesh.local_devices),
+                  mesh.devices.flat[0].platform)
   try:
     hyper = _engine_adamw(tx, plan, config)
   except ValueError as e:

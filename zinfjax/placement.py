@@ -234,6 +234,8 @@ class Plan:
   axis: str
   stage: int
   compute_dtype: Any
+  # where the swap store keeps its shards: the drive, or host RAM (`ZeroConfig.host_store`)
+  store_tier: Tier = Tier.NVME
 
   @property
   def dp(self) -> int:
@@ -316,14 +318,16 @@ class Plan:
     return {**need, "copies": need["params"] + need["optimizer"] if atomic else 0}
 
   def tier_bytes(self) -> dict[str, int]:
-    """Bytes of model states one device holds on each tier (params, grads, master, moments)."""
+    """Bytes of model states one device holds on each tier (params, grads, master, moments);
+    the swap store's on the tier it keeps them (`store_tier`)."""
     out = dict.fromkeys(Tier, 0)
     item = jnp.dtype(self.compute_dtype).itemsize
+    medium = lambda t: self.store_tier if t is Tier.NVME else t  # noqa: E731
     for leaf in self.leaves:
       for seg in leaf.params:
-        out[seg.tier] += seg.layers * leaf.local_size * (2 if leaf.trainable else 1) * item
+        out[medium(seg.tier)] += seg.layers * leaf.local_size * (2 if leaf.trainable else 1) * item
       for seg in leaf.optimizer:
-        out[seg.tier] += seg.layers * leaf.local_size * 12
+        out[medium(seg.tier)] += seg.layers * leaf.local_size * 12
     return out
 
   # ------------------------------------------------------------ checkpoint regions
@@ -378,7 +382,7 @@ def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
     depth = leaves[members[0]].num_layers
     stacks.append(StackPlan(tuple(path), depth, members, split_layers(config.param_split, depth)))
   return Plan(tuple(leaves), treedef, tuple(stacks), mesh, config.axis, config.stage,
-              config.compute_dtype)
+              config.compute_dtype, Tier.PINNED_HOST if config.host_store else Tier.NVME)
 
 
 def _check_counts(split: TierSplit, field: str, depth: int | None) -> None:

@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 
@@ -33,6 +34,20 @@ int64_t next_handle = 1;
 
 // The stripe files and the manifest (or an empty one for a fresh store).
 void SwapStore::OpenFiles() {
+  pool_ = std::make_unique<PinnedPool>(std::max(config_.pinned_budget, config_.block_size),
+                                       config_.block_size);
+  if (config_.memory) {  // one anonymous file in RAM, mapped once: nothing to load or lock
+    direct_ = false;
+    int fd = memfd_create("zinfjax-host-store", MFD_CLOEXEC);
+    if (fd < 0) throw EngineError(SysError("cannot create the host-memory store", errno));
+    fds_.push_back(fd);
+    file_sizes_.push_back(0);
+    void* map = mmap(nullptr, kMemoryMapBytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE,
+                     fd, 0);
+    if (map == MAP_FAILED) throw EngineError(SysError("cannot map the host-memory store", errno));
+    map_ = static_cast<uint8_t*>(map);
+    return;
+  }
   direct_ = config_.direct;
   for (const auto& folder : folders_) {
     std::string file = folder + "/swap.bin";
@@ -49,8 +64,6 @@ void SwapStore::OpenFiles() {
   if (!direct_) {  // all files buffered if any must be
     for (size_t i = 0; i < fds_.size(); ++i) fcntl(fds_[i], F_SETFL, fcntl(fds_[i], F_GETFL) & ~O_DIRECT);
   }
-  pool_ = std::make_unique<PinnedPool>(std::max(config_.pinned_budget, config_.block_size),
-                                       config_.block_size);
   if (config_.fresh) {
     WriteManifestLocked();  // an empty manifest: the old shards are gone from now on
   } else {
@@ -59,7 +72,9 @@ void SwapStore::OpenFiles() {
 }
 
 SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
-  if (config_.paths.empty()) throw EngineError("the swap store needs at least one nvme_path");
+  if (config_.memory) config_.paths.clear();  // no folders: see OpenFiles
+  if (config_.paths.empty() && !config_.memory)
+    throw EngineError("the swap store needs at least one nvme_path");
   if (config_.block_size < kAlignment || config_.block_size % kAlignment)
     throw EngineError("block_size must be a multiple of " + std::to_string(kAlignment) +
                       " bytes, got " + std::to_string(config_.block_size));
@@ -112,12 +127,14 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
                       "); give each process its own nvme_path or rank");
   }
 
+  if (config_.memory) folders_.push_back("(host memory)");  // names it in messages
   std::vector<std::unique_ptr<AioBackend>> backends;
   try {
     OpenFiles();
     for (unsigned i = 0; i < config_.io_threads; ++i)
       backends.push_back(MakeBackend(config_.backend, config_.queue_depth, config_.fallback_threads));
   } catch (...) {  // the constructor fails: no destructor runs, so release files and locks here
+    if (map_) munmap(map_, kMemoryMapBytes);
     for (int fd : fds_) close(fd);
     for (int fd : lock_fds_) close(fd);
     throw;
@@ -177,6 +194,7 @@ SwapStore::~SwapStore() {
     Sync();
   } catch (...) {
   }
+  if (map_) munmap(map_, kMemoryMapBytes);
   for (int fd : fds_) close(fd);
   for (int fd : lock_fds_) {
     flock(fd, LOCK_UN);

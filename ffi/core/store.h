@@ -49,6 +49,10 @@ struct StoreConfig {
   // with other shapes, block size or stripe count) and reuse their files'
   // space instead of growing them. A run that creates its states does this.
   bool fresh = false;
+  // Host RAM instead of files: the store's space is an anonymous memfd, mapped
+  // once (no folder, lock or manifest; reads skip checksums, since View lends
+  // the memory for in-place updates). `paths` is ignored. The host tier's store.
+  bool memory = false;
 };
 
 // One shard of a WriteManyAsync / ReadManyAsync.
@@ -149,6 +153,11 @@ class SwapStore {
   std::string backend_name() const { return backend_name_; }
   bool direct() const { return direct_; }
   std::string folder() const { return folders_.front(); }
+  bool memory() const { return config_.memory; }
+  // A memory store's bytes of `key` (its entry in `entry`), for reading and
+  // updating in place: valid while the store lives and the key is not written
+  // again (a write in a transaction moves it to a fresh extent).
+  uint8_t* View(const std::string& key, ShardEntry* entry) const;
   std::vector<std::string> files() const;
   PoolStats pool_stats() const { return pool_->Stats(); }
   size_t spare_bytes() {
@@ -227,6 +236,7 @@ class SwapStore {
   std::vector<int> fds_;
   std::vector<uint64_t> file_sizes_;  // bytes allocated per stripe file
   std::vector<int> lock_fds_;  // one flock per stripe folder
+  uint8_t* map_ = nullptr;     // a memory store's mapping of its memfd (kMemoryMapBytes)
   bool direct_ = true;
   std::string backend_name_;
   std::unique_ptr<PinnedPool> pool_;

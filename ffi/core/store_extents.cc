@@ -37,6 +37,9 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
     if (need[i] > file_sizes_[i]) total += need[i] - file_sizes_[i];
   }
   if (total == 0) return;
+  if (config_.memory && need[0] > kMemoryMapBytes)
+    throw NoSpace("the host-memory store is limited to " + std::to_string(kMemoryMapBytes) +
+                  " bytes; it was asked for " + std::to_string(need[0]));
   if (fault_free_bytes_ >= 0 && total > static_cast<uint64_t>(fault_free_bytes_)) {
     throw NoSpace("no space left for the swap store in " + folders_[0] + ": it needs " +
                   std::to_string(total) + " more bytes, " + std::to_string(fault_free_bytes_) +
@@ -50,6 +53,9 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
     if (rc != 0) {
       int err = errno;
       std::string file = folders_[i] + "/swap.bin";
+      if (config_.memory && (err == ENOSPC || err == ENOMEM))
+        throw NoSpace("host memory cannot hold " + std::to_string(grow) + " more bytes of "
+                      "states: place fewer on the host (offload_optimizer / offload_param)");
       if (err == ENOSPC || err == EDQUOT)
         throw NoSpace("no space left on the device of " + file + ": the swap store needs " +
                       std::to_string(grow) + " more bytes there, " +

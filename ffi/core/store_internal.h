@@ -31,6 +31,10 @@ struct SwapStore::Job {
   std::vector<ShardEntry> entries;  // what a read expects
 };
 
+// The address space a memory store maps (reserved, not used: pages exist as
+// the memfd grows), so views of its shards never move. 4 TiB.
+constexpr uint64_t kMemoryMapBytes = uint64_t{1} << 42;
+
 // Helpers of the store_*.cc files.
 // Where each shard of a job lies in the job's own buffer: 4 KiB-aligned, so
 // reads into it skip the staging copy.

@@ -42,6 +42,7 @@ void SwapStore::LoadManifest() {
 }
 
 void SwapStore::WriteManifestLocked() {
+  if (config_.memory) return;  // nothing outlives a memory store
   std::string path = folders_[0] + "/manifest.tsv", tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
@@ -65,6 +66,7 @@ void SwapStore::Sync() {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] { return detached_.empty(); });
   }
+  if (config_.memory) return;
   for (int fd : fds_) fdatasync(fd);
   std::lock_guard<std::mutex> lock(mu_);
   WriteManifestLocked();
@@ -90,6 +92,13 @@ std::vector<std::string> SwapStore::Keys() const {
   std::vector<std::string> keys;
   for (const auto& kv : manifest_) keys.push_back(kv.first);
   return keys;
+}
+
+uint8_t* SwapStore::View(const std::string& key, ShardEntry* entry) const {
+  if (!config_.memory)
+    throw EngineError("only a host-memory store lends its shards' memory (View of '" + key + "')");
+  *entry = Entry(key);  // once its detached writes are done
+  return map_ + entry->offset;  // one "file": logical offsets are file offsets
 }
 
 std::vector<std::string> SwapStore::files() const {

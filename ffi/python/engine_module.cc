@@ -227,7 +227,8 @@ PYBIND11_MODULE(_engine, m) {
   py::class_<SwapStore, std::shared_ptr<SwapStore>>(m, "SwapStore")
       .def(py::init([](std::vector<std::string> paths, int rank, size_t block_size,
                        unsigned queue_depth, std::string backend, bool direct, unsigned io_threads,
-                       size_t pinned_budget, double pool_timeout_s, int io_nice, bool fresh) {
+                       size_t pinned_budget, double pool_timeout_s, int io_nice, bool fresh,
+                       bool memory) {
              StoreConfig c;
              c.paths = std::move(paths);
              c.rank = rank;
@@ -240,12 +241,27 @@ PYBIND11_MODULE(_engine, m) {
              c.pool_timeout_ms = static_cast<int>(pool_timeout_s * 1000);
              c.io_nice = io_nice;
              c.fresh = fresh;
+             c.memory = memory;
              return std::make_shared<SwapStore>(std::move(c));
            }),
            py::arg("paths"), py::arg("rank") = 0, py::arg("block_size") = 1 << 20,
            py::arg("queue_depth") = 32, py::arg("backend") = "auto", py::arg("direct") = true,
            py::arg("io_threads") = 2, py::arg("pinned_budget") = 64 << 20,
-           py::arg("pool_timeout_s") = 60.0, py::arg("io_nice") = 0, py::arg("fresh") = false)
+           py::arg("pool_timeout_s") = 60.0, py::arg("io_nice") = 0, py::arg("fresh") = false,
+           py::arg("memory") = false)
+      .def_property_readonly("memory", &SwapStore::memory)
+      // a memory store's bytes of a shard as a uint8 array that keeps the store alive
+      .def("view", [](std::shared_ptr<SwapStore> s, const std::string& key) {
+             ShardEntry e;
+             uint8_t* data;
+             {
+               py::gil_scoped_release release;
+               data = s->View(key, &e);
+             }
+             auto* keep = new std::shared_ptr<SwapStore>(s);
+             py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<SwapStore>*>(p); });
+             return py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1}, data, base);
+           }, py::arg("key"))
       .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
                              const std::string& dtype, std::vector<int64_t> shape) {
         py::buffer_info info = data.request();

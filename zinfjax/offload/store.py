@@ -102,15 +102,21 @@ class AioStore:
       same amount again.
     fresh: start empty: forget what the folders hold (another run's shards, of
       any shapes, block size or stripe count) and reuse their files' space.
+    memory: keep the shards in host RAM (an anonymous memory file the store maps
+      once) instead of files under `paths` (ignored): the host tier's store, whose
+      shards `view` lends for updates in place. Nothing outlives it.
   """
 
   def __init__(self, paths: PathLike | Sequence[PathLike], rank: int = 0, *,
                block_size: int = 1 << 20, queue_depth: int = 32, backend: str = "auto",
                direct: bool = True, io_threads: int = 2, pinned_budget: int = 64 << 20,
-               pool_timeout_s: float = 60.0, io_nice: int = 0, fresh: bool = False):
+               pool_timeout_s: float = 60.0, io_nice: int = 0, fresh: bool = False,
+               memory: bool = False):
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     self.probe: dict | None = None
-    if backend == "auto":
+    if memory:
+      paths, fresh, direct = [], True, False
+    if backend == "auto" and not memory:
       make = lambda folder, b, fresh: AioStore(
           folder, block_size=block_size, queue_depth=queue_depth, backend=b, direct=direct,
           io_threads=io_threads, pinned_budget=pinned_budget, fresh=fresh)
@@ -121,7 +127,7 @@ class AioStore:
         backend = "auto"  # the engine's: io_uring where it can be set up, else threads
     self._store = _engine.SwapStore([os.fspath(p) for p in paths], rank, block_size, queue_depth,
                                     backend, direct, io_threads, pinned_budget, pool_timeout_s,
-                                    io_nice, fresh)
+                                    io_nice, fresh, memory)
     self._handle: int | None = None
 
   @property
@@ -143,6 +149,18 @@ class AioStore:
     if self._handle is None:
       self._handle = self._store.register()
     return self._handle
+
+  @property
+  def memory(self) -> bool:
+    """Whether the shards live in host RAM (see `view`), not in files."""
+    return self._store.memory
+
+  def view(self, key: str) -> np.ndarray:
+    """A memory store's shard `key` itself (its dtype and shape), for reading and updating in
+    place; valid until the key is written again in a transaction (which moves it)."""
+    entry = self._store.entry(key)
+    raw = self._store.view(key)
+    return raw.view(dtype_of(entry["dtype"])).reshape(entry["shape"])
 
   def write(self, key: str, array: np.ndarray) -> Ticket:
     array = np.ascontiguousarray(array)

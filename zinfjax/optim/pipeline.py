@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -132,7 +133,7 @@ class NvmePipeline:
     self.units = pack_units(parts, [l.num_layers if l.stacked else None for l in self.plan.leaves])
     largest = max((u.size for u in self.units), default=0)
     per_set = largest * (12 + self.params_dtype.itemsize + self.grads_dtype.itemsize)
-    if SLOTS * per_set > self.budget:
+    if SLOTS * per_set > self.budget and not self.store.memory:  # in RAM: updated in place
       raise ValueError(
           f"the NVMe optimizer needs {SLOTS} buffer sets for its largest sub-group (one rank's "
           f"shard of one layer, {largest:,} elements): {SLOTS * per_set / 2**20:.1f} MiB, more than "
@@ -239,6 +240,8 @@ class NvmePipeline:
       if not self.on_nvme("params", p):
         outs[(p.leaf, p.rank, p.layer)] = np.empty(self.plan.leaves[p.leaf].local_shape,
                                                    self.params_dtype)
+    if self.store.memory and not self.store.in_transaction:
+      return self._step_in_place(lr, bc1, bc2, grad_of, norm if clip else None, outs)
     states = ("master", "mu", "nu")
 
     def views(k, reading: bool):
@@ -283,6 +286,28 @@ class NvmePipeline:
     stats["bytes_read"] = moved + nvme_bytes("grads")
     stats["bytes_written"] = moved + nvme_bytes("params")
     self.last_step = stats
+    return outs
+
+
+  def _step_in_place(self, lr: float, bc1: float, bc2: float, grad_of: Callable[[Part], np.ndarray],
+                     norm: Callable[[], float] | None, outs: dict) -> dict[PartKey, np.ndarray]:
+    """The step on a store in host RAM: each part's master and moments updated where the store
+    keeps them (no buffers, no copies); grads from `grad_of`, params into `outs`."""
+    if grad_of is None or any(self.on_nvme(s, p) for p in self.parts for s in ("grads", "params")):
+      raise ValueError("the host-memory store holds optimizer states only: the grads come from "
+                       "the program and the new params go back to it.")
+    c, clip = self.hyper.constants, self.hyper.max_grad_norm
+    t0 = time.perf_counter()
+    for p in self.parts:
+      master, mu, nu = (self.store.view(self.key(s, p)) for s in ("master", "mu", "nu"))
+      grad = np.ascontiguousarray(grad_of(p))
+      if norm is not None and norm() >= clip:  # as in `step`
+        grad = ((grad / grad.dtype.type(norm())) * grad.dtype.type(clip)).astype(grad.dtype)
+      adamw_numpy(master, mu, nu, grad, outs[(p.leaf, p.rank, p.layer)], lr, bc1, bc2, c,
+                  self.decays[p.leaf], self.threads)
+    took = time.perf_counter() - t0
+    self.last_step = {"step_s": took, "compute_s": took, "read_wait_s": 0.0, "write_wait_s": 0.0,
+                      "bytes_read": 0, "bytes_written": 0}
     return outs
 
 

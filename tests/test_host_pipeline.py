@@ -1,0 +1,117 @@
+"""host_optimizer="pipeline": the pinned-host optimizer states in a swap store in host RAM,
+updated in place by the host pipeline (the C++ AdamW on host threads). It trains bit for bit
+like the update inside XLA's host computation, checkpoints move between the two, and the
+memory store itself lends its shards without copies and without outliving its owner."""
+
+import jax
+import numpy as np
+import pytest
+
+import zinfjax
+from zinfjax.checkpoint import Checkpointer
+from zinfjax.config import HOST_MEMORY
+from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.offload import AioStore
+
+from helpers import text_batches, zero_training
+
+FOUR = get_config("tiny", num_layers=4)
+STEPS = 6
+
+
+def factory(r):
+  return GPT(FOUR, rngs=r)
+
+
+def tx(clip):
+  return zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip)
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return text_batches(STEPS, batch=16, seq=32, seed=4)
+
+
+def arrays(tree) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# (params, optimizer, precision, clip): with clipping on (0.5 is below the tiny GPT's grad
+# norms: every step clips), per-layer splits, bf16 compute params
+CASES = [("device", "pinned_host", "fp32", None),
+         ("pinned_host", "pinned_host", "fp32", 0.5),
+         ("device:2,pinned_host", "device:1,pinned_host", "bf16", 0.5)]
+
+
+@pytest.mark.parametrize("param,optimizer,precision,clip", CASES)
+def test_host_pipeline_trains_bit_for_bit_like_xla(param, optimizer, precision, clip, mesh,
+                                                   batches):
+  zero = zinfjax.ZeroConfig(precision=precision, offload_param=param, offload_optimizer=optimizer)
+  xla_losses, xla = zero_training(factory, tx(clip), zero, mesh, batches, lm_loss)
+  losses, state = zero_training(factory, tx(clip), zero.replace(host_optimizer="pipeline"), mesh,
+                                batches, lm_loss)
+  engine = state.engine
+  assert engine.store.memory and engine.pipeline is not None and engine.config.host_store
+  assert engine.pipeline.last_step["bytes_read"] == 0  # updated in place: no copies
+  assert losses[-1] < losses[0]
+  np.testing.assert_array_equal(losses, xla_losses)
+  for got, want in zip(arrays(state.full_params()), arrays(xla.full_params())):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(arrays(state.params), arrays(xla.params)):  # the compute params
+    np.testing.assert_array_equal(got, want)
+  state.close()
+
+
+def test_checkpoints_move_between_the_host_pipeline_and_xla(mesh, batches, tmp_path):
+  """Saved from the host pipeline (its moments in the memory store), restored under the XLA
+  host update: the rest of the run equals one that never left XLA."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
+                            offload_optimizer="pinned_host")
+  straight, _ = zero_training(factory, tx(0.5), zero, mesh, batches, lm_loss)
+  half, state = zero_training(factory, tx(0.5), zero.replace(host_optimizer="pipeline"), mesh,
+                              batches[:3], lm_loss)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(state)
+    ckpt.wait()
+    state.close()
+    state, _ = ckpt.restore(factory, tx(0.5), zero, mesh)
+  losses = []
+  for batch in batches[3:]:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_array_equal(np.concatenate([half, losses]), straight)
+
+
+def test_host_pipeline_config_is_checked(mesh, tmp_path):
+  with pytest.raises(ValueError, match="cannot also use a drive yet"):
+    zinfjax.ZeroConfig(offload_optimizer="nvme", nvme_path=str(tmp_path), host_optimizer="pipeline")
+  with pytest.raises(ValueError, match="host_optimizer must be 'xla' or 'pipeline'"):
+    zinfjax.ZeroConfig(host_optimizer="cpu")
+  with pytest.raises(ValueError, match="leave nvme_path unset"):
+    zinfjax.ZeroConfig(offload_optimizer="nvme", nvme_path=HOST_MEMORY)
+  # nothing on pinned host: the pipeline has nothing to do, the config stays as given
+  zero = zinfjax.ZeroConfig(host_optimizer="pipeline")
+  assert zero.with_host_pipeline() is zero
+  mapped = zinfjax.ZeroConfig(offload_optimizer="device:1,pinned_host",
+                              host_optimizer="pipeline").with_host_pipeline()
+  assert mapped.host_store and not mapped.nvme_atomic_steps and mapped.nvme_paths == []
+  assert [str(t) for t, _ in mapped.optimizer_split] == ["device", "nvme"]
+
+
+def test_memory_store_lends_its_shards_in_place():
+  """A memory store's `view` is the shard itself: changes are read back, a rolled-back write
+  in a transaction leaves the view's bytes, and a view outlives a closed store safely."""
+  store = AioStore([], memory=True)
+  x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+  store.write("o/m/a", x).wait()
+  view = store.view("o/m/a")
+  assert view.shape == (3, 5) and view.dtype == np.float32
+  np.testing.assert_array_equal(view, x)
+  view *= 2
+  np.testing.assert_array_equal(store.read("o/m/a").wait(), 2 * x)
+  store.begin(["o/"])
+  store.write("o/m/a", np.zeros_like(x)).wait()
+  store.rollback()
+  np.testing.assert_array_equal(store.read("o/m/a").wait(), 2 * x)
+  store.close()
+  np.testing.assert_array_equal(view, 2 * x)  # the mapping lives as long as the view
