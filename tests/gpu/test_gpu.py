@@ -119,6 +119,21 @@ def test_every_placement_trains_like_all_device(param, optimizer, gpu_mesh, batc
     assert kinds(state.master) == {"pinned_host"}
 
 
+@pytest.mark.parametrize("param", ["device", "pinned_host"])
+def test_host_pipeline_trains_like_all_device(param, gpu_mesh, batches, reference):
+  """host_optimizer="pipeline" on the GPU: the pinned-host optimizer states in the RAM store,
+  updated by the C++ AdamW on host threads, train like all-device."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer="pinned_host",
+                            host_optimizer="pipeline")
+  losses, state = zero_training(lambda r: GPT(TINY, rngs=r),
+                                zinfjax.optim.adamw(schedule(), weight_decay=0.1), zero, gpu_mesh,
+                                batches, lm_loss)
+  assert state.engine.store.memory
+  rel = np.abs(losses - reference) / reference
+  assert np.all(rel < 1e-5), rel
+  state.close()
+
+
 def _peak(param: str, optimizer: str, tmp_path) -> dict:
   out = subprocess.run([sys.executable, os.path.join(HERE, "peak_worker.py"), param, optimizer,
                         str(tmp_path / f"nvme-{param}-{optimizer}")],
