@@ -115,3 +115,12 @@ def test_memory_store_lends_its_shards_in_place():
   np.testing.assert_array_equal(store.read("o/m/a").wait(), 2 * x)
   store.close()
   np.testing.assert_array_equal(view, 2 * x)  # the mapping lives as long as the view
+
+
+def test_host_pipeline_needs_zinfjax_adamw(mesh):
+  """Another optax transformation is refused before anything is allocated, naming the tier as
+  the user gave it (not the store the pipeline uses)."""
+  import optax
+  zero = zinfjax.ZeroConfig(offload_optimizer="pinned_host", host_optimizer="pipeline")
+  with pytest.raises(ValueError, match="offload_optimizer='pinned_host' runs zinfjax's AdamW"):
+    zinfjax.abstract_init(factory, optax.sgd(1e-3), zero, mesh)

@@ -213,12 +213,12 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
     auto = plan_placement(config, lambda c: make_plan(c, layouts, stack_paths, mesh, frozen),
                           config.tier_budgets)
     config = auto.resolve(config)
-  config = config.with_host_pipeline()
+  given, config = config, config.with_host_pipeline()  # errors speak of the tiers as given
   plan = make_plan(config, layouts, stack_paths, mesh, frozen)
   hostlimit.check(plan.tier_bytes()[Tier.PINNED_HOST] * len(mesh.local_devices),
                   mesh.devices.flat[0].platform)
   try:
-    hyper = _engine_adamw(tx, plan, config)
+    hyper = _engine_adamw(tx, plan, given)
   except ValueError as e:
     if auto is None:
       raise
