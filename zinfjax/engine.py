@@ -158,20 +158,16 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
                    pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice,
                    fresh=True, memory=config.host_store)
   store.defer_errors()  # raised after each step (see runner.checked)
-  if config.host_store:  # host RAM: all of it now (the memory store's NoSpaceError names it)
-    try:
-      store.reserve(sum(plan.nvme_disk_bytes(False).values()), exact=True)
-    except BaseException:
-      store.close()
-      raise
-    return store
-  # what a previous run left in the swap files is reused before the drive's free space
-  free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
-  # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
-  need = plan.nvme_disk_bytes(config.nvme_atomic_steps)
-  copies = need["copies"]
-  total = sum(need.values())
   try:
+    if config.host_store:  # host RAM, one copy: the memory store's NoSpaceError names the lack
+      store.reserve(sum(plan.nvme_disk_bytes(False).values()), exact=True)
+      return store
+    # what a previous run left in the swap files is reused before the drive's free space
+    free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
+    # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
+    need = plan.nvme_disk_bytes(config.nvme_atomic_steps)
+    copies = need["copies"]
+    total = sum(need.values())
     if total > free:
       gb = lambda n: human_bytes(n, 2)
       also = (f", and {gb(copies)} for the copies that make a step all or nothing "

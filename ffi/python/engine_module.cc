@@ -250,7 +250,8 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("pool_timeout_s") = 60.0, py::arg("io_nice") = 0, py::arg("fresh") = false,
            py::arg("memory") = false)
       .def_property_readonly("memory", &SwapStore::memory)
-      // a memory store's bytes of a shard as a uint8 array that keeps the store alive
+      // a memory store's bytes of a shard as a uint8 array that keeps the store alive, with
+      // the dtype and shape it was written as
       .def("view", [](std::shared_ptr<SwapStore> s, const std::string& key) {
              ShardEntry e;
              uint8_t* data;
@@ -260,7 +261,8 @@ PYBIND11_MODULE(_engine, m) {
              }
              auto* keep = new std::shared_ptr<SwapStore>(s);
              py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<SwapStore>*>(p); });
-             return py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1}, data, base);
+             py::array raw = py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1}, data, base);
+             return py::make_tuple(raw, e.dtype, e.shape);
            }, py::arg("key"))
       .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
                              const std::string& dtype, std::vector<int64_t> shape) {

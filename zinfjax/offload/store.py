@@ -158,9 +158,8 @@ class AioStore:
   def view(self, key: str) -> np.ndarray:
     """A memory store's shard `key` itself (its dtype and shape), for reading and updating in
     place; valid until the key is written again in a transaction (which moves it)."""
-    entry = self._store.entry(key)
-    raw = self._store.view(key)
-    return raw.view(dtype_of(entry["dtype"])).reshape(entry["shape"])
+    raw, dtype, shape = self._store.view(key)
+    return raw.view(dtype_of(dtype)).reshape(shape)
 
   def write(self, key: str, array: np.ndarray) -> Ticket:
     array = np.ascontiguousarray(array)

@@ -109,6 +109,9 @@ class NvmePipeline:
                      "params": layers(moves.select(Phase.AFTER)),
                      "grads": layers(moves.select(Phase.BACKWARD, "grads"))}
     self._nvme = self._on_nvme["master"]
+    if store.memory and (self._on_nvme["grads"] or self._on_nvme["params"]):
+      raise ValueError("the host-memory store holds optimizer states only: the grads come from "
+                       "the program and the new params go back to it.")
     self._slots: list[dict[str, np.ndarray]] = []
     self._zero_buf: np.ndarray | None = None
     self._scalars = jax.jit(hyper.scalars)
@@ -272,8 +275,8 @@ class NvmePipeline:
         slot = {name: x.reshape(-1) for name, x in self._views(k, p).items()}
         grad = slot["grads"] if self.on_nvme("grads", p) else np.ascontiguousarray(
             grad_of(p)).reshape(-1)
-        if clip and norm() >= clip:  # as optax.clip_by_global_norm, in the grads' dtype
-          grad = ((grad / grad.dtype.type(norm())) * grad.dtype.type(clip)).astype(grad.dtype)
+        if clip:
+          grad = clipped(grad, norm(), clip)
         param = slot["params"] if self.on_nvme("params", p) else outs[(p.leaf, p.rank, p.layer)]
         adamw_numpy(slot["master"], slot["mu"], slot["nu"], grad, param.reshape(-1), lr, bc1,
                     bc2, c, self.decays[p.leaf], self.threads)
@@ -288,27 +291,31 @@ class NvmePipeline:
     self.last_step = stats
     return outs
 
-
   def _step_in_place(self, lr: float, bc1: float, bc2: float, grad_of: Callable[[Part], np.ndarray],
                      norm: Callable[[], float] | None, outs: dict) -> dict[PartKey, np.ndarray]:
     """The step on a store in host RAM: each part's master and moments updated where the store
     keeps them (no buffers, no copies); grads from `grad_of`, params into `outs`."""
-    if grad_of is None or any(self.on_nvme(s, p) for p in self.parts for s in ("grads", "params")):
-      raise ValueError("the host-memory store holds optimizer states only: the grads come from "
-                       "the program and the new params go back to it.")
     c, clip = self.hyper.constants, self.hyper.max_grad_norm
     t0 = time.perf_counter()
     for p in self.parts:
       master, mu, nu = (self.store.view(self.key(s, p)) for s in ("master", "mu", "nu"))
       grad = np.ascontiguousarray(grad_of(p))
-      if norm is not None and norm() >= clip:  # as in `step`
-        grad = ((grad / grad.dtype.type(norm())) * grad.dtype.type(clip)).astype(grad.dtype)
+      if norm is not None:
+        grad = clipped(grad, norm(), clip)
       adamw_numpy(master, mu, nu, grad, outs[(p.leaf, p.rank, p.layer)], lr, bc1, bc2, c,
                   self.decays[p.leaf], self.threads)
     took = time.perf_counter() - t0
     self.last_step = {"step_s": took, "compute_s": took, "read_wait_s": 0.0, "write_wait_s": 0.0,
                       "bytes_read": 0, "bytes_written": 0}
     return outs
+
+
+def clipped(grad: np.ndarray, norm: float, limit: float) -> np.ndarray:
+  """`grad` scaled to a global norm of `limit` where `norm` reaches it, as
+  optax.clip_by_global_norm does, in the grads' dtype."""
+  if not norm >= limit:  # a NaN norm too: left to skip_nonfinite
+    return grad
+  return ((grad / grad.dtype.type(norm)) * grad.dtype.type(limit)).astype(grad.dtype)
 
 
 class _Deferred:
