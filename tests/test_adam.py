@@ -83,7 +83,9 @@ def test_matches_optax_adamw_for_100_steps(offload, tmp_path, reference):
     assert {x.sharding.memory_kind for x in jax.tree.leaves((state.master, state.mu))} == {"pinned_host"}
   if offload == "nvme":
     assert len(jax.tree.leaves(state)) == 1  # only the count: the states live on disk
-    assert len(tx.nvme.store.keys()) == 3 * len(tx.nvme.groups) and len(tx.nvme.groups) > 3
+    parts = tx.nvme.parts  # leaves cut into sub-groups of at most sub_group_size elements
+    assert len(tx.nvme.store.keys()) == 3 * len(parts) and len(parts) > 3
+    assert max(p.size for p in parts) == 1024
 
 
 @pytest.mark.parametrize("offload", TIERS)
@@ -94,8 +96,8 @@ def test_bf16_params_are_the_rounded_master(offload, tmp_path):
   assert {x.dtype for x in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
   if offload == "nvme":
     pipe = tx.nvme
-    masters = [np.concatenate([pipe.store.read(pipe.key(k, "master")).wait()
-                               for k, g in enumerate(pipe.groups) if g.leaf == i])
+    masters = [np.concatenate([pipe.store.read(pipe.key("master", p)).wait()
+                               for p in pipe.parts if p.leaf == i])
                for i in range(len(pipe.shapes))]
   else:
     masters = [np.asarray(m).reshape(-1) for m in jax.tree.leaves(state.master)]
@@ -184,7 +186,7 @@ def test_nvme_store_missing_or_corrupted(tmp_path):
   grads = jax.tree.map(jnp.ones_like, params)
   tx.update(grads, state, params)
   store = tx.nvme.store
-  key = tx.nvme.key(2, "mu")
+  key = tx.nvme.key("mu", tx.nvme.parts[2])
   assert key.startswith("o/m/") and "/r0/l" in key  # the engine's key scheme
   entry = store.entry(key)
   with open(os.path.join(store.folder, "swap.bin"), "r+b") as f:
@@ -220,7 +222,7 @@ def test_max_grad_norm_must_be_positive():
 def test_pipeline_reads_ahead_without_reusing_a_busy_slot(slots):
   """run_pipeline keeps slots-2 sub-groups reading ahead, and reads into a slot only once
   the writes of the sub-group that used it before are done."""
-  from zinfjax.optim.nvme import run_pipeline
+  from zinfjax.optim.stream import run_pipeline
   count, events, done = 11, [], set()
 
   class T:
@@ -253,7 +255,7 @@ def test_pipeline_reads_ahead_without_reusing_a_busy_slot(slots):
 def test_sub_groups_pack_small_leaves_without_growing_the_buffers():
   """pack_units: each rank's layer is split into sub-groups of consecutive leaves, never
   larger than the largest shard, with aligned, non-overlapping parts, every part once."""
-  from zinfjax.optim.pipeline import ALIGN, Part, pack_units
+  from zinfjax.optim.stream import ALIGN, Part, pack_units
   sizes = [64, 64, 98304, 384, 32768, 64, 64, 64, 131072, 256, 131072, 64, 4097, 3]
   layers = [3] * 12 + [None, None]
   parts = [Part(leaf, rank, layer, sizes[leaf])

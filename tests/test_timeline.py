@@ -91,7 +91,7 @@ def test_pipeline_reads_its_layers_from_the_timeline(mesh, tmp_path):
       if layer >= leaf.num_layers or not leaf.trainable:
         continue
       part = type(pipeline.parts[0])(leaf.index, 0, layer, 0)
-      assert pipeline.on_nvme(name, part) == (leaf.tier(name, layer) == Tier.NVME)
+      assert pipeline.on_store(name, part) == (leaf.tier(name, layer) == Tier.NVME)
     # its sub-groups follow backward's order
     order = [o for o in timeline(plan).grad_order if o in
              {(p.leaf, p.layer) for p in pipeline.parts}]

@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 import jax
 
 from .config import ZeroConfig
-from .optim.nvme import SLOTS
+from .optim.stream import SLOTS
 from .placement import TIERS, Plan, Tier
 from .progress import human_bytes
 
