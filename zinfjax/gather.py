@@ -33,6 +33,7 @@ from jax import lax
 from . import micro
 from . import residuals as R
 from .offload import swap, tiers
+from .offload.tiers import Source
 from .partition import LeafLayout, is_layout
 from .placement import Tier
 from .schedule import LayerSchedule, layer_schedule
@@ -80,29 +81,26 @@ def _fetch_bwd(layout, axis_name, _, g):
 fetch.defvjp(_fetch_fwd, _fetch_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def fetch_from(x: jax.Array, layout: LeafLayout, axis_name: str, tier: str,
-               nvme: tuple | None = None) -> jax.Array:
-  """`fetch` of a leaf held on `tier`; its gradient goes back to that tier.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def fetch_from(x: jax.Array, layout: LeafLayout, axis_name: str, source: Source) -> jax.Array:
+  """`fetch` of a leaf kept where `source` says (an array on a tier, or the swap store); its
+  gradient goes back there.
 
-  On NVMe, `x` is an anchor (float32[1, 2]) and `nvme` its (param, grad) `NvmeLeaf`s: the
-  shard is read from the swap store, the gradient shard written there, and
-  the anchor's gradient is `[token, sum of squares]` of that write.
+  In the store, `x` is an anchor (float32[1, 2]): the shard is read from the
+  store, the gradient shard written there, and the anchor's gradient is
+  `[token, sum of squares]` of that write.
   """
-  return _fetch_from_fwd(x, layout, axis_name, tier, nvme)[0]
+  return _fetch_from_fwd(x, layout, axis_name, source)[0]
 
 
-def _fetch_from_fwd(x, layout, axis_name, tier, nvme):
-  local = nvme[0].read(0, tiers.rank(axis_name)) if tier == Tier.NVME else tiers.to_device(x, tier)
-  return gather(local, layout, axis_name), x if tier == Tier.NVME else None
+def _fetch_from_fwd(x, layout, axis_name, source):
+  return gather(source.whole(x, tiers.rank(axis_name)), layout, axis_name), x
 
 
-def _fetch_from_bwd(layout, axis_name, tier, nvme, anchor, g):
+def _fetch_from_bwd(layout, axis_name, source, anchor, g):
   g = reduce_scatter(g, layout, axis_name)
-  if tier != Tier.NVME:
-    return (tiers.to_tier(g, tier),)
-  token = nvme[1].write(g, tiers.rank(axis_name)).astype(jnp.float32)
-  return (jnp.stack([token, sum_squares_share(g, layout, axis_name)]).reshape(anchor.shape),)
+  share = lambda: sum_squares_share(g, layout, axis_name)
+  return (source.whole_grad(g, anchor, tiers.rank(axis_name), share),)
 
 
 fetch_from.defvjp(_fetch_from_fwd, _fetch_from_bwd)
@@ -123,10 +121,7 @@ class ScanPlan:
   prefetch_depth: int
   axis_name: str
   tiles: int = 1          # > 1: gather large weights tile by tile (memory-centric tiling)
-  param_tier: Tier = Tier.DEVICE
-  nvme: Any = None        # param_tier "nvme": tree of NvmeLeaf for params and grads
-  grad_nvme: Any = None
-  nvme_depth: int = 0     # NVMe reads run this many layers ahead of the device prefetch
+  source: Source = tiers.InArrays(Tier.DEVICE)  # where the params come from, grads go
   offload_activations: bool = False
   first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
   trainable: Any = None   # tree of bools: False for a frozen leaf (no grads); None: all trained
@@ -151,8 +146,8 @@ class ScanPlan:
     return tile_matmuls(run, tiles=self.tiles)(params, x, args)
 
   def schedule(self, reverse: bool) -> LayerSchedule:
-    depth = self.nvme_depth if self.param_tier == Tier.NVME else 0
-    return layer_schedule(self.num_layers, self.prefetch_depth, depth, reverse=reverse)
+    return layer_schedule(self.num_layers, self.prefetch_depth, self.source.depth,
+                          reverse=reverse)
 
   def gather_layer(self, local: Any) -> Any:
     if self.tiles > 1:  # gathered inside the tiled block, one tile at a time
@@ -175,18 +170,16 @@ class ScanPlan:
 
 
 class _Fetcher:
-  """Brings layers from the param tier to the device, gathered, `prefetch_depth` ahead.
+  """Brings layers from where the params are kept to the device, gathered, `prefetch_depth`
+  ahead.
 
-  State (a pytree carried through the scan): the queue of gathered layers and,
-  for NVMe, the tickets of the reads in flight.
+  State (a pytree carried through the scan): the queue of gathered layers and
+  the tickets of the store reads in flight (none for arrays).
   """
 
   def __init__(self, plan: ScanPlan, shards: Any, schedule: LayerSchedule):
-    self.plan, self.shards, self.sched = plan, shards, schedule
-    self.nvme = plan.param_tier == Tier.NVME
-    self.rank = tiers.rank(plan.axis_name) if self.nvme else None
-    if self.nvme:  # a layer's leaves move as one store job: one ticket per layer
-      self.leaves, self.treedef = jax.tree.flatten(plan.nvme)
+    self.plan, self.shards, self.sched, self.src = plan, shards, schedule, plan.source
+    self.rank = tiers.rank(plan.axis_name)
 
   def _layer(self, layers, i=None) -> swap.Layer | int:
     """A layer of this scan as the store knows it: the stack's index, with its schedule."""
@@ -195,29 +188,16 @@ class _Fetcher:
       return int(layers) + first
     return swap.layer_at(np.asarray(layers) + first, i, reverse=self.sched.reverse)
 
-  def _start(self, layer) -> jax.Array:
-    return tiers.start_layer(self.leaves, 0, self.rank, layer)
-
-  def _wait(self, ticket, layer) -> Any:
-    return jax.tree.unflatten(self.treedef, tiers.wait_layer(self.leaves, ticket, self.rank, layer))
-
   def _local(self, index, layer, pending) -> tuple[Any, tuple]:
     """This rank's shard of the layer at `index` (a traced position, or the store's `layer`)
-    on the device, consuming the oldest read in flight."""
-    plan = self.plan
-    if not self.nvme:
-      local = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False),
-                           self.shards)
-      return jax.tree.map(lambda x: tiers.to_device(x, plan.param_tier), local), pending
-    if not pending:
-      return self._wait(self._start(layer), layer), pending
-    oldest, pending = pending[0], pending[1:]
-    return self._wait(oldest, layer), pending
+    on the device."""
+    return self.src.layer(self.shards, index, layer, pending, self.rank)
 
   def prologue(self) -> tuple:
     pending = ()
-    if self.nvme and self.plan.nvme_depth:
-      pending = tuple(self._start(self._layer(layer)) for layer in self.sched.prologue_read)
+    if self.src.depth:
+      pending = tuple(self.src.start(self._layer(layer), self.rank)
+                      for layer in self.sched.prologue_read)
     queue = []
     for layer in self.sched.prologue_arrive:
       local, pending = self._local(layer, self._layer(layer), pending)
@@ -227,8 +207,8 @@ class _Fetcher:
   def next(self, state: tuple, i) -> tuple[Any, tuple]:
     """The gathered layer at position `i`; starts the fetches the schedule puts at `i`."""
     queue, pending = state
-    if self.nvme and self.plan.nvme_depth:
-      pending = pending + (self._start(self._layer(self.sched.read, i)),)
+    if self.src.depth:
+      pending = pending + (self.src.start(self._layer(self.sched.read, i), self.rank),)
     arrive = self._layer(self.sched.arrive, i)
     local, pending = self._local(jnp.asarray(self.sched.arrive)[i], arrive, pending)
     full = self.plan.gather_layer(local)
@@ -244,7 +224,7 @@ class _Fetcher:
     step = -1 if self.sched.reverse else 1
     reads = list(self.sched.prologue_read) + list(self.sched.read[::step])
     for ticket, layer in zip(pending, reads[-len(pending):]):
-      self._wait(ticket, self._layer(layer))
+      self.src.wait(ticket, self._layer(layer), self.rank)
 
 
 def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
@@ -300,9 +280,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
 
   sched = plan.schedule(reverse=True)
   fetcher = _Fetcher(plan, shards, sched)
-  to_nvme = plan.param_tier == Tier.NVME
-  rank = tiers.rank(plan.axis_name) if to_nvme else None
-  grad_nvme = jax.tree.leaves(plan.grad_nvme) if to_nvme else None
+  src, rank = plan.source, tiers.rank(plan.axis_name)
 
   def body(carry, i):
     g, state, sums, g_args = carry
@@ -317,17 +295,12 @@ def _layer_scan_bwd(plan, residuals, g_y):
                                         arg_leaves, diff, g, plan.micro_batches)
     g_args = [a + b for a, b in zip(g_args, g_arg)]
     g_shard = [plan.reduce_grad(x, layouts[k]) for k, x in zip(trained, g_trained)]
-    if not to_nvme:
-      return (g_h, state, sums, g_args), [tiers.to_tier(x, plan.param_tier) for x in g_shard]
-    # the layer's grads of every trained leaf as one store job; each anchor gets its token
     layer = swap.layer_at(np.arange(plan.num_layers) + plan.first_layer, i, reverse=True)
-    token = tiers.write_layer([grad_nvme[k] for k in trained], g_shard, rank,
-                              layer).astype(jnp.float32)
-    sums = [s + jnp.stack([token, sum_squares_share(x, layouts[k], plan.axis_name)])
-            for s, x, k in zip(sums, g_shard, trained)]
-    return (g_h, state, sums, g_args), None
+    shares = [sum_squares_share(x, layouts[k], plan.axis_name) for x, k in zip(g_shard, trained)]
+    kept_grads, sums = src.layer_grads(g_shard, trained, layer, rank, sums, shares)
+    return (g_h, state, sums, g_args), kept_grads
 
-  sums = [jnp.zeros((2,), jnp.float32) for _ in trained] if to_nvme else None
+  sums = [jnp.zeros((2,), jnp.float32) for _ in trained]
   zeros = [jnp.zeros_like(arg_leaves[k]) for k in diff]
   (g_x, state, sums, g_args), g_trained = lax.scan(
       body, (g_y, fetcher.prologue(), sums, zeros), jnp.arange(plan.num_layers), reverse=True)
@@ -335,7 +308,7 @@ def _layer_scan_bwd(plan, residuals, g_y):
   anchors = jax.tree.leaves(shards)
   g_shards = [None] * len(layouts)
   for j, k in enumerate(trained):
-    g_shards[k] = sums[j].reshape(anchors[k].shape) if to_nvme else g_trained[j]
+    g_shards[k] = src.grads_of(None if g_trained is None else g_trained[j], sums[j], anchors[k])
   g_leaves = [None] * len(arg_leaves)
   for k, g in zip(diff, g_args):
     g_leaves[k] = g

@@ -24,7 +24,7 @@ from . import residuals as R
 from .layers import micro_batches
 from .offload import tiers
 from .partition import is_layout
-from .placement import LeafPlan, Plan, Tier
+from .placement import LeafPlan, Plan
 
 LossFn = Callable[[nnx.Module, Any], jax.Array]
 is_parts = lambda x: isinstance(x, tuple)
@@ -47,12 +47,7 @@ def _set_attr(model: nnx.Module, path, value: Any) -> None:
 def _fetch(plan: Plan, store, leaf: LeafPlan, x: jax.Array) -> jax.Array:
   """A leaf outside the stacks, from its tier to the device, gathered."""
   (seg,) = leaf.params
-  if seg.tier == Tier.DEVICE:
-    return G.fetch(x, leaf.layout, plan.axis)
-  pair = None
-  if not seg.tier.holds_arrays:
-    pair = tuple(tiers.nvme_leaf(plan, store, leaf, s, seg) for s in ("params", "grads"))
-  return G.fetch_from(x, leaf.layout, plan.axis, seg.tier, pair)
+  return G.fetch_from(x, leaf.layout, plan.axis, tiers.source(plan, store, leaf, seg))
 
 
 def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G.ZeroStack:
@@ -64,13 +59,11 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
   budget = (R.device_budget() if config.residual_budget is None else config.residual_budget)
   segments = []
   for j, seg in enumerate(stack.params):
-    nvme = not seg.tier.holds_arrays
-    shards = lambda state: block([tiers.nvme_leaf(plan, store, l, state, seg) for l in leaves])
     scan = G.ScanPlan(
         block_graph, block([l.layout.layer() for l in leaves]), seg.layers, config.prefetch_depth,
-        plan.axis, config.tiles, param_tier=seg.tier,
-        nvme=shards("params") if nvme else None, grad_nvme=shards("grads") if nvme else None,
-        nvme_depth=config.nvme_prefetch_depth, offload_activations=config.offload_activations,
+        plan.axis, config.tiles,
+        source=tiers.source(plan, store, block(leaves), seg, config.nvme_prefetch_depth),
+        offload_activations=config.offload_activations,
         first_layer=seg.start, trainable=block([l.trainable for l in leaves]),
         micro_batches=config.micro_batches, residuals=config.layer_residuals,
         residual_budget=budget)

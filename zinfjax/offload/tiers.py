@@ -14,7 +14,7 @@ schedule the host knows ahead) and carries the leaf's rank table.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +142,96 @@ def ops(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> ArrayOps
   if seg.tier.holds_arrays:
     return ArrayOps(seg.tier, seg, leaf.stacked)
   return NvmeOps(plan, store, leaf, state, seg)
+
+
+@dataclasses.dataclass(frozen=True)
+class InArrays:
+  """Where a scan's (or one leaf's) params come from and its grads go: arrays on `tier`
+  (device or pinned host), carried through the step."""
+
+  tier: Tier
+  depth: int = 0  # no reads of their own ahead of the device prefetch
+
+  def whole(self, x: jax.Array, rank) -> jax.Array:
+    return to_device(x, self.tier)
+
+  def whole_grad(self, g: jax.Array, anchor, rank, share: Callable[[], jax.Array]) -> jax.Array:
+    return to_tier(g, self.tier)
+
+  def layer(self, shards: Any, index, layer, pending: tuple, rank) -> tuple[Any, tuple]:
+    """The layer at `index` of the stacked `shards`, on the device."""
+    local = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), shards)
+    return jax.tree.map(lambda x: to_device(x, self.tier), local), pending
+
+  def start(self, layer, rank):
+    raise AssertionError("arrays are not read ahead")  # depth 0: never asked
+
+  def wait(self, ticket, layer, rank):
+    raise AssertionError("arrays are not read ahead")
+
+  def layer_grads(self, grads: list, trained: list[int], layer, rank, sums, shares):
+    """One layer's grad shards sent to the tier: (what the scan stacks, the running sums)."""
+    return [to_tier(x, self.tier) for x in grads], sums
+
+  def grads_of(self, stacked, sums, anchor) -> jax.Array:
+    """A trained leaf's gradient in the step's arrays: the stacked layer grads."""
+    return stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class InStore:
+  """Params in the swap store (`params`, a tree of `NvmeLeaf`), read through the engine's
+  custom calls, with their grads written to `grads`. Their slot in the step's arrays is an
+  anchor (float32[1, 2]) whose gradient is `[token, sum of squares]` of those writes; reads
+  run `depth` layers ahead of the device prefetch."""
+
+  params: Any
+  grads: Any
+  depth: int = 0
+
+  def whole(self, anchor: jax.Array, rank) -> jax.Array:
+    return self.params.read(0, rank)
+
+  def whole_grad(self, g: jax.Array, anchor, rank, share: Callable[[], jax.Array]) -> jax.Array:
+    token = self.grads.write(g, rank).astype(jnp.float32)
+    return jnp.stack([token, share()]).reshape(jnp.shape(anchor))
+
+  def layer(self, shards: Any, index, layer, pending: tuple, rank) -> tuple[Any, tuple]:
+    """Layer `layer` from the store, consuming the oldest read in flight (or reading now)."""
+    if not pending:
+      return self.wait(self.start(layer, rank), layer, rank), pending
+    return self.wait(pending[0], layer, rank), pending[1:]
+
+  def start(self, layer, rank) -> jax.Array:
+    """Start reading `layer` of every leaf (one store job); `wait` its ticket."""
+    return start_layer(jax.tree.leaves(self.params), 0, rank, layer)
+
+  def wait(self, ticket, layer, rank) -> Any:
+    leaves, treedef = jax.tree.flatten(self.params)
+    return jax.tree.unflatten(treedef, wait_layer(leaves, ticket, rank, layer))
+
+  def layer_grads(self, grads: list, trained: list[int], layer, rank, sums, shares):
+    """One layer's grads of every trained leaf written as one store job; each leaf's running
+    `[token, sum of squares]` grows by this write's."""
+    leaves = jax.tree.leaves(self.grads)
+    token = write_layer([leaves[k] for k in trained], grads, rank, layer).astype(jnp.float32)
+    return None, [s + jnp.stack([token, share]) for s, share in zip(sums, shares)]
+
+  def grads_of(self, stacked, sums, anchor) -> jax.Array:
+    return sums.reshape(anchor.shape)
+
+
+Source = InArrays | InStore
+
+
+def source(plan: Plan, store, leaves: Any, seg: Segment, depth: int = 0) -> InArrays | InStore:
+  """Where segment `seg` of `leaves` (a `LeafPlan` or a tree of them, one stack's block) keeps
+  its params and grads, chosen by its tier; `depth`: store reads ahead of the prefetch."""
+  if seg.tier.holds_arrays:
+    return InArrays(seg.tier)
+  shards = lambda state: jax.tree.map(lambda l: nvme_leaf(plan, store, l, state, seg), leaves,
+                                      is_leaf=lambda x: isinstance(x, LeafPlan))
+  return InStore(shards("params"), shards("grads"), depth)
 
 
 def _one_store(leaves: Sequence[NvmeLeaf]) -> int:
