@@ -229,7 +229,9 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
     placements = [("device", "device", "all on device (compute alone)"),
                   ("pinned_host", "pinned_host", "params + optimizer on pinned_host"),
-                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host, host pipeline")]
+                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host, host pipeline"),
+                  ("pinned_host", "pinned_host",
+                   "params + optimizer on pinned_host, host pipeline under backward")]
     if tokens in nvme_tokens:
       placements.append(("nvme", "nvme", "params + optimizer on nvme"))
     if tokens in nvme_tokens and args.host_adam_ffi:  # last: a crash keeps the rows before it
@@ -240,6 +242,8 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
                                 host_optimizer="pipeline" if "host pipeline" in name else "xla",
+                                # the update under backward: no skipping of non-finite steps
+                                skip_nonfinite="under backward" not in name,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}")
                                 if "nvme" in (param, optimizer) else None)
       state = None

@@ -12,6 +12,8 @@ from zinfjax.checkpoint import Checkpointer
 from zinfjax.config import HOST_MEMORY
 from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.offload import AioStore
+from zinfjax.placement import Tier
+from zinfjax.state import _whole
 
 from helpers import text_batches, zero_training
 
@@ -36,6 +38,13 @@ def arrays(tree) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def compute_params(state) -> list[np.ndarray]:
+  """Every leaf's compute params joined from their tiers (the memory store's included)."""
+  plan = state.engine.plan
+  return [_whole(plan, leaf, parts, state.engine.store, "params")
+          for leaf, parts in zip(plan.leaves, plan.flatten(state.params))]
+
+
 # (params, optimizer, precision, clip): with clipping on (0.5 is below the tiny GPT's grad
 # norms: every step clips), per-layer splits, bf16 compute params
 CASES = [("device", "pinned_host", "fp32", None),
@@ -52,14 +61,41 @@ def test_host_pipeline_trains_bit_for_bit_like_xla(param, optimizer, precision, 
                                 batches, lm_loss)
   engine = state.engine
   assert engine.store.memory and engine.pipeline is not None and engine.config.host_store
+  # every pinned-host state is in the store: params and grads too, where they were placed
+  in_store = {s for l in engine.plan.leaves for s in ("params", "grads", "master")
+              if any(seg.tier == Tier.NVME for seg in l.segments(s))}
+  assert in_store == ({"params", "grads", "master"} if "pinned_host" in param else {"master"})
   assert engine.pipeline.last_step["bytes_read"] == 0  # updated in place: no copies
   assert losses[-1] < losses[0]
   np.testing.assert_array_equal(losses, xla_losses)
   for got, want in zip(arrays(state.full_params()), arrays(xla.full_params())):
     np.testing.assert_array_equal(got, want)
-  for got, want in zip(arrays(state.params), arrays(xla.params)):  # the compute params
+  for got, want in zip(compute_params(state), compute_params(xla)):
     np.testing.assert_array_equal(got, want)
   state.close()
+
+
+@pytest.mark.parametrize("param", ["pinned_host", "device:1,pinned_host"])
+def test_host_pipeline_updates_under_backward(param, mesh, batches):
+  """Without clipping or skipping, the host pipeline updates each layer as soon as backward
+  has written its grads into the memory store (the step's program still running), and trains
+  bit for bit as the XLA host update does."""
+  zero = zinfjax.ZeroConfig(precision="bf16", offload_param=param,
+                            offload_optimizer="pinned_host", skip_nonfinite=False)
+  xla_losses, xla = zero_training(factory, tx(None), zero, mesh, batches, lm_loss)
+  state = zinfjax.init(factory, tx(None), zero.replace(host_optimizer="pipeline"), mesh, 0)
+  losses = []
+  for batch in batches:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+    assert "nvme_grad_waits" in metrics  # the update ran beside the program, gated per grad
+  np.testing.assert_array_equal(losses, xla_losses)
+  for got, want in zip(arrays(state.full_params()), arrays(xla.full_params())):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(compute_params(state), compute_params(xla)):
+    np.testing.assert_array_equal(got, want)
+  state.close()
+  xla.close()
 
 
 def test_checkpoints_move_between_the_host_pipeline_and_xla(mesh, batches, tmp_path):

@@ -112,12 +112,15 @@ class ZeroConfig:
       steps (`nvme_atomic_steps`). False applies the update whatever it holds.
     host_optimizer: who updates the optimizer states placed in pinned host
       memory. "xla" (the default): the step's program, in XLA's host
-      computation. "pipeline": the host pipeline that updates NVMe states
-      (the C++ AdamW on host threads, layer by layer), with a store in host
-      RAM instead of the drive: master params and moments live in memory
-      the store owns and are updated in place; grads are read once from the
-      program, new params returned once. Needs zinfjax's AdamW and no state
-      on NVMe; its steps are not all-or-nothing (as with "xla").
+      computation. "pipeline": pinned host becomes the NVMe tier without the
+      drive: every pinned-host state (params, grads, master params, moments)
+      lives in a swap store in host RAM; backward writes each layer's grads
+      there and the host pipeline (the C++ AdamW on host threads) updates
+      master, moments and params where the store keeps them, with no copies.
+      With skip_nonfinite=False and no clipping, each layer is updated while
+      backward runs on the layers below it; otherwise after backward. Needs
+      zinfjax's AdamW and no state on NVMe; its steps are not all-or-nothing
+      (as with "xla").
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -279,15 +282,16 @@ class ZeroConfig:
     return self.nvme_path == HOST_MEMORY
 
   def with_host_pipeline(self) -> "ZeroConfig":
-    """The config the engine plans with: under host_optimizer="pipeline", the pinned-host
-    optimizer segments become segments of a swap store in host RAM (the host pipeline updates
-    them as it updates NVMe ones), steps not all-or-nothing; otherwise itself."""
+    """The config the engine plans with: under host_optimizer="pipeline", every pinned-host
+    segment (params and their grads, master params and moments) becomes a segment of a swap
+    store in host RAM, which the step and the host pipeline use as they use the drive; steps
+    not all-or-nothing. Otherwise itself."""
     split = self.optimizer_split
     if self.host_optimizer != "pipeline" or self.host_store or Tier.PINNED_HOST not in split_tiers(split):
       return self
-    return self.replace(offload_optimizer=tuple(
-        (Tier.NVME if t is Tier.PINNED_HOST else t, a) for t, a in split),
-        nvme_path=HOST_MEMORY, nvme_atomic_steps=False)
+    to_store = lambda split: tuple((Tier.NVME if t is Tier.PINNED_HOST else t, a) for t, a in split)
+    return self.replace(offload_optimizer=to_store(split), offload_param=to_store(self.param_split),
+                        offload_grad=None, nvme_path=HOST_MEMORY, nvme_atomic_steps=False)
 
   @property
   def nvme_paths(self) -> list[str]:

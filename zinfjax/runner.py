@@ -1,12 +1,14 @@
 """What runs a step's compiled program: alone, or with the host pipeline around it.
 
 `run_program` runs the program and raises what its NVMe transfers recorded.
-`PipelineRunner` adds the host pipeline. The optimizer segments on NVMe are updated by the host pipeline
-(`optim/pipeline.py`): after the program, or while its backward pass is still
-running when their grads are written to NVMe (with clipping on, speculatively:
-a step whose global norm needs clipping is rolled back and redone). Every step
-is one transaction of the swap store, so a step that fails leaves the previous
-step's params and optimizer states on NVMe.
+`PipelineRunner` adds the host pipeline. The optimizer segments in the swap
+store (NVMe, or host RAM) are updated by the host pipeline (`optim/pipeline.py`):
+after the program, or while its backward pass is still running when backward
+writes grads to the store (with clipping on, speculatively: a step whose
+global norm needs clipping is rolled back and redone); grads held in arrays
+are read once the program is done. With all-or-nothing steps every step is one
+transaction of the swap store, so a step that fails leaves the previous step's
+params and optimizer states in the store.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class PipelineRunner:
     # finite): a step whose global norm turns out to need clipping is rolled back and redone,
     # one with a non-finite norm rolled back (skipped); all-or-nothing steps make both possible
     atomic = engine.config.nvme_atomic_steps
-    self.under_backward = pipeline.grads_all_on_nvme and (
+    self.under_backward = pipeline.grads_on_store and (
         atomic or (self.clip is None and not self.skip))
     self.ordered = False
     # the previous step's global norm: when it needed clipping, this one likely does too, and
@@ -122,20 +124,10 @@ class PipelineRunner:
     engine, plan = self.engine, self.engine.plan
     new, metrics, grads = checked(engine, self.jitted(state, batch))
     t1 = time.perf_counter()
-    cache: dict[tuple[int, int], dict] = {}
-
-    def grad_of(p):
-      leaf = plan.leaves[p.leaf]
-      j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
-      if (p.leaf, j) not in cache:
-        cache[(p.leaf, j)] = host_shards(plan.flatten(grads)[p.leaf][j], plan.mesh)
-      seg = leaf.array_segments("grads")[j]
-      g = cache[(p.leaf, j)][p.rank]
-      return g[p.layer - seg.start] if leaf.stacked else g
-
     norm = float(metrics["grad_norm"])
     skipped = self.skip and not math.isfinite(norm)
-    outs = {} if skipped else engine.pipeline.step(count, grad_of, grad_norm=norm)
+    outs = {} if skipped else engine.pipeline.step(count, grad_reader(plan, lambda: grads),
+                                                   grad_norm=norm)
     return new, metrics, outs, t1, skipped
 
   def _under_backward(self, state, batch, count):
@@ -157,8 +149,10 @@ class PipelineRunner:
       guess = lambda: float(running[1]["grad_norm"])
     else:
       guess = 0.0  # a norm below the limit: no clipping (redone if wrong)
+    # grads held in arrays (layers whose params are): read once the program is done
+    grad_of = grad_reader(engine.plan, lambda: checked(engine, running[2]))
     try:
-      outs = self.thread.submit(pipeline.step, count, None, gate, guess).result()
+      outs = self.thread.submit(pipeline.step, count, grad_of, gate, guess).result()
     except BaseException:
       watch.join()  # the program's own transfers end before anything is undone
       raise
@@ -172,12 +166,29 @@ class PipelineRunner:
     if skipped or redo:  # back to the states before the update
       engine.store.rollback()
       engine.store.begin(VERSIONED)
-      outs = pipeline.step(count, None, None, norm) if redo else {}  # again, with clipping
+      outs = pipeline.step(count, grad_of, None, norm) if redo else {}  # again, with clipping
     if clip is not None:
       extra["nvme_redone"] = int(redo)
       extra["nvme_clip_predicted"] = int(predicted)
       self.last_norm = norm
     return new, metrics, outs, ended[0], extra
+
+
+def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
+  """`grad_of(part)`: a part's grad from the program's grad arrays (`grads()`, asked once),
+  as a host array; each array segment copied to the host once."""
+  cache: dict[tuple[int, int], dict] = {}
+
+  def grad_of(p):
+    leaf = plan.leaves[p.leaf]
+    j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
+    if (p.leaf, j) not in cache:
+      cache[(p.leaf, j)] = host_shards(plan.flatten(grads())[p.leaf][j], plan.mesh)
+    seg = leaf.array_segments("grads")[j]
+    g = cache[(p.leaf, j)][p.rank]
+    return g[p.layer - seg.start] if leaf.stacked else g
+
+  return grad_of
 
 
 def merge_params(plan, params: Any, outs: dict) -> Any:

@@ -48,9 +48,6 @@ class NvmePipeline(StreamAdam):
                      "params": layers(moves.select(Phase.AFTER)),
                      "grads": layers(moves.select(Phase.BACKWARD, "grads"))}
     self._nvme = self._on_nvme["master"]
-    if store.memory and (self._on_nvme["grads"] or self._on_nvme["params"]):
-      raise ValueError("the host-memory store holds optimizer states only: the grads come from "
-                       "the program and the new params go back to it.")
     self._scalars = jax.jit(hyper.scalars)
     self.set_order(moves.grad_order)  # the plan's stack order, until the step finds the forward's
 
@@ -101,6 +98,11 @@ class NvmePipeline(StreamAdam):
   @property
   def grads_all_on_nvme(self) -> bool:
     return all(self.on_store("grads", p) for p in self.parts)
+
+  @property
+  def grads_on_store(self) -> bool:
+    """Whether backward writes any of the grads this pipeline reads into the store."""
+    return any(self.on_store("grads", p) for p in self.parts)
 
   def step(self, count: int, grad_of: Callable[[Part], np.ndarray] | None = None,
            gate: "GradGate | None" = None,

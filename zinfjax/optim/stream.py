@@ -242,7 +242,8 @@ class StreamAdam:
     norm, `norm()` (asked at the first update, blocking until known).
     """
     if self.store.memory and not self.store.in_transaction:
-      return self._in_place(lr, bc1, bc2, decays, grad_of, out_of, norm if clip else None, clip)
+      return self._in_place(lr, bc1, bc2, decays, grad_of, out_of, gate, norm if clip else None,
+                            clip)
     c = self.constants
 
     def views(k, reading: bool):
@@ -289,20 +290,30 @@ class StreamAdam:
 
   def _in_place(self, lr: float, bc1: float, bc2: float, decays: Sequence[float],
                 grad_of: Callable[[Part], np.ndarray], out_of: Callable[[Part], np.ndarray],
-                norm: Callable[[], float] | None, clip: float | None) -> None:
-    """The step on a store in host RAM: each part's master and moments updated where the store
-    keeps them (no buffers, no copies)."""
-    t0 = time.perf_counter()
+                gate: Any, norm: Callable[[], float] | None, clip: float | None) -> None:
+    """The step on a store in host RAM: each part's master, moments, and (where the store keeps
+    them) grads and params used where the store keeps them: no buffers, no copies. A grad a
+    running backward has not written yet is waited for."""
+    t0, waited = time.perf_counter(), 0.0
     for p in self.parts:
       master, mu, nu = (self.store.view(self.key(s, p)) for s in STATES)
-      grad = _flat(grad_of(p))
+      if self.on_store("grads", p):
+        key = self.key("grads", p)
+        if gate is not None and not gate.ready(key):
+          t1 = time.perf_counter()
+          gate.wait(key)
+          waited += time.perf_counter() - t1
+        grad = self.store.view(key)
+      else:
+        grad = _flat(grad_of(p))
       if norm is not None:
         grad = clipped(grad, norm(), clip)
-      adamw_numpy(master, mu, nu, grad, out_of(p), lr, bc1, bc2, self.constants,
-                  decays[p.leaf], self.threads)
+      out = self.store.view(self.key("params", p)) if self.on_store("params", p) else out_of(p)
+      adamw_numpy(master, mu, nu, grad, out, lr, bc1, bc2, self.constants, decays[p.leaf],
+                  self.threads)
     took = time.perf_counter() - t0
-    self.last_step = {"step_s": took, "compute_s": took, "read_wait_s": 0.0, "write_wait_s": 0.0,
-                      "bytes_read": 0, "bytes_written": 0}
+    self.last_step = {"step_s": took, "compute_s": took - waited, "read_wait_s": waited,
+                      "write_wait_s": 0.0, "bytes_read": 0, "bytes_written": 0}
 
   def close(self) -> None:
     if self.store is not None:
