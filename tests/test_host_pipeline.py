@@ -38,6 +38,15 @@ def arrays(tree) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def assert_same_training(losses, state, want_losses, want) -> None:
+  """Equal losses, fp32 masters and compute params, bit for bit."""
+  np.testing.assert_array_equal(losses, want_losses)
+  for got, expected in zip(arrays(state.full_params()), arrays(want.full_params())):
+    np.testing.assert_array_equal(got, expected)
+  for got, expected in zip(compute_params(state), compute_params(want)):
+    np.testing.assert_array_equal(got, expected)
+
+
 def compute_params(state) -> list[np.ndarray]:
   """Every leaf's compute params joined from their tiers (the memory store's included)."""
   plan = state.engine.plan
@@ -67,11 +76,7 @@ def test_host_pipeline_trains_bit_for_bit_like_xla(param, optimizer, precision, 
   assert in_store == ({"params", "grads", "master"} if "pinned_host" in param else {"master"})
   assert engine.pipeline.last_step["bytes_read"] == 0  # updated in place: no copies
   assert losses[-1] < losses[0]
-  np.testing.assert_array_equal(losses, xla_losses)
-  for got, want in zip(arrays(state.full_params()), arrays(xla.full_params())):
-    np.testing.assert_array_equal(got, want)
-  for got, want in zip(compute_params(state), compute_params(xla)):
-    np.testing.assert_array_equal(got, want)
+  assert_same_training(losses, state, xla_losses, xla)
   state.close()
 
 
@@ -89,11 +94,7 @@ def test_host_pipeline_updates_under_backward(param, mesh, batches):
     state, metrics = zinfjax.train_step(state, batch, lm_loss)
     losses.append(float(metrics["loss"]))
     assert "nvme_grad_waits" in metrics  # the update ran beside the program, gated per grad
-  np.testing.assert_array_equal(losses, xla_losses)
-  for got, want in zip(arrays(state.full_params()), arrays(xla.full_params())):
-    np.testing.assert_array_equal(got, want)
-  for got, want in zip(compute_params(state), compute_params(xla)):
-    np.testing.assert_array_equal(got, want)
+  assert_same_training(losses, state, xla_losses, xla)
   state.close()
   xla.close()
 

@@ -296,7 +296,8 @@ def _layer_scan_bwd(plan, residuals, g_y):
     g_args = [a + b for a, b in zip(g_args, g_arg)]
     g_shard = [plan.reduce_grad(x, layouts[k]) for k, x in zip(trained, g_trained)]
     layer = swap.layer_at(np.arange(plan.num_layers) + plan.first_layer, i, reverse=True)
-    shares = [sum_squares_share(x, layouts[k], plan.axis_name) for x, k in zip(g_shard, trained)]
+    shares = lambda: [sum_squares_share(x, layouts[k], plan.axis_name)
+                      for x, k in zip(g_shard, trained)]
     kept_grads, sums = src.layer_grads(g_shard, trained, layer, rank, sums, shares)
     return (g_h, state, sums, g_args), kept_grads
 

@@ -170,7 +170,8 @@ class InArrays:
     raise AssertionError("arrays are not read ahead")
 
   def layer_grads(self, grads: list, trained: list[int], layer, rank, sums, shares):
-    """One layer's grad shards sent to the tier: (what the scan stacks, the running sums)."""
+    """One layer's grad shards sent to the tier: (what the scan stacks, the running sums);
+    `shares()` (the layer's sums of squares) is not needed here."""
     return [to_tier(x, self.tier) for x in grads], sums
 
   def grads_of(self, stacked, sums, anchor) -> jax.Array:
@@ -212,10 +213,10 @@ class InStore:
 
   def layer_grads(self, grads: list, trained: list[int], layer, rank, sums, shares):
     """One layer's grads of every trained leaf written as one store job; each leaf's running
-    `[token, sum of squares]` grows by this write's."""
+    `[token, sum of squares]` grows by this write's (`shares()`, per trained leaf)."""
     leaves = jax.tree.leaves(self.grads)
     token = write_layer([leaves[k] for k in trained], grads, rank, layer).astype(jnp.float32)
-    return None, [s + jnp.stack([token, share]) for s, share in zip(sums, shares)]
+    return None, [s + jnp.stack([token, share]) for s, share in zip(sums, shares())]
 
   def grads_of(self, stacked, sums, anchor) -> jax.Array:
     return sums.reshape(anchor.shape)
