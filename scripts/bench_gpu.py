@@ -35,6 +35,16 @@ from bench_step import io_alone, median_step  # noqa: E402
 
 # dense bf16 TFLOP/s of an H100 / H200 SXM (NVIDIA's datasheet): the second MFU denominator
 SPEC_TFLOPS = 989.0
+# (key, params tier, optimizer tier, row name); the C++ AdamW row last: a crash keeps the rows before it
+PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
+              ("pinned", "pinned_host", "pinned_host", "params + optimizer on pinned_host"),
+              ("pipeline", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, host pipeline"),
+              ("pipeline-under", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, host pipeline under backward"),
+              ("nvme", "nvme", "nvme", "params + optimizer on nvme"),
+              ("ffi", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code")]
 
 
 def parse_args(argv=None):
@@ -54,11 +64,18 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
   p.add_argument("--sections", default="copies,matmul,disk,steps",
                  help="comma-separated parts to run (a failing part is recorded and the rest run)")
+  p.add_argument("--placements", default=",".join(p[0] for p in PLACEMENTS),
+                 help="comma-separated keys of the step rows to run (nvme only at --nvme-tokens, "
+                      "ffi only with --host-adam-ffi); peaks are the process's: one key per run "
+                      "gives each its own")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
   p.add_argument("--host-adam-ffi", action="store_true",
                  help="also run the pinned-host row with ZINFJAX_HOST_ADAM=ffi (the C++ AdamW "
                       "registered for XLA:GPU's host computations)")
   args = p.parse_args(argv)
+  unknown = set(args.placements.split(",")) - {k for k, *_ in PLACEMENTS}
+  if unknown:
+    p.error(f"unknown --placements {sorted(unknown)}; choose from {[k for k, *_ in PLACEMENTS]}")
   if args.tiny:
     args.layers, args.hidden, args.heads, args.seq_len = 2, 64, 4, 32
     args.tokens, args.nvme_tokens, args.copy_mib, args.steps = "64,128", "64", 8, 2
@@ -212,6 +229,14 @@ def disk(folder: str, nbytes: int) -> dict:
           "store_backend": backend}
 
 
+def peaks(jax) -> dict:
+  """The process's peak device memory (None where the backend keeps no count) and peak RSS."""
+  import resource
+  stats = jax.devices()[0].memory_stats() or {}
+  return {"peak_hbm": stats.get("peak_bytes_in_use"),
+          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10}
+
+
 def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved) -> list[dict]:
   """GPT steps at each placement and token count; `rows` grows and `saved()` runs after each."""
   import numpy as np
@@ -221,23 +246,17 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                       seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
   mesh = zinfjax.make_mesh(1)
   nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
+  wanted = set(args.placements.split(","))
   for tokens in [int(t) for t in args.tokens.split(",")]:
     batch_size = max(1, tokens // config.seq_len)
     rng = np.random.default_rng(tokens)
     batches = [{k: rng.integers(0, config.vocab_size, (batch_size, config.seq_len)).astype(np.int32)
                 for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
-    placements = [("device", "device", "all on device (compute alone)"),
-                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host"),
-                  ("pinned_host", "pinned_host", "params + optimizer on pinned_host, host pipeline"),
-                  ("pinned_host", "pinned_host",
-                   "params + optimizer on pinned_host, host pipeline under backward")]
-    if tokens in nvme_tokens:
-      placements.append(("nvme", "nvme", "params + optimizer on nvme"))
-    if tokens in nvme_tokens and args.host_adam_ffi:  # last: a crash keeps the rows before it
-      placements.append(("pinned_host", "pinned_host",
-                         "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code"))
-    for param, optimizer, name in placements:
+    placements = [p for p in PLACEMENTS if p[0] in wanted
+                  and (p[0] != "nvme" or tokens in nvme_tokens)
+                  and (p[0] != "ffi" or (tokens in nvme_tokens and args.host_adam_ffi))]
+    for _, param, optimizer, name in placements:
       os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
@@ -254,7 +273,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                      "tokens_per_s": batch_size * config.seq_len / step,
                      "tflops": flops / step / 1e12, "mfu": flops / step / 1e12 / peak_tflops,
                      "mfu_spec": flops / step / 1e12 / SPEC_TFLOPS,
-                     "loss": float(metrics["loss"])})
+                     "loss": float(metrics["loss"]), **peaks(jax)})
         if param == "nvme":  # the same bytes through the store with nothing else running
           rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
         print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)

@@ -10,12 +10,17 @@
 #                                          and `profile` (a jax.profiler trace of the bench GPT,
 #                                          all on device and on pinned host, and the top kernels
 #                                          by time as text: profile_device.txt, profile_pinned_host.txt)
+#                                          and `peer` (DeepSpeed ZeRO-3 offload and zinfjax on the same
+#                                          GPT and shapes, one table: peer_table.txt; deepspeed comes
+#                                          from the bundle scripts/peer_bundle.sh makes in build/peer
+#                                          (carry it); PEER_SIDES="ours" or "deepspeed" runs one side
+#                                          per call, PEER_PLACEMENTS a subset of device,cpu,nvme)
 #   scripts/gpu_check.sh OUT --dry-run     on a machine without a GPU: checks that every
 #                                          stage's commands exist and run (GPU tests skipped,
 #                                          benchmarks at tiny sizes), builds nothing
 #
 # Each stage writes its log under OUT (env.txt, build.log, gpu_tests.log, bench_gpu.log,
-# bench_gpu.json, bench_checkpoint.log, largest_gpt.log, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
+# bench_gpu.json, bench_checkpoint.log, largest_gpt.log, peer_table.txt, cpu_suite.log) and a line to OUT/progress.txt. The first failure stops the
 # check and prints the stage it reached and where its log is.
 set -Eeuo pipefail
 
@@ -24,7 +29,7 @@ STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
 DRY=0
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
-  STAGES=env,gpu-tests,bench,ckpt,largest,profile
+  STAGES=env,gpu-tests,bench,ckpt,largest,profile,peer
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
@@ -145,6 +150,53 @@ if want largest; then
      || { rm -rf "$BIG_DIR"; false; }
   rm -rf "$BIG_DIR"
   note "largest: table in largest_gpt.log, every run in largest/largest_gpt.json"
+fi
+
+if want peer; then
+  STAGE=peer
+  PEER_DIR=${PEER_DIR:-$REPO/build/peer}
+  PEER_SIDES=${PEER_SIDES:-ours,deepspeed}
+  if [[ -d "$PEER_DIR/libaio" ]]; then  # DeepSpeed's NVMe offload builds and links against -laio
+    export CPATH="$PEER_DIR/libaio/include${CPATH:+:$CPATH}" \
+           LIBRARY_PATH="$PEER_DIR/libaio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}" \
+           LD_LIBRARY_PATH="$PEER_DIR/libaio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+           CFLAGS="-I$PEER_DIR/libaio/include" LDFLAGS="-L$PEER_DIR/libaio/lib"
+  fi
+  if [[ $DRY == 1 ]]; then
+    PEER_PLACEMENTS=${PEER_PLACEMENTS:-device,cpu}
+    ours_size=(--tiny) peer_size=(--dry-run)
+  else
+    PEER_PLACEMENTS=${PEER_PLACEMENTS:-device,cpu,nvme}
+    ours_size=(--tokens 16384 --nvme-tokens 16384) peer_size=(--tokens 16384)
+  fi
+  if [[ ",$PEER_SIDES," == *",ours,"* ]]; then
+    for placement in ${PEER_PLACEMENTS//,/ }; do  # one process per placement: its own peaks
+      case $placement in device) keys="device";; cpu) keys="pinned pipeline-under";; nvme) keys="nvme";; esac
+      for key in $keys; do
+        (cd /tmp && run "peer_ours_$key.log" 300 $PY "$REPO/scripts/bench_gpu.py" --out "$OUT/peer_ours_$key" \
+           --sections matmul,steps --placements "$key" "${ours_size[@]}")
+      done
+    done
+  fi
+  if [[ ",$PEER_SIDES," == *",deepspeed,"* ]]; then
+    if ! (cd /tmp && $PY -c "import deepspeed" 2>/dev/null) && [[ -d "$PEER_DIR/wheels" ]]; then
+      $PY -m pip install -q --no-index --find-links "$PEER_DIR/wheels" deepspeed > "$OUT/peer_install.log" 2>&1
+    fi
+    if (cd /tmp && $PY -c "import deepspeed, torch" 2>/dev/null); then
+      run peer_deepspeed.log 560 $PY "$REPO/scripts/peer_deepspeed.py" --out "$OUT" \
+        --placements "$PEER_PLACEMENTS" "${peer_size[@]}"
+    elif [[ $DRY == 1 ]]; then
+      note "peer: torch or deepspeed is not installed here: the DeepSpeed side is not run"
+    else
+      note "peer: no deepspeed and no bundle in $PEER_DIR: run scripts/peer_bundle.sh here and carry build/peer"
+      false
+    fi
+  fi
+  if [[ -f "$OUT/peer_deepspeed.json" ]] && compgen -G "$OUT/peer_ours_*/bench_gpu.json" > /dev/null; then
+    $PY "$REPO/scripts/peer_deepspeed.py" --compare "$OUT/peer_deepspeed.json" \
+      --ours "$OUT"/peer_ours_*/bench_gpu.json | tee "$OUT/peer_table.txt"
+  fi
+  note "peer: $(ls "$OUT"/peer_table.txt "$OUT"/peer_deepspeed.json "$OUT"/peer_ours_*/bench_gpu.json 2>/dev/null | xargs -n1 basename | sort -u | tr '\n' ' ')"
 fi
 
 if want cpu-suite; then

@@ -132,8 +132,8 @@ def test_train_gpt_takes_per_layer_splits(tmp_path):
 
 def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   """scripts/gpu_check.sh --dry-run on a machine without a GPU: the GPU tests are collected and
-  skipped with their reason, the GPU, checkpoint and largest-model benchmarks run end to end
-  at tiny sizes, and a GPU stage run for real fails loudly, naming the stage."""
+  skipped with their reason, the GPU, checkpoint, largest-model and peer benchmarks run end to
+  end at tiny sizes, and a GPU stage run for real fails loudly, naming the stage."""
   out = tmp_path / "check"
   done = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(out), "--dry-run"],
                         capture_output=True, text=True, timeout=900, cwd=REPO)
@@ -149,6 +149,12 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   ckpt = (out / "bench_checkpoint.log").read_text()
   assert "| device | " in ckpt and "| peer: orbax StandardCheckpointer (device) | " in ckpt
   largest_runs_are_the_largest_that_fit(json.loads((out / "largest" / "largest_gpt.json").read_text()))
+  # the peer stage: zinfjax's side, one process per placement (DeepSpeed's where it is installed)
+  for key in ("device", "pinned", "pipeline-under"):
+    rows = json.loads((out / f"peer_ours_{key}" / "bench_gpu.json").read_text())["steps"]
+    assert rows and all(r["step_s"] > 0 and r["peak_rss"] > 0 for r in rows), rows
+  if (out / "peer_deepspeed.json").exists():
+    assert "| zinfjax / DeepSpeed |" in (out / "peer_table.txt").read_text()
   failed = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / "real"),
                            "gpu-tests"], capture_output=True, text=True, timeout=300, cwd=REPO)
   assert failed.returncode != 0
