@@ -8,6 +8,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from placements import ZERO3, Placement  # noqa: E402
+
 SLOW = os.path.join(os.path.dirname(__file__), "slow.txt")
 
 
@@ -20,8 +22,16 @@ def pytest_collection_modifyitems(config, items):
     if item.nodeid in slow:
       item.add_marker(pytest.mark.slow)
 
+
 @pytest.fixture(scope="session")
 def mesh():
   import zinfjax
   assert len(jax.devices()) == 8, "tests expect 8 host devices"
   return zinfjax.make_mesh()
+
+
+@pytest.fixture(params=ZERO3)
+def placement(request, tmp_path) -> Placement:
+  """Runs the test once per ZeRO-3 placement of tests/placements.py (or those it names with
+  `parametrize("placement", [...], indirect=True)`)."""
+  return Placement(request.param, str(tmp_path / "swap"))

@@ -11,6 +11,8 @@ from flax import nnx
 import zinfjax
 from zinfjax.checkpoint import Checkpointer, master_params
 
+from placements import Placement
+
 
 class Block(nnx.Module):
   def __init__(self, rngs):
@@ -41,34 +43,26 @@ def batches(n=3, seed=0):
            "y": rng.normal(size=(8, 5, 8)).astype(np.float32)} for _ in range(n)]
 
 
-PLACEMENTS = {
-    "device": dict(),
-    "pinned": dict(offload_param="pinned_host", offload_optimizer="pinned_host"),
-    "nvme": dict(offload_param="nvme", offload_optimizer="nvme"),
-    "split": dict(offload_param="pinned_host:1,nvme", offload_optimizer="device:1,nvme"),
-}
+def _place(name, tmp_path):
+  return Placement(name, str(tmp_path / "swap"))
 
 
-def _zero(name, tmp_path, **extra):
-  kw = dict(PLACEMENTS[name], **extra)
-  if "nvme" in str(kw):
-    kw["nvme_path"] = str(tmp_path / "swap")
-  return zinfjax.ZeroConfig(precision="fp32", trainable=nnx.LoRAParam, **kw)
+def _zero(placement):
+  return placement.zero(trainable=nnx.LoRAParam)
 
 
-def _tx(name):
-  return optax.adam(1e-2) if name == "device" else zinfjax.optim.adam(1e-2)
+def _tx(placement):
+  return optax.adam(1e-2) if placement.states_on_device else zinfjax.optim.adam(1e-2)
 
 
 def _diff(a, b) -> float:
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("name", list(PLACEMENTS))
-def test_lora_matches_flax_on_every_tier(name, mesh, tmp_path):
-  """LoRA adapters over a frozen base (device, pinned host, NVMe, split) train like
+def test_lora_matches_flax_on_every_tier(placement, mesh):
+  """LoRA adapters over a frozen base (every ZeRO-3 placement of tests/placements.py) train like
   nnx.Optimizer(wrt=nnx.LoRAParam): losses rtol 1e-6, params 1e-6; the base never moves."""
-  state = zinfjax.init(Model, _tx(name), _zero(name, tmp_path), mesh, rng=0)
+  state = zinfjax.init(Model, _tx(placement), _zero(placement), mesh, rng=0)
   ref = Model(nnx.Rngs(0))
   start = nnx.to_pure_dict(nnx.state(ref))
   opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.LoRAParam)
@@ -82,14 +76,14 @@ def test_lora_matches_flax_on_every_tier(name, mesh, tmp_path):
   assert _diff(got["stack"]["block"]["a"]["kernel"], start["stack"]["block"]["a"]["kernel"]) == 0
   assert _diff(got["stack"]["block"]["a"]["lora"]["lora_b"],
                start["stack"]["block"]["a"]["lora"]["lora_b"]) > 1e-3
-  if state.engine.store is not None:
-    state.engine.store.close()
+  state.close()
 
 
 def test_frozen_leaves_hold_no_grads_master_or_moments(mesh, tmp_path):
   """Memory per tier: frozen leaves keep their params only (no grads, master, moments), and the
   swap store holds exactly the plan's bytes."""
-  state = zinfjax.init(Model, _tx("nvme"), _zero("nvme", tmp_path), mesh, rng=0)
+  nvme = _place("nvme", tmp_path)
+  state = zinfjax.init(Model, _tx(nvme), _zero(nvme), mesh, rng=0)
   plan = state.engine.plan
   frozen = [l for l in plan.leaves if not l.trainable]
   lora = [l for l in plan.leaves if l.trainable]
@@ -108,18 +102,19 @@ def test_frozen_leaves_hold_no_grads_master_or_moments(mesh, tmp_path):
                    for k in keys)
   for leaf in lora:
     assert all(any(k.startswith(leaf.base_key(s)) for k in keys) for s in ("master", "mu", "nu"))
-  everything = zinfjax.abstract_init(Model, _tx("nvme"), zinfjax.ZeroConfig(
+  everything = zinfjax.abstract_init(Model, _tx(nvme), zinfjax.ZeroConfig(
       precision="fp32", offload_param="nvme", offload_optimizer="nvme",
       nvme_path=str(tmp_path / "unused")), mesh)
   assert everything.engine.plan.tier_bytes()["nvme"] == per_layer(plan.leaves) * (2 * item + 12)
-  state.engine.store.close()
+  state.close()
 
 
 def test_lora_checkpoint_restores_onto_another_placement(mesh, tmp_path):
   """A LoRA run's checkpoint (frozen base stored as its params) restores onto another placement
   and device count and continues with the same losses as the run that saved it."""
   data = batches(4, seed=2)
-  state = zinfjax.init(Model, _tx("split"), _zero("split", tmp_path), mesh, rng=1)
+  split, pinned = _place("split", tmp_path), _place("pinned", tmp_path)
+  state = zinfjax.init(Model, _tx(split), _zero(split), mesh, rng=1)
   for b in data[:2]:
     state, _ = zinfjax.train_step(state, b, loss_fn)
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
@@ -134,9 +129,9 @@ def test_lora_checkpoint_restores_onto_another_placement(mesh, tmp_path):
   for b in data[2:]:
     state, m = zinfjax.train_step(state, b, loss_fn)
     expect.append(float(m["loss"]))
-  state.engine.store.close()
+  state.close()
   other = zinfjax.make_mesh(4)
-  restored, _ = ckpt.restore(Model, _tx("pinned"), _zero("pinned", tmp_path), other)
+  restored, _ = ckpt.restore(Model, _tx(pinned), _zero(pinned), other)
   assert _diff(restored.full_params(), saved) == 0
   got = []
   for b in data[2:]:
@@ -199,4 +194,4 @@ def test_lora_on_a_pretrained_llama_exports_merged(mesh, tmp_path):
   x = jnp.asarray(ref_data["tokens"])
   np.testing.assert_allclose(np.asarray(plain(x)), np.asarray(state.model()(x)), atol=1e-5)
   assert np.abs(np.asarray(plain(x)) - logits).max() > 1e-3   # the adapters changed the model
-  state.engine.store.close()
+  state.close()

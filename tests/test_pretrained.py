@@ -18,32 +18,22 @@ from zinfjax.models import GPT, GPTConfig, hf, lm_loss
 from zinfjax.weights import safetensors, source
 
 from helpers import REPO, random_batches
+from placements import PLACEMENTS, Placement
 
 HF = os.path.join(REPO, "tests", "data", "hf")
 CFG = GPTConfig(vocab_size=67, seq_len=16, num_layers=3, num_heads=2, hidden=32)
-PLACEMENTS = {
-    "device": dict(),
-    "stage1": dict(stage=1),
-    "pinned": dict(offload_param="pinned_host", offload_optimizer="pinned_host"),
-    "nvme": dict(offload_param="nvme", offload_optimizer="nvme"),
-    "split": dict(offload_param="pinned_host:1,nvme:1,device", offload_optimizer="device:1,nvme"),
-}
 
 
-def _config(name, tmp_path, **extra):
-  kw = dict(PLACEMENTS[name])
-  if "nvme" in str(kw):
-    kw["nvme_path"] = str(tmp_path / "swap")
-  return zinfjax.ZeroConfig(precision="fp32", **kw, **extra)
+def _place(name, tmp_path):
+  return Placement(name, str(tmp_path / "swap"))
 
 
-def _tx(name):
-  return optax.adamw(1e-3) if name in ("device", "stage1") else zinfjax.optim.adamw(1e-3)
+def _tx(placement):
+  return optax.adamw(1e-3) if placement.states_on_device else zinfjax.optim.adamw(1e-3)
 
 
 def _close(state):
-  if state.engine.store is not None:
-    state.engine.store.close()
+  state.close()  # joins the run's threads and frees its swap folder for the next init
 
 
 def _max_diff(a, b) -> float:
@@ -56,8 +46,8 @@ def _loss_of_logits(logits, tokens) -> float:
   return float(optax.softmax_cross_entropy_with_integer_labels(x, tokens[:, 1:]).mean())
 
 
-@pytest.mark.parametrize("name", list(PLACEMENTS))
-def test_weights_stream_into_every_tier(name, mesh, tmp_path):
+@pytest.mark.parametrize("placement", list(PLACEMENTS), indirect=True)
+def test_weights_stream_into_every_tier(placement, mesh):
   """A model in memory, its pure dict, and a factory returning it all start the run from exactly
   those weights (fp32, bit-exact) on every placement; the first loss is the model's own."""
   trained = GPT(CFG, rngs=nnx.Rngs(11))
@@ -65,14 +55,14 @@ def test_weights_stream_into_every_tier(name, mesh, tmp_path):
   batch = random_batches(1, 8, 16, CFG.vocab_size, seed=3)[0]
   make = lambda rngs: GPT(CFG, rngs=rngs)
   for params in (trained, want):
-    state = zinfjax.init(make, _tx(name), _config(name, tmp_path), mesh, params=params)
+    state = zinfjax.init(make, _tx(placement), placement.zero(), mesh, params=params)
     assert _max_diff(state.full_params(), want) == 0.0
     state, metrics = zinfjax.train_step(state, batch, lm_loss)
     np.testing.assert_allclose(float(metrics["loss"]), float(lm_loss(trained, batch)), rtol=1e-6)
     _close(state)
   assert zinfjax.weights.existing_weights(lambda rngs: trained) is not None
   assert zinfjax.weights.existing_weights(make) is None
-  state = zinfjax.init(lambda rngs: trained, _tx(name), _config(name, tmp_path), mesh)
+  state = zinfjax.init(lambda rngs: trained, _tx(placement), placement.zero(), mesh)
   assert _max_diff(state.full_params(), want) == 0.0
   _close(state)
 
@@ -81,17 +71,18 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
   want = nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(0))))
   make = lambda rngs: GPT(CFG, rngs=rngs)
   missing = {k: v for k, v in want.items() if k != "ln_f"}
+  nvme, device = _place("nvme", tmp_path), _place("device", tmp_path)
   with pytest.raises(ValueError, match="missing ln_f/bias, ln_f/scale"):
-    zinfjax.init(make, _tx("nvme"), _config("nvme", tmp_path), mesh, params=missing)
+    zinfjax.init(make, _tx(nvme), nvme.zero(), mesh, params=missing)
   assert not os.path.exists(tmp_path / "swap" / "rank0" / "swap.bin") or \
       os.path.getsize(tmp_path / "swap" / "rank0" / "swap.bin") == 0
   wrong = jax.tree.map(lambda x: x, want)
   wrong["wte"]["embedding"] = np.zeros((66, 32), np.float32)
   with pytest.raises(ValueError, match=r"wte/embedding: model \(67, 32\), weights \(66, 32\)"):
-    zinfjax.init(make, _tx("device"), _config("device", tmp_path), mesh, params=wrong)
+    zinfjax.init(make, _tx(device), device.zero(), mesh, params=wrong)
   extra = {**want, "head": {"kernel": np.ones((2, 2), np.float32)}}
   with pytest.raises(ValueError, match="unexpected head/kernel"):
-    zinfjax.init(make, _tx("device"), _config("device", tmp_path), mesh, params=extra)
+    zinfjax.init(make, _tx(device), device.zero(), mesh, params=extra)
 
 
 # ------------------------------------------------------------------ Hugging Face
@@ -109,8 +100,9 @@ def test_logits_equal_transformers(family):
 
 
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
-                                              ("gpt2", "split")])
-def test_checkpoint_streams_into_zero3(family, placement, mesh, tmp_path):
+                                              ("gpt2", "split"), ("llama", "pipeline")],
+                         indirect=["placement"])
+def test_checkpoint_streams_into_zero3(family, placement, mesh):
   """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
   the ZeRO-3 eval loss equals the loss of transformers' logits, and training lowers it."""
   folder = os.path.join(HF, family)
@@ -118,7 +110,7 @@ def test_checkpoint_streams_into_zero3(family, placement, mesh, tmp_path):
   ref = np.load(os.path.join(folder, "reference.npz"))
   tokens = np.tile(ref["tokens"], (4, 1))   # 8 rows for 8 devices
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  state = zinfjax.init(make, _tx(placement), _config(placement, tmp_path), mesh, params=weights)
+  state = zinfjax.init(make, _tx(placement), placement.zero(), mesh, params=weights)
   loss = float(zinfjax.eval_step(state, batch, lm_loss)["loss"])
   np.testing.assert_allclose(loss, _loss_of_logits(ref["logits"], ref["tokens"]), rtol=1e-5)
   for _ in range(3):
@@ -133,7 +125,8 @@ def test_export_round_trip(family, mesh, tmp_path):
   values back: reading it again is bit-exact, sharded with an index as well."""
   folder = os.path.join(HF, family)
   config, make, weights = hf.load(folder)
-  state = zinfjax.init(make, _tx("split"), _config("split", tmp_path), mesh, params=weights)
+  split = _place("split", tmp_path)
+  state = zinfjax.init(make, _tx(split), split.zero(), mesh, params=weights)
   out = tmp_path / "export"
   files = hf.save(str(out), config, state, base_config=hf.read_config(folder),
                   max_shard_bytes=40_000)
@@ -157,7 +150,8 @@ def test_export_loads_in_transformers(mesh, tmp_path):
   config, make, weights = hf.load(folder)
   ref = np.load(os.path.join(folder, "reference.npz"))
   tokens = np.tile(ref["tokens"], (4, 1))
-  state = zinfjax.init(make, _tx("pinned"), _config("pinned", tmp_path), mesh, params=weights)
+  pinned = _place("pinned", tmp_path)
+  state = zinfjax.init(make, _tx(pinned), pinned.zero(), mesh, params=weights)
   state, _ = zinfjax.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                                 lm_loss)
   hf.save(str(tmp_path / "out"), config, state, base_config=hf.read_config(folder))
@@ -183,13 +177,13 @@ def test_safetensors_errors_name_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------ using the model
-@pytest.mark.parametrize("name", ["device", "stage1", "nvme"])
-def test_eval_step_and_model_view(name, mesh, tmp_path):
+@pytest.mark.parametrize("placement", ["device", "stage1", "nvme"], indirect=True)
+def test_eval_step_and_model_view(placement, mesh):
   """eval_step is the forward loss of the current params on every tier and changes nothing; a
   model from state.model() stays valid (same values) after later steps donate the state."""
   batches = random_batches(3, 8, 16, CFG.vocab_size, seed=5)
   make = lambda rngs: GPT(CFG, rngs=rngs)
-  state = zinfjax.init(make, _tx(name), _config(name, tmp_path), mesh, rng=2)
+  state = zinfjax.init(make, _tx(placement), placement.zero(), mesh, rng=2)
   evaluate = jax.jit(lm_loss)
   model = state.model()
   before = float(evaluate(model, batches[1]))
@@ -211,7 +205,7 @@ def test_metrics_carry_the_learning_rate(mesh, tmp_path):
   make = lambda rngs: GPT(CFG, rngs=rngs)
   for tx, name in ((optax.inject_hyperparams(optax.adamw)(learning_rate=schedule), "device"),
                    (zinfjax.optim.adamw(schedule), "nvme")):
-    state = zinfjax.init(make, tx, _config(name, tmp_path), mesh)
+    state = zinfjax.init(make, tx, _place(name, tmp_path).zero(), mesh)
     lrs = []
     for _ in range(3):
       state, metrics = zinfjax.train_step(state, batch, lm_loss)
@@ -235,7 +229,7 @@ def test_masked_and_multi_transform_freeze(mesh, tmp_path):
     ref = make(nnx.Rngs(0))
     start = nnx.to_pure_dict(nnx.state(ref))
     opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-    state = zinfjax.init(make, tx, _config("device", tmp_path), mesh, params=start)
+    state = zinfjax.init(make, tx, _place("device", tmp_path).zero(), mesh, params=start)
     for b in batches:
       state, metrics = zinfjax.train_step(state, b, lm_loss)
       loss, grads = nnx.value_and_grad(lm_loss)(ref, b)
