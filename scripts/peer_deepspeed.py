@@ -14,7 +14,8 @@ trained by DeepSpeed ZeRO-3 at each placement:
 
 AdamW (lr 1e-4, weight decay 1e-4, no clipping) like bench_gpu.py's; random tokens; the median
 step after one warm-up; TFLOP/s by `GPTConfig.train_flops` (6 N T + causal attention), MFU of
-the bf16 matmul rate measured in the same run; peak HBM (torch's allocator) and peak RSS.
+the bf16 matmul rate measured in the same run (after the placements); the process's peak HBM
+(torch's allocator, init included, as zinfjax's rows count it) and peak RSS.
 Each placement runs in its own process, so the peaks are its own. Rows go to
 OUT/peer_deepspeed.json in bench_gpu.json's form; `--compare` prints one table of both with
 the ratio zinfjax / DeepSpeed in tokens/s.
@@ -161,8 +162,6 @@ def one(args) -> dict:
   batches = [[torch.from_numpy(rng.integers(0, config.vocab_size, (batch_size, config.seq_len)))
               .to(device) for _ in range(2)] for _ in range(args.steps + 1)]
   sync = torch.cuda.synchronize if gpu else (lambda: None)
-  if gpu:
-    torch.cuda.reset_peak_memory_stats()
   times, losses = [], []
   for i, (inputs, targets) in enumerate(batches):
     t0 = time.perf_counter()
@@ -215,7 +214,7 @@ def run_all(args) -> dict:
   """Every placement at every token count, each in a child process; the rows as JSON."""
   os.makedirs(args.out, exist_ok=True)
   root = args.nvme_path or tempfile.mkdtemp(prefix="zinfjax-peer-ds-")
-  result = {"peer": "deepspeed", "rows": [], "matmul_tflops": None if args.dry_run else matmul_rate()}
+  result = {"peer": "deepspeed", "rows": [], "matmul_tflops": None}
   try:
     import deepspeed
     import torch
@@ -247,13 +246,18 @@ def run_all(args) -> dict:
                "placement": ds_name(placement), "error": f"timed out after {args.timeout} s"}
       with open(os.path.join(args.out, f"peer_{placement}_{tokens}.log"), "w") as f:
         f.write(log)
-      if result["matmul_tflops"] and "tflops" in row:
-        row["mfu"] = row["tflops"] / result["matmul_tflops"]
       result["rows"].append(row)
       print(f"  DeepSpeed {placement} at {tokens} tokens: "
             f"{row.get('step_s', row.get('error'))} ({time.perf_counter() - t0:.0f} s)", flush=True)
       with open(path, "w") as f:
         json.dump(result, f, indent=1)
+  # last, in this process: the children had the GPU to themselves
+  result["matmul_tflops"] = None if args.dry_run else matmul_rate()
+  for row in result["rows"]:
+    if result["matmul_tflops"] and "tflops" in row:
+      row["mfu"] = row["tflops"] / result["matmul_tflops"]
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
   return result
 
 
