@@ -40,6 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--json", action="store_true", help="print the numbers as JSON")
   p.add_argument("--no-atomic-nvme", dest="atomic_nvme", action="store_false",
                  help="NVMe steps rewrite in place (ZeroConfig.nvme_atomic_steps=False)")
+  p.add_argument("--bf16-moments", action="store_true",
+                 help="Adam's moments in bf16 (adamw(moment_dtype='bfloat16')): 8 optimizer bytes "
+                      "per parameter instead of 12")
   p.add_argument("--plan", action="store_true",
                  help="print the placement offload='auto' chooses and the step time it allows")
   p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
@@ -120,7 +123,8 @@ def main(argv=None) -> int:
                         devices_per_node=args.devices_per_node, stage=args.zero_stage,
                         checkpoint_interval=args.checkpoint_interval,
                         offload_param=args.offload_param, offload_grad=args.offload_grad,
-                        offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme)
+                        offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme,
+                        bf16_moments=args.bf16_moments)
   inputs = {k: v for k, v in vars(args).items() if k != "json"}
   inputs.update(layers=layers, hidden=hidden, heads=heads)
   if args.json:

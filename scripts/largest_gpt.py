@@ -83,6 +83,8 @@ def need(layers: int, tier: str, args) -> dict[str, int]:
                         batch_per_device=max(1, args.batch_size // args.devices), devices=args.devices,
                         offload_param=tier, offload_optimizer=tier, num_params=num_params(layers, args))
   out = dict(est.per_device)
+  if getattr(args, "bf16_moments", False):  # the paper's 16 optimizer bytes, with 2 + 2 moments
+    out[tier] -= -(-num_params(layers, args) * 4 // args.devices)
   out["device"] += (est.activation_checkpoints + est.activation_working_memory +
                     est.model_state_working_memory)
   return out
@@ -113,8 +115,9 @@ def mixed_plan(layers: int, room: dict[str, int], args, folder: str) -> dict | N
                             nvme_path=folder, nvme_atomic_steps=False,
                             pinned_budget=args.pinned_budget << 20)
   try:
-    auto = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
-                        zinfjax.make_mesh(), open_store_=False).auto
+    tx = zinfjax.optim.adamw(1e-3, moment_dtype="bfloat16" if args.bf16_moments else "float32")
+    auto = build_engine(lambda r: GPT(config, rngs=r), tx, zero, zinfjax.make_mesh(),
+                        open_store_=False).auto
   except PlacementError:
     return None
   return {"offload_param": auto.offload_param, "offload_optimizer": auto.offload_optimizer,
@@ -176,7 +179,7 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
          "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
          "--steps", str(args.steps), "--log-every", "1", "--same-batch", "--warmup-steps", "0",
          "--lr", str(args.lr),
-         "--metrics-jsonl", metrics]
+         "--metrics-jsonl", metrics] + (["--bf16-moments"] if args.bf16_moments else [])
   if tier == "mixed":
     cmd += ["--offload", "auto"] + [f"--budget={t}={b}" for t, b in budgets.items()]
   else:
@@ -210,6 +213,8 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--batch-size", type=int, default=8, help="global batch (examples per step)")
   p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--bf16-moments", action="store_true",
+                 help="Adam's moments in bf16 (8 optimizer bytes per parameter instead of 12)")
   p.add_argument("--lr", type=float, default=3e-4)
   p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")
   p.add_argument("--fill", type=float, default=0.85, help="share of each tier's room the states may take")

@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--bf16-moments", action="store_true",
+                 help="keep Adam's moments in bf16 with stochastic rounding (8 optimizer bytes per "
+                      "parameter instead of 12; scripts/bench_moments.py compares the loss curves)")
   p.add_argument("--clip", type=float, default=1.0,
                  help="clip grads to this global norm (0: off). With the optimizer on NVMe, "
                       "clipping runs it after backward (it needs the norm); 0 lets it run under "
@@ -325,11 +328,12 @@ def main(argv=None) -> int:
   if args.budget and not args.offload:
     raise SystemExit("error: --budget sets the budgets of --offload auto; add --offload auto.")
   mesh = zinfjax.make_mesh()
+  moments = "bfloat16" if args.bf16_moments else "float32"
   auto = None
   if zero.offload == "auto":  # the tiers from the budgets, once, before anything is allocated
     try:
-      auto = build_engine(model_factory, zinfjax.optim.adamw(1e-3), zero, mesh,
-                          open_store_=False).auto
+      auto = build_engine(model_factory, zinfjax.optim.adamw(1e-3, moment_dtype=moments), zero,
+                          mesh, open_store_=False).auto
     except ValueError as e:
       raise SystemExit(f"error: {e}") from None
     zero = auto.resolve(zero)
@@ -350,7 +354,7 @@ def main(argv=None) -> int:
   # zinfjax's AdamW on every tier (jnp on the device, the C++ kernel on the host, the NVMe
   # pipeline): one optimizer state format, so a checkpoint resumes onto any placement
   tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
-                           max_grad_norm=clip)
+                           max_grad_norm=clip, moment_dtype=moments)
   try:  # the placement and the optimizer checked against the model before any state exists
     build_engine(model_factory, tx, zero, mesh, open_store_=False)
   except ValueError as e:
@@ -366,7 +370,8 @@ def main(argv=None) -> int:
         + (f", nvme {zero.nvme_paths}" if zero.uses_nvme else "")
         + (f" | {zero.micro_batches} micro-batches of {args.batch_size // dp // zero.micro_batches}"
            " per device, layer by layer" if zero.micro_batches > 1 else "")
-        + (f" | training LoRA adapters of rank {args.lora_rank} only" if args.lora_rank else ""))
+        + (f" | training LoRA adapters of rank {args.lora_rank} only" if args.lora_rank else "")
+        + (" | Adam moments in bf16" if args.bf16_moments else ""))
   if auto is not None:
     say(auto.table())
   # made, checked writable and locked against other runs before any compute

@@ -131,7 +131,7 @@ def pinned_need(plan: Plan, config: ZeroConfig) -> int:
            if any(s.tier == Tier.NVME for s in leaf.optimizer)]
   if not parts:
     return config.pinned_budget
-  per_set = max(parts) * (12 + 2 * plan.dtype("params").itemsize)
+  per_set = max(parts) * (plan.optimizer_bytes + 2 * plan.dtype("params").itemsize)
   return max(config.pinned_budget, -(-SLOTS * per_set * 4 // 3 // (1 << 20)) << 20)
 
 
@@ -237,8 +237,8 @@ def predict(plan: Plan, tokens_per_device: int, num_params: int, rates: Rates = 
         if ptier == Tier.DEVICE:       # grads down, new params up
           link += 2 * p
       if otier == Tier.NVME:           # master, m, v in and out; grads read, params written
-        read += 12 * leaf.local_size + (p if ptier == Tier.NVME else 0)
-        write += 12 * leaf.local_size + (p if ptier == Tier.NVME else 0)
+        read += plan.optimizer_bytes * leaf.local_size + (p if ptier == Tier.NVME else 0)
+        write += plan.optimizer_bytes * leaf.local_size + (p if ptier == Tier.NVME else 0)
   terms = {"compute": 6 * num_params * tokens_per_device / rates.flops,
            "host<->device": link / rates.link,
            Tier.NVME: read / rates.nvme_read + write / rates.nvme_write,

@@ -204,13 +204,15 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   layouts = plan_layouts(nnx.to_pure_dict(abstract_state), {p + ("block",) for p in stack_paths},
                          mesh.shape[config.axis], config.persistence_threshold)
   frozen = frozen_leaves(abstract_model, config)
+  # zinfjax's AdamW may keep its moments in bf16; any other optimizer's states are optax's
+  moments = tx.hyper.moment_dtype if isinstance(tx, OffloadedTransformation) else jnp.float32
   auto = None
   if config.offload == "auto":  # the tiers, from the budgets, before anything is allocated
-    auto = plan_placement(config, lambda c: make_plan(c, layouts, stack_paths, mesh, frozen),
-                          config.tier_budgets)
+    auto = plan_placement(config, lambda c: make_plan(c, layouts, stack_paths, mesh, frozen,
+                                                      moments), config.tier_budgets)
     config = auto.resolve(config)
   given, config = config, config.with_host_pipeline()  # errors speak of the tiers as given
-  plan = make_plan(config, layouts, stack_paths, mesh, frozen)
+  plan = make_plan(config, layouts, stack_paths, mesh, frozen, moments)
   hostlimit.check(plan.tier_bytes()[Tier.PINNED_HOST] * len(mesh.local_devices),
                   mesh.devices.flat[0].platform)
   try:

@@ -19,21 +19,25 @@ PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
 # zinfjax's AdamW keeps 12 of the paper's 16 optimizer bytes: the fp32 master and moments (the
 # fp32 grad is a transient of the update, in its buffers, not a state)
 STATE_BYTES = {"params": PARAM_BYTES, "grads": GRAD_BYTES, "optimizer": 12}
+# with adamw(moment_dtype="bfloat16"): the fp32 master and two bf16 moments
+BF16_MOMENTS_OPTIMIZER_BYTES = 8
 
 
 def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None = None,
-                    offload_optimizer: str = Tier.DEVICE, *, atomic_nvme: bool = True
-                    ) -> dict[str, float]:
+                    offload_optimizer: str = Tier.DEVICE, *, atomic_nvme: bool = True,
+                    bf16_moments: bool = False) -> dict[str, float]:
   """Bytes each parameter keeps on each tier under zinfjax's mixed precision (bf16 params and
-  grads, fp32 master and moments), before the split over devices. With all-or-nothing NVMe
-  steps (`ZeroConfig.nvme_atomic_steps`) the params and optimizer states on NVMe take their
-  space twice (the committed copy and the step's); grads there are scratch, once."""
+  grads, fp32 master and moments, or bf16 moments with `bf16_moments`), before the split
+  over devices. With all-or-nothing NVMe steps (`ZeroConfig.nvme_atomic_steps`) the params
+  and optimizer states on NVMe take their space twice (the committed copy and the step's);
+  grads there are scratch, once."""
   out = dict.fromkeys(TIERS, 0.0)
   tiers = {"params": offload_param, "grads": offload_grad or offload_param,
            "optimizer": offload_optimizer}
+  size = {**STATE_BYTES, "optimizer": BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else 12}
   for state, tier in tiers.items():
     copies = 2 if tier == Tier.NVME and atomic_nvme and state != "grads" else 1
-    out[Tier(tier)] += STATE_BYTES[state] * copies
+    out[Tier(tier)] += size[state] * copies
   return out
 
 
@@ -58,12 +62,14 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                     batch_per_device: int = 1, devices: int = 1, devices_per_node: int | None = None,
                     stage: int = 3, checkpoint_interval: int = 1, offload_param: str = Tier.DEVICE,
                     offload_grad: str | None = None, offload_optimizer: str = Tier.DEVICE,
-                    num_params: int | None = None, atomic_nvme: bool = True) -> MemoryEstimate:
+                    num_params: int | None = None, atomic_nvme: bool = True,
+                    bf16_moments: bool = False) -> MemoryEstimate:
   """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
 
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
   the 12·nl·hd² approximation (e.g. with embeddings counted). `per_param` is what
-  zinfjax itself keeps per parameter on each tier (`bytes_per_param`).
+  zinfjax itself keeps per parameter on each tier (`bytes_per_param`, with bf16 moments
+  when `bf16_moments`).
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
                      ("offload_optimizer", offload_optimizer)):
@@ -92,7 +98,7 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
       model_state_working_memory=4 * hidden * 4 * hidden,
       activation_working_memory=batch_per_device * seq_len * ci * (16 * hidden + 2 * heads * seq_len),
       per_param=bytes_per_param(offload_param, offload_grad, offload_optimizer,
-                                atomic_nvme=atomic_nvme),
+                                atomic_nvme=atomic_nvme, bf16_moments=bf16_moments),
   )
 
 

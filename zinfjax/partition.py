@@ -46,6 +46,13 @@ class LeafLayout:
       return P()
     return P(*([None] * self.axis + [axis_name]))
 
+  def local_shape(self, dp: int) -> tuple[int, ...]:
+    """One rank's shard of one layer, out of `dp` ranks."""
+    shape = list(self.storage_shape)
+    if self.axis is not None:
+      shape[self.axis] //= dp
+    return tuple(shape[1:] if self.stacked else shape)
+
   def layer(self) -> "LeafLayout":
     """Layout of one layer's slice of a stacked leaf."""
     if not self.stacked:

@@ -236,6 +236,7 @@ class Plan:
   compute_dtype: Any
   # where the swap store keeps its shards: the drive, or host RAM (`ZeroConfig.host_store`)
   store_tier: Tier = Tier.NVME
+  moment_dtype: Any = jnp.float32  # Adam's moments: fp32, or bf16 (`adamw(moment_dtype=)`)
 
   @property
   def dp(self) -> int:
@@ -280,7 +281,13 @@ class Plan:
     return NamedSharding(self.mesh, self.spec(leaf, compute), memory_kind=Tier(tier).memory_kind)
 
   def dtype(self, state: str) -> Any:
-    return jnp.dtype(self.compute_dtype if state in ("params", "grads") else jnp.float32)
+    low = {"params": self.compute_dtype, "grads": self.compute_dtype, "mu": self.moment_dtype}
+    return jnp.dtype(low.get("mu" if state == "nu" else state, jnp.float32))
+
+  @property
+  def optimizer_bytes(self) -> int:
+    """Bytes of optimizer state per element: the fp32 master and both moments."""
+    return 4 + 2 * self.dtype("mu").itemsize
 
   def abstract(self, state: str) -> Any:
     """The state's arrays as sharded `ShapeDtypeStruct`s: a tuple per leaf, one per array segment."""
@@ -308,7 +315,8 @@ class Plan:
       n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == Tier.NVME)
       out["params"] += n("params") * disk(leaf.local_size * item) * ranks
       out["grads"] += n("grads") * disk(leaf.local_size * item) * ranks
-      out["optimizer"] += n("master") * 3 * disk(leaf.local_size * 4) * ranks
+      moments = 2 * disk(leaf.local_size * self.dtype("mu").itemsize)
+      out["optimizer"] += n("master") * (disk(leaf.local_size * 4) + moments) * ranks
     return out
 
   def nvme_disk_bytes(self, atomic: bool, ranks: int | None = None) -> dict[str, int]:
@@ -327,7 +335,7 @@ class Plan:
       for seg in leaf.params:
         out[medium(seg.tier)] += seg.layers * leaf.local_size * (2 if leaf.trainable else 1) * item
       for seg in leaf.optimizer:
-        out[medium(seg.tier)] += seg.layers * leaf.local_size * 12
+        out[medium(seg.tier)] += seg.layers * leaf.local_size * self.optimizer_bytes
     return out
 
   # ------------------------------------------------------------ checkpoint regions
@@ -343,18 +351,10 @@ class Plan:
     return tuple(region)
 
 
-def local_shape(layout: LeafLayout, dp: int) -> tuple[int, ...]:
-  """One rank's shard of one layer."""
-  shape = list(layout.storage_shape)
-  if layout.axis is not None:
-    shape[layout.axis] //= dp
-  return tuple(shape[1:] if layout.stacked else shape)
-
-
-def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
-              mesh: Mesh, frozen: frozenset[str] = frozenset()) -> Plan:
+def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]], mesh: Mesh,
+              frozen: frozenset[str] = frozenset(), moment_dtype: Any = jnp.float32) -> Plan:
   """The plan of a model whose leaves have `layouts` and whose `Stack`s sit at `stack_paths`;
-  the leaves named in `frozen` are not trained (params only)."""
+  the leaves named in `frozen` are not trained (params only); Adam's moments in `moment_dtype`."""
   dp = mesh.shape[config.axis]
   flat, treedef = jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)
   leaves, stack_of = [], {}
@@ -365,7 +365,7 @@ def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
     layers = lay.shape[0] if lay.stacked else None
     name = "/".join(keys)
     trainable = name not in frozen
-    leaves.append(LeafPlan(i, name, lay, local_shape(lay, dp),
+    leaves.append(LeafPlan(i, name, lay, lay.local_shape(dp),
                            split_layers(config.param_split, layers),
                            split_layers(config.optimizer_split, layers) if trainable else (),
                            trainable))
@@ -382,7 +382,8 @@ def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
     depth = leaves[members[0]].num_layers
     stacks.append(StackPlan(tuple(path), depth, members, split_layers(config.param_split, depth)))
   return Plan(tuple(leaves), treedef, tuple(stacks), mesh, config.axis, config.stage,
-              config.compute_dtype, Tier.PINNED_HOST if config.host_store else Tier.NVME)
+              config.compute_dtype, Tier.PINNED_HOST if config.host_store else Tier.NVME,
+              jnp.dtype(moment_dtype))
 
 
 def _check_counts(split: TierSplit, field: str, depth: int | None) -> None:

@@ -236,7 +236,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
       tree = untuple(plan, master)
       opt = jax.eval_shape(jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree)), tree)
     else:
-      opt = HostAdamState(step, master, master)
+      opt = HostAdamState(step, plan.abstract("mu"), plan.abstract("nu"))
     return TrainState(step, plan.abstract("params"), master, opt, engine, known_step=0)
 
   if weights is not None:
@@ -252,7 +252,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
     tree = untuple(plan, master)
     opt = jax.jit(engine.tx.init, out_shardings=opt_state_shardings(engine, tree))(tree)
   else:
-    zeros = jax.jit(lambda m: jax.tree.map(jnp.zeros_like, m),
+    zeros = jax.jit(lambda m: jax.tree.map(lambda x: jnp.zeros_like(x, plan.dtype("mu")), m),
                     out_shardings=jax.tree.map(lambda x: x.sharding, master))
     opt = HostAdamState(jax.device_put(jnp.zeros((), jnp.int32), rep), zeros(master), zeros(master))
   return TrainState(step, params, master, opt, engine, known_step=0)

@@ -9,44 +9,57 @@
 namespace zinfjax {
 namespace {
 
-template <Precision G, Precision P>
-__attribute__((always_inline)) inline void Body(float* __restrict master, float* __restrict m,
-                                                float* __restrict v, const void* grad,
+__attribute__((always_inline)) inline float FromBF16(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <Precision G, Precision P, Precision M>
+__attribute__((always_inline)) inline void Body(float* __restrict master, void* __restrict m,
+                                                void* __restrict v, const void* grad,
                                                 void* params_out, size_t begin, size_t end,
                                                 const AdamHyper& h) {
   const float* gf = static_cast<const float*>(grad);
   const uint16_t* gb = static_cast<const uint16_t*>(grad);
   float* pf = static_cast<float*>(params_out);
   uint16_t* pb = static_cast<uint16_t*>(params_out);
+  float* mf = static_cast<float*>(m);
+  float* vf = static_cast<float*>(v);
+  uint16_t* mb = static_cast<uint16_t*>(m);
+  uint16_t* vb = static_cast<uint16_t*>(v);
   const float lr = -h.lr, b1 = h.b1, c1 = h.one_minus_b1, b2 = h.b2, c2 = h.one_minus_b2;
   const float eps = h.eps, wd = h.weight_decay, bc1 = h.bc1, bc2 = h.bc2;
+  const uint32_t seed_m = MomentSeed(h.seed, 0), seed_v = MomentSeed(h.seed, 1);
   for (size_t i = begin; i < end; ++i) {
-    float g;
-    if constexpr (G == Precision::kBF16) {
-      uint32_t bits = static_cast<uint32_t>(gb[i]) << 16;
-      std::memcpy(&g, &bits, 4);
-    } else {
-      g = gf[i];
-    }
-    const float mi = c1 * g + b1 * m[i];
-    const float vi = c2 * (g * g) + b2 * v[i];
+    const float g = G == Precision::kBF16 ? FromBF16(gb[i]) : gf[i];
+    const float m0 = M == Precision::kBF16 ? FromBF16(mb[i]) : mf[i];
+    const float v0 = M == Precision::kBF16 ? FromBF16(vb[i]) : vf[i];
+    const float mi = c1 * g + b1 * m0;
+    const float vi = c2 * (g * g) + b2 * v0;
     const float update = (mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * master[i];
     const float p = master[i] + update * lr;
-    m[i] = mi;
-    v[i] = vi;
+    if constexpr (M == Precision::kBF16) {
+      mb[i] = ToBF16Stochastic(mi, seed_m);
+      vb[i] = ToBF16Stochastic(vi, seed_v);
+    } else {
+      mf[i] = mi;
+      vf[i] = vi;
+    }
     master[i] = p;
     if constexpr (P == Precision::kF32) pf[i] = p;
     if constexpr (P == Precision::kBF16) pb[i] = ToBF16(p);
   }
 }
 
-using Chunk = void (*)(float*, float*, float*, const void*, void*, size_t, size_t, const AdamHyper&);
+using Chunk = void (*)(float*, void*, void*, const void*, void*, size_t, size_t, const AdamHyper&);
 
 #define ZINFJAX_ADAM_ISA(SUFFIX, TARGET)                                                      \
-  template <Precision G, Precision P>                                                        \
-  TARGET void Chunk##SUFFIX(float* master, float* m, float* v, const void* g, void* p,       \
+  template <Precision G, Precision P, Precision M>                                           \
+  TARGET void Chunk##SUFFIX(float* master, void* m, void* v, const void* g, void* p,         \
                             size_t b, size_t e, const AdamHyper& h) {                        \
-    Body<G, P>(master, m, v, g, p, b, e, h);                                                 \
+    Body<G, P, M>(master, m, v, g, p, b, e, h);                                              \
   }
 
 ZINFJAX_ADAM_ISA(Avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
@@ -66,22 +79,28 @@ Isa Detect() {
 
 const Isa kIsa = Detect();
 
-template <Precision G, Precision P>
+template <Precision G, Precision P, Precision M>
 Chunk Pick() {
   switch (kIsa) {
-    case Isa::kAvx512: return ChunkAvx512<G, P>;
-    case Isa::kAvx2: return ChunkAvx2<G, P>;
-    default: return ChunkGeneric<G, P>;
+    case Isa::kAvx512: return ChunkAvx512<G, P, M>;
+    case Isa::kAvx2: return ChunkAvx2<G, P, M>;
+    default: return ChunkGeneric<G, P, M>;
   }
 }
 
-template <Precision G>
+template <Precision G, Precision M>
 Chunk PickParams(Precision p) {
   switch (p) {
-    case Precision::kBF16: return Pick<G, Precision::kBF16>();
-    case Precision::kF32: return Pick<G, Precision::kF32>();
-    default: return Pick<G, Precision::kNone>();
+    case Precision::kBF16: return Pick<G, Precision::kBF16, M>();
+    case Precision::kF32: return Pick<G, Precision::kF32, M>();
+    default: return Pick<G, Precision::kNone, M>();
   }
+}
+
+template <Precision M>
+Chunk PickGrads(Precision g, Precision p) {
+  return g == Precision::kBF16 ? PickParams<Precision::kBF16, M>(p)
+                               : PickParams<Precision::kF32, M>(p);
 }
 
 }  // namespace
@@ -94,13 +113,13 @@ const char* AdamIsa() {
   }
 }
 
-void AdamW(float* master, float* m, float* v, const void* grad, Precision grad_type,
-           void* params_out, Precision params_type, size_t n, const AdamHyper& h, int threads) {
-  Chunk chunk = grad_type == Precision::kBF16 ? PickParams<Precision::kBF16>(params_type)
-                                              : PickParams<Precision::kF32>(params_type);
-  if (params_out == nullptr) chunk = grad_type == Precision::kBF16
-                                         ? Pick<Precision::kBF16, Precision::kNone>()
-                                         : Pick<Precision::kF32, Precision::kNone>();
+void AdamW(float* master, void* m, void* v, Precision moment_type, const void* grad,
+           Precision grad_type, void* params_out, Precision params_type, size_t n,
+           const AdamHyper& h, int threads) {
+  if (params_out == nullptr) params_type = Precision::kNone;
+  Chunk chunk = moment_type == Precision::kBF16
+                    ? PickGrads<Precision::kBF16>(grad_type, params_type)
+                    : PickGrads<Precision::kF32>(grad_type, params_type);
   constexpr size_t kMinPerThread = 1 << 16;
   size_t workers = threads > 0 ? static_cast<size_t>(threads)
                                : std::max(1u, std::thread::hardware_concurrency());

@@ -337,13 +337,13 @@ PYBIND11_MODULE(_engine, m) {
   m.def("adamw", [](py::buffer master, py::buffer m, py::buffer v, py::buffer grad,
                     py::object params_out, float lr, float b1, float one_minus_b1, float b2,
                     float one_minus_b2, float eps, float weight_decay, float bc1, float bc2,
-                    int threads) {
+                    int threads, uint32_t seed) {
     py::buffer_info mi = master.request(true), mo = m.request(true), vo = v.request(true);
     py::buffer_info gi = grad.request();
     for (auto* info : {&mi, &mo, &vo, &gi}) RequireContiguous(*info);
     size_t n = static_cast<size_t>(mi.size);
-    if (mi.itemsize != 4 || mo.itemsize != 4 || vo.itemsize != 4)
-      throw EngineError("adamw: master, m and v must be float32");
+    if (mi.itemsize != 4 || mo.itemsize != vo.itemsize || (mo.itemsize != 4 && mo.itemsize != 2))
+      throw EngineError("adamw: master must be float32, m and v both float32 or both bfloat16");
     if (static_cast<size_t>(mo.size) != n || static_cast<size_t>(vo.size) != n ||
         static_cast<size_t>(gi.size) != n)
       throw EngineError("adamw: master, m, v and grad must have the same number of elements");
@@ -360,14 +360,17 @@ PYBIND11_MODULE(_engine, m) {
       out = po.ptr;
       pt = po.itemsize == 4 ? Precision::kF32 : Precision::kBF16;
     }
-    AdamHyper h{lr, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, bc1, bc2};
+    AdamHyper h{lr, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, bc1, bc2, seed};
     py::gil_scoped_release release;
-    AdamW(static_cast<float*>(mi.ptr), static_cast<float*>(mo.ptr), static_cast<float*>(vo.ptr),
-          gi.ptr, gi.itemsize == 4 ? Precision::kF32 : Precision::kBF16, out, pt, n, h, threads);
+    AdamW(static_cast<float*>(mi.ptr), mo.ptr, vo.ptr,
+          mo.itemsize == 4 ? Precision::kF32 : Precision::kBF16, gi.ptr,
+          gi.itemsize == 4 ? Precision::kF32 : Precision::kBF16, out, pt, n, h, threads);
   }, py::arg("master"), py::arg("m"), py::arg("v"), py::arg("grad"), py::arg("params_out"),
      py::arg("lr"), py::arg("b1"), py::arg("one_minus_b1"), py::arg("b2"), py::arg("one_minus_b2"),
      py::arg("eps"), py::arg("weight_decay"), py::arg("bc1"), py::arg("bc2"), py::arg("threads") = 0,
-     "Fused AdamW over numpy buffers, in place (grad and params_out may be bfloat16).");
+     py::arg("seed") = 0,
+     "Fused AdamW over numpy buffers, in place (grad, params_out and the moments may be "
+     "bfloat16; bf16 moments are stored with stochastic rounding seeded by `seed`, the step).");
 
   m.def("registrations", []() {
     py::dict d;

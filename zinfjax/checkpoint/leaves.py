@@ -94,8 +94,9 @@ def state_leaves(state) -> list[Leaf]:
       for leaf, parts in zip(plan.leaves, plan.flatten(getattr(opt, moment))):
         if not leaf.trainable:
           continue
-        out.append(Leaf(f"opt/{moment}/{leaf.name}", leaf.layout.shape, f32, leaf.layout,
-                        _segment_sources(leaf, state_name, parts, f32), leaf))
+        dtype = np.dtype(plan.dtype(state_name))  # fp32, or bf16 moments
+        out.append(Leaf(f"opt/{moment}/{leaf.name}", leaf.layout.shape, dtype, leaf.layout,
+                        _segment_sources(leaf, state_name, parts, dtype), leaf))
     return out
   # any optax state: param-shaped leaves are split like the master, the rest are stored whole
   not_param = object()

@@ -38,11 +38,11 @@ Updated = tuple[list, list, list, list]  # new masters, moments, compute params
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                   mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
   """AdamW on device-resident shards (jnp, bit-identical to optax.adamw). `scalars` are
-  (lr, bc1, bc2) and optionally `ok`: False keeps every state as it was."""
-  lr, bc1, bc2, *ok = scalars
+  (lr, bc1, bc2, step) and optionally `ok`: False keeps every state as it was."""
+  lr, bc1, bc2, step, *ok = scalars
 
   def run(masters, mus, nus):
-    out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd)
+    out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step)
            for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
     return tuple([x[i] for x in out] for i in range(3))
 
@@ -62,17 +62,17 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
   """
   if not masters:
     return [], [], [], []
-  lr, bc1, bc2, *ok = scalars
+  lr, bc1, bc2, step, *ok = scalars
   ok = ok[0] if ok else jnp.bool_(True)
   grads = [tiers.to_tier(g, Tier.PINNED_HOST) for g in grads]
 
   @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
-  def update(masters, mus, nus, grads, lr, bc1, bc2, ok):
-    out = [adamw_host(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype, platform, ok)
-           for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
+  def update(masters, mus, nus, grads, lr, bc1, bc2, step, ok):
+    out = [adamw_host(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, params_dtype, platform, ok,
+                      step) for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
     return [list(x) for x in zip(*out)]
 
-  new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2, ok)
+  new_m, new_mu, new_nu, params = update(masters, mus, nus, grads, lr, bc1, bc2, step, ok)
   host = lambda xs: [tiers.to_tier(x, Tier.PINNED_HOST) for x in xs]
   return (host(new_m), host(new_mu), host(new_nu),
           [tiers.to_device(p, Tier.PINNED_HOST) for p in params])

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .kernel import AdamConstants, bias_corrections
 
@@ -36,15 +37,17 @@ class AdamHyper:
   weight_decay: float
   mask: Any = None
   max_grad_norm: float | None = None  # clip grads to this global norm first (None: no clipping)
+  moment_dtype: Any = np.dtype(np.float32)  # float32, or bfloat16 (stochastic rounding)
 
   def decays(self, params: Any) -> list[float]:
     return weight_decays(params, self.weight_decay, self.mask)
 
   def scalars(self, count) -> tuple:
-    """(lr, bc1, bc2) of the step after `count` steps (count not yet incremented)."""
+    """(lr, bc1, bc2, step) of the step after `count` steps (count not yet incremented; `step`
+    is count + 1, the seed of bf16 moments' rounding)."""
     c = self.constants
     bc1, bc2 = bias_corrections(c.b1, c.b2, count + 1)
-    return jnp.asarray(self.schedule(count), jnp.float32), bc1, bc2
+    return jnp.asarray(self.schedule(count), jnp.float32), bc1, bc2, jnp.asarray(count + 1, jnp.int32)
 
 
 def clip_scale(norm, max_norm: float | None):

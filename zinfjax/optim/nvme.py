@@ -4,8 +4,8 @@ The fp32 master params and both moments of each leaf are cut into sub-groups
 of at most `sub_group_size` elements (small leaves packed together), stored
 in the swap store under the engine's key scheme and streamed through the
 driver's rotating pinned buffers (`stream.StreamAdam`): host memory for the
-states is three buffer sets of one sub-group, 3 x 12 bytes x sub_group_size,
-whatever the model size.
+states is three buffer sets of one sub-group, 3 x 12 bytes x sub_group_size
+(3 x 8 with bf16 moments), whatever the model size.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ class NvmeAdam(StreamAdam):
   """Host side of `adamw(offload="nvme")`: owns the store and the staging buffers."""
 
   def __init__(self, nvme_path, *, rank: int = 0, sub_group_size: int = 1 << 22,
-               constants: AdamConstants, threads: int = 0, **store_options):
+               constants: AdamConstants, threads: int = 0, moment_dtype=np.float32,
+               **store_options):
     if sub_group_size < 1024:
       raise ValueError(f"sub_group_size must be >= 1024 elements, got {sub_group_size}.")
-    super().__init__(None, constants, np.float32, np.float32, threads)
+    super().__init__(None, constants, np.float32, np.float32, threads, moment_dtype)
     self.path, self.rank, self.sub_group_size = nvme_path, rank, sub_group_size
     self.store_options = store_options
     self.shapes: list[tuple[int, ...]] = []
@@ -44,7 +45,7 @@ class NvmeAdam(StreamAdam):
              for start in range(0, max(n, 1), g)]
     units = pack_units(parts, [None] * len(self.shapes))
     largest = max((u.size for u in units), default=0)
-    self.lay_out(units, SLOTS * 12 * largest, STATES)
+    self.lay_out(units, SLOTS * sum(self._itemsizes()[s] for s in STATES) * largest, STATES)
     if self.store is None:
       # init creates every state: start from an empty store
       self.store = AioStore(self.path, self.rank, **{"fresh": True, **self.store_options})
@@ -69,11 +70,12 @@ class NvmeAdam(StreamAdam):
     return np.int32(0)
 
   def host_step(self, weight_decays: Sequence[float], params_dtypes: Sequence[np.dtype],
-                lr, bc1, bc2, *grads: np.ndarray) -> tuple[np.ndarray, ...]:
+                lr, bc1, bc2, step, *grads: np.ndarray) -> tuple[np.ndarray, ...]:
     """One AdamW step over every sub-group; returns the new params (in `params_dtypes`)."""
     outs = [np.empty(shape, dtype) for shape, dtype in zip(self.shapes, params_dtypes)]
     self.stream(float(lr), float(bc1), float(bc2), weight_decays,
-                lambda p: _slice(grads[p.leaf], p), lambda p: _slice(outs[p.leaf], p))
+                lambda p: _slice(grads[p.leaf], p), lambda p: _slice(outs[p.leaf], p),
+                step=int(step))
     return tuple(outs)
 
 

@@ -37,7 +37,8 @@ class NvmePipeline(StreamAdam):
 
   def __init__(self, store: AioStore, plan: Plan, hyper: AdamHyper, decays: Sequence[float], *,
                budget: int, threads: int = 0):
-    super().__init__(store, hyper.constants, plan.dtype("params"), plan.dtype("grads"), threads)
+    super().__init__(store, hyper.constants, plan.dtype("params"), plan.dtype("grads"), threads,
+                     hyper.moment_dtype)
     self.plan, self.hyper, self.decays, self.budget = plan, hyper, list(decays), budget
     self.ranks = plan.ranks
     # (leaf, layer) pairs this pipeline updates (master and moments in the store), whose grads
@@ -112,7 +113,7 @@ class NvmePipeline(StreamAdam):
     AdamW clips. Returns the new compute params of the parts whose params are not in the
     store."""
     # jitted, like in the step: XLA's compiled pow/schedule can differ from eager by an ulp
-    lr, bc1, bc2 = (float(x) for x in self._scalars(jnp.int32(count)))
+    lr, bc1, bc2, step = (x.item() for x in self._scalars(jnp.int32(count)))
     clip = self.hyper.max_grad_norm
     if clip is not None and grad_norm is None:
       raise ValueError("this AdamW clips grads (max_grad_norm): pass the step's grad_norm.")
@@ -127,7 +128,7 @@ class NvmePipeline(StreamAdam):
         (p.leaf, p.rank, p.layer): np.empty(self.plan.leaves[p.leaf].local_shape, self.params_dtype)
         for p in self.parts if not self.on_store("params", p)}
     out_of = lambda p: outs[(p.leaf, p.rank, p.layer)].reshape(-1)
-    self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip)
+    self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step)
     return outs
 
 

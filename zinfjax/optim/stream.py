@@ -142,9 +142,10 @@ class StreamAdam:
   """
 
   def __init__(self, store: AioStore | None, constants: AdamConstants, params_dtype: Any,
-               grads_dtype: Any, threads: int = 0):
+               grads_dtype: Any, threads: int = 0, moment_dtype: Any = np.float32):
     self.store, self.constants, self.threads = store, constants, threads
     self.params_dtype, self.grads_dtype = np.dtype(params_dtype), np.dtype(grads_dtype)
+    self.moment_dtype = np.dtype(moment_dtype)
     self.units: list[Unit] = []
     self.slots, self.pinned_bytes = SLOTS, 0
     self.last_step: dict[str, float] = {}
@@ -174,9 +175,9 @@ class StreamAdam:
     some part keeps them in the store), as many sets as `budget` bytes hold (3 to 8). Returns
     the bytes one set takes."""
     self.units = units
-    item = {"grads": self.grads_dtype.itemsize, "params": self.params_dtype.itemsize}
+    item = self._itemsizes()
     largest = max((u.size for u in units), default=0)
-    per_set = largest * (12 + sum(item[b] for b in buffers if b in item))
+    per_set = largest * sum(item[b] for b in buffers)
     slots = int(min(MAX_SLOTS, max(SLOTS, budget // max(per_set, 1))))
     if self._slots and (slots != len(self._slots) or tuple(buffers) != self._buffers
                         or self._slots[0]["master"].size < largest):
@@ -188,7 +189,8 @@ class StreamAdam:
   def _slot(self, k: int) -> dict[str, np.ndarray]:
     if not self._slots:
       n = max(u.size for u in self.units)
-      dtype = {"grads": self.grads_dtype, "params": self.params_dtype}
+      dtype = {"grads": self.grads_dtype, "params": self.params_dtype, "mu": self.moment_dtype,
+               "nu": self.moment_dtype}
       self._slots = [{b: aligned_empty(n, dtype.get(b, np.float32)) for b in self._buffers}
                      for _ in range(self.slots)]
     return self._slots[k % self.slots]
@@ -205,7 +207,7 @@ class StreamAdam:
     keeps them (`params`: that cast, if the caller has it; else cast here); returns the write
     tickets."""
     data = np.ascontiguousarray(master, np.float32)
-    zeros = self._zeros(data.shape)
+    zeros = self._zeros(data.shape, self.moment_dtype)
     tickets = [self.store.write(self.key(s, part), x)
                for s, x in (("master", data), ("mu", zeros), ("nu", zeros))]
     if self.on_store("params", part):
@@ -213,16 +215,17 @@ class StreamAdam:
       tickets.append(self.store.write(self.key("params", part), params))
     return tickets
 
-  def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
-    """A read-only fp32 zero shard of `shape`, a view of one buffer (as large as the largest
-    shard asked for) that every write of fresh moments shares: zero-filling a new buffer per
-    write cost init as much as drawing the master. `release_zeros` frees it."""
+  def _zeros(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """A read-only zero shard of `shape` and `dtype` (fp32 or bf16), a view of one buffer (as
+    large as the largest shard asked for) that every write of fresh moments shares:
+    zero-filling a new buffer per write cost init as much as drawing the master.
+    `release_zeros` frees it."""
     n = int(np.prod(shape, dtype=np.int64))
     if self._zero_buf is None or self._zero_buf.size < n:
       self._zero_buf = aligned_empty(n, np.float32)  # writes in flight keep the old one alive
       self._zero_buf.fill(0)
       self._zero_buf.flags.writeable = False
-    return self._zero_buf[:n].reshape(shape)
+    return self._zero_buf.view(dtype)[:n].reshape(shape)
 
   def release_zeros(self) -> None:
     """Drop the shared zero shard (after init or a weight load)."""
@@ -232,18 +235,19 @@ class StreamAdam:
   def stream(self, lr: float, bc1: float, bc2: float, decays: Sequence[float],
              grad_of: Callable[[Part], np.ndarray] | None, out_of: Callable[[Part], np.ndarray],
              gate: Any = None, norm: Callable[[], float] | None = None,
-             clip: float | None = None) -> None:
+             clip: float | None = None, step: int = 0) -> None:
     """One AdamW step over every sub-group.
 
     `grad_of(part)` gives a part's grad and `out_of(part)` the host array its
     new params go to, where the store does not keep them. With `gate`, grads in
     the store are still being written by a running backward pass: each is read
     once the gate says it is there. With `clip`, grads are scaled to that global
-    norm, `norm()` (asked at the first update, blocking until known).
+    norm, `norm()` (asked at the first update, blocking until known). `step` (the count after
+    this update) seeds the rounding of bf16 moments.
     """
     if self.store.memory and not self.store.in_transaction:
       return self._in_place(lr, bc1, bc2, decays, grad_of, out_of, gate, norm if clip else None,
-                            clip)
+                            clip, step)
     c = self.constants
 
     def views(k, reading: bool):
@@ -277,20 +281,21 @@ class StreamAdam:
           grad = clipped(grad, norm(), clip)
         param = slot["params"] if self.on_store("params", p) else out_of(p)
         adamw_numpy(slot["master"], slot["mu"], slot["nu"], grad, param.reshape(-1), lr, bc1,
-                    bc2, c, decays[p.leaf], self.threads)
+                    bc2, c, decays[p.leaf], self.threads, step)
 
     stats = run_pipeline(len(self.units), start_read, compute,
                          lambda k: [self.store.write_many(views(k, reading=False))], self.slots)
-    item = {"grads": self.grads_dtype.itemsize, "params": self.params_dtype.itemsize}
+    item = self._itemsizes()
     stored = lambda s: sum(p.size * item[s] for p in self.parts if self.on_store(s, p))
-    moved = sum(p.size for p in self.parts) * 12
+    moved = sum(p.size for p in self.parts) * sum(item[s] for s in STATES)
     stats["bytes_read"] = moved + stored("grads")
     stats["bytes_written"] = moved + stored("params")
     self.last_step = stats
 
   def _in_place(self, lr: float, bc1: float, bc2: float, decays: Sequence[float],
                 grad_of: Callable[[Part], np.ndarray], out_of: Callable[[Part], np.ndarray],
-                gate: Any, norm: Callable[[], float] | None, clip: float | None) -> None:
+                gate: Any, norm: Callable[[], float] | None, clip: float | None,
+                step: int) -> None:
     """The step on a store in host RAM: each part's master, moments, and (where the store keeps
     them) grads and params used where the store keeps them: no buffers, no copies. A grad a
     running backward has not written yet is waited for."""
@@ -310,10 +315,15 @@ class StreamAdam:
         grad = clipped(grad, norm(), clip)
       out = self.store.view(self.key("params", p)) if self.on_store("params", p) else out_of(p)
       adamw_numpy(master, mu, nu, grad, out, lr, bc1, bc2, self.constants, decays[p.leaf],
-                  self.threads)
+                  self.threads, step)
     took = time.perf_counter() - t0
     self.last_step = {"step_s": took, "compute_s": took - waited, "read_wait_s": waited,
                       "write_wait_s": 0.0, "bytes_read": 0, "bytes_written": 0}
+
+  def _itemsizes(self) -> dict[str, int]:
+    """Bytes per element of each buffer: master fp32, moments and grads / params in theirs."""
+    return {"master": 4, "mu": self.moment_dtype.itemsize, "nu": self.moment_dtype.itemsize,
+            "grads": self.grads_dtype.itemsize, "params": self.params_dtype.itemsize}
 
   def close(self) -> None:
     if self.store is not None:
