@@ -6,7 +6,8 @@
 #                                          (checkpoint save/restore per tier on the GPU, about
 #                                          3 minutes: run it as its own call, after `build`) and
 #                                          `largest` (the largest GPT per placement, 3 steps each;
-#                                          LARGEST="nvme" or "mixed" picks placements: one per call fits)
+#                                          LARGEST="nvme" or "mixed" picks placements: one per call fits;
+#                                          LARGEST_ARGS adds flags, e.g. "--bf16-moments --hidden 5120")
 #                                          and `profile` (a jax.profiler trace of the bench GPT,
 #                                          all on device and on pinned host, and the top kernels
 #                                          by time as text: profile_device.txt, profile_pinned_host.txt)
@@ -145,8 +146,10 @@ if want largest; then
   else
     size=()
   fi
+  # LARGEST_ARGS: more largest_gpt.py flags, e.g. "--bf16-moments --hidden 5120 --heads 40"
   (cd /tmp && run largest_gpt.log 590 $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
-     --nvme-path "$BIG_DIR" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}") \
+     --nvme-path "$BIG_DIR" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}" \
+     ${LARGEST_ARGS:-}) \
      || { rm -rf "$BIG_DIR"; false; }
   rm -rf "$BIG_DIR"
   note "largest: table in largest_gpt.log, every run in largest/largest_gpt.json"
