@@ -161,3 +161,36 @@ def test_host_pipeline_needs_zinfjax_adamw(mesh):
   zero = zinfjax.ZeroConfig(offload_optimizer="pinned_host", host_optimizer="pipeline")
   with pytest.raises(ValueError, match="offload_optimizer='pinned_host' runs zinfjax's AdamW"):
     zinfjax.abstract_init(factory, optax.sgd(1e-3), zero, mesh)
+
+
+def test_all_or_nothing_host_steps_update_under_backward_with_clipping_and_skips(mesh, batches):
+  """host_atomic_steps: with clipping on every step and a NaN step skipped, the host pipeline
+  still updates under backward (speculatively, rolled back where the norm says so), the NaN
+  step changes nothing, and the run trains bit for bit as the XLA host update does without it;
+  the RAM store holds the copies the all-or-nothing steps need."""
+  zero = zinfjax.ZeroConfig(precision="bf16", offload_param="pinned_host",
+                            offload_optimizer="pinned_host")
+  scaled = lambda model, batch: lm_loss(model, batch) * batch["scale"][0]
+  good = [dict(b, scale=np.ones((16,), np.float32)) for b in batches]
+  bad = dict(good[1], scale=np.full((16,), np.nan, np.float32))
+  xla_losses, xla = zero_training(factory, tx(0.5), zero, mesh, good, scaled)
+  state = zinfjax.init(factory, tx(0.5), zero.replace(host_optimizer="pipeline",
+                                                      host_atomic_steps=True), mesh, 0)
+  assert state.engine.config.nvme_atomic_steps and state.engine.store.memory
+  assert state.engine.plan.nvme_disk_bytes(True)["copies"] > 0
+  losses = []
+  for i, batch in enumerate(good):
+    if i == 2:
+      before = compute_params(state) + arrays(state.full_params())
+      state, metrics = zinfjax.train_step(state, bad, scaled)
+      assert int(metrics["skipped"]) == 1
+      after = compute_params(state) + arrays(state.full_params())
+      assert all(np.array_equal(a, b) for a, b in zip(after, before))
+    state, metrics = zinfjax.train_step(state, batch, scaled)
+    assert "nvme_grad_waits" in metrics and int(metrics["skipped"]) == 0  # beside the program
+    losses.append(float(metrics["loss"]))
+  assert_same_training(losses, state, xla_losses, xla)
+  with pytest.raises(ValueError, match="host_atomic_steps must be True or False"):
+    zinfjax.ZeroConfig(host_atomic_steps="yes")
+  state.close()
+  xla.close()

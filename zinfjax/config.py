@@ -118,9 +118,16 @@ class ZeroConfig:
       there and the host pipeline (the C++ AdamW on host threads) updates
       master, moments and params where the store keeps them, with no copies.
       With skip_nonfinite=False and no clipping, each layer is updated while
-      backward runs on the layers below it; otherwise after backward. Needs
-      zinfjax's AdamW and no state on NVMe; its steps are not all-or-nothing
-      (as with "xla").
+      backward runs on the layers below it; otherwise after backward (or under
+      it too, with `host_atomic_steps`). Needs zinfjax's AdamW and no state on
+      NVMe; its steps are not all-or-nothing (as with "xla") unless
+      `host_atomic_steps`.
+    host_atomic_steps: with host_optimizer="pipeline", steps are all or nothing
+      in the RAM store as on NVMe (`nvme_atomic_steps`): each step writes new
+      copies of the params and optimizer states it updates (twice their RAM, and
+      copies instead of updates in place), so the update runs under backward
+      with clipping and skip_nonfinite as well, rolled back and redone when the
+      global norm turns out to need it.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -152,6 +159,7 @@ class ZeroConfig:
   residual_budget: int | None = None
   skip_nonfinite: bool = True
   host_optimizer: str = "xla"
+  host_atomic_steps: bool = False
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -241,6 +249,9 @@ class ZeroConfig:
                        f"{self.pinned_budget!r}.")
     if not isinstance(self.skip_nonfinite, bool):
       raise ValueError(f"ZeroConfig.skip_nonfinite must be True or False, got {self.skip_nonfinite!r}.")
+    if not isinstance(self.host_atomic_steps, bool):
+      raise ValueError(f"ZeroConfig.host_atomic_steps must be True or False, got "
+                       f"{self.host_atomic_steps!r}.")
     if not isinstance(self.nvme_atomic_steps, bool):
       raise ValueError("ZeroConfig.nvme_atomic_steps must be True or False, got "
                        f"{self.nvme_atomic_steps!r}.")
@@ -285,13 +296,14 @@ class ZeroConfig:
     """The config the engine plans with: under host_optimizer="pipeline", every pinned-host
     segment (params and their grads, master params and moments) becomes a segment of a swap
     store in host RAM, which the step and the host pipeline use as they use the drive; steps
-    not all-or-nothing. Otherwise itself."""
+    all-or-nothing only with `host_atomic_steps`. Otherwise itself."""
     split = self.optimizer_split
     if self.host_optimizer != "pipeline" or self.host_store or Tier.PINNED_HOST not in split_tiers(split):
       return self
     to_store = lambda split: tuple((Tier.NVME if t is Tier.PINNED_HOST else t, a) for t, a in split)
     return self.replace(offload_optimizer=to_store(split), offload_param=to_store(self.param_split),
-                        offload_grad=None, nvme_path=HOST_MEMORY, nvme_atomic_steps=False)
+                        offload_grad=None, nvme_path=HOST_MEMORY,
+                        nvme_atomic_steps=self.host_atomic_steps)
 
   @property
   def nvme_paths(self) -> list[str]:

@@ -160,7 +160,7 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
   store.defer_errors()  # raised after each step (see runner.checked)
   try:
     if config.host_store:  # host RAM, one copy: the memory store's NoSpaceError names the lack
-      store.reserve(sum(plan.nvme_disk_bytes(False).values()), exact=True)
+      store.reserve(sum(plan.nvme_disk_bytes(config.nvme_atomic_steps).values()), exact=True)
       return store
     # what a previous run left in the swap files is reused before the drive's free space
     free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
