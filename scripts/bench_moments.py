@@ -55,9 +55,8 @@ def run(args, moment_dtype, train, held_out) -> dict:
       losses.append(float(metrics["loss"]))
     step_s = (time.perf_counter() - t0) / max(1, len(train) - 1)
     evals = [float(zinfjax.eval_step(state, b, lm_loss)["loss"]) for b in held_out]
-    optimizer = sum(b for t, b in plan.tier_bytes().items()) - sum(
-        l.local_size * l.num_layers * (2 if l.trainable else 1) * plan.dtype("params").itemsize
-        for l in plan.leaves)
+    optimizer = plan.optimizer_bytes * sum(l.local_size * l.num_layers for l in plan.leaves
+                                           if l.trainable)
   return {"dtype": jnp.dtype(moment_dtype).name, "losses": np.asarray(losses),
           "held_out": float(np.mean(evals)), "step_s": step_s, "optimizer_bytes": optimizer,
           "optimizer_bytes_per_element": plan.optimizer_bytes, "params": config.num_params}

@@ -225,25 +225,26 @@ def run_all(args) -> dict:
   path = os.path.join(args.out, "peer_deepspeed.json")
   for tokens in args.tokens.split(","):
     for placement in args.placements.split(","):
+      swap = os.path.join(root, f"{placement}-{tokens}")
+      os.makedirs(swap, exist_ok=True)
       cmd = [sys.executable, os.path.abspath(__file__), "--one", placement, "--tokens", tokens,
              "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
              "--seq-len", str(args.seq_len), "--vocab", str(args.vocab), "--steps", str(args.steps),
-             "--nvme-path", os.path.join(root, f"{placement}-{tokens}"), "--out", args.out]
-      os.makedirs(os.path.join(root, f"{placement}-{tokens}"), exist_ok=True)
+             "--nvme-path", swap, "--out", args.out]
       t0 = time.perf_counter()
+      failed = lambda why: {"tokens": int(tokens), "ds_placement": placement,
+                            "placement": ds_name(placement), "error": why}
       try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                               env=child_env(args.dry_run))
         log = done.stdout + done.stderr
         rows = [json.loads(line[len(ROW):]) for line in done.stdout.splitlines() if line.startswith(ROW)]
-        row = rows[0] if rows else {"tokens": int(tokens), "ds_placement": placement,
-                                    "placement": ds_name(placement),
-                                    "error": log.strip().splitlines()[-1][:300] if log.strip() else
-                                    f"exit {done.returncode}"}
+        last = log.strip().splitlines()[-1][:300] if log.strip() else f"exit {done.returncode}"
+        row = rows[0] if rows else failed(last)
       except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        row = {"tokens": int(tokens), "ds_placement": placement,
-               "placement": ds_name(placement), "error": f"timed out after {args.timeout} s"}
+        out = e.stdout or ""
+        log = out.decode(errors="replace") if isinstance(out, bytes) else out
+        row = failed(f"timed out after {args.timeout} s")
       with open(os.path.join(args.out, f"peer_{placement}_{tokens}.log"), "w") as f:
         f.write(log)
       result["rows"].append(row)

@@ -8,7 +8,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from placements import ZERO3, Placement  # noqa: E402
+from placements import ZERO3, Placement, placed  # noqa: E402
 
 SLOW = os.path.join(os.path.dirname(__file__), "slow.txt")
 
@@ -34,4 +34,4 @@ def mesh():
 def placement(request, tmp_path) -> Placement:
   """Runs the test once per ZeRO-3 placement of tests/placements.py (or those it names with
   `parametrize("placement", [...], indirect=True)`)."""
-  return Placement(request.param, str(tmp_path / "swap"))
+  return placed(request.param, tmp_path)

@@ -45,3 +45,8 @@ class Placement:
 
   def __str__(self) -> str:
     return self.name
+
+
+def placed(name: str, tmp_path) -> Placement:
+  """Placement `name`, its swap store (if any) under the test's `tmp_path`."""
+  return Placement(name, str(tmp_path / "swap"))

@@ -11,7 +11,7 @@ from flax import nnx
 import zinfjax
 from zinfjax.checkpoint import Checkpointer, master_params
 
-from placements import Placement
+from placements import placed
 
 
 class Block(nnx.Module):
@@ -41,10 +41,6 @@ def batches(n=3, seed=0):
   rng = np.random.default_rng(seed)
   return [{"x": rng.normal(size=(8, 5, 4)).astype(np.float32),
            "y": rng.normal(size=(8, 5, 8)).astype(np.float32)} for _ in range(n)]
-
-
-def _place(name, tmp_path):
-  return Placement(name, str(tmp_path / "swap"))
 
 
 def _zero(placement):
@@ -82,7 +78,7 @@ def test_lora_matches_flax_on_every_tier(placement, mesh):
 def test_frozen_leaves_hold_no_grads_master_or_moments(mesh, tmp_path):
   """Memory per tier: frozen leaves keep their params only (no grads, master, moments), and the
   swap store holds exactly the plan's bytes."""
-  nvme = _place("nvme", tmp_path)
+  nvme = placed("nvme", tmp_path)
   state = zinfjax.init(Model, _tx(nvme), _zero(nvme), mesh, rng=0)
   plan = state.engine.plan
   frozen = [l for l in plan.leaves if not l.trainable]
@@ -113,7 +109,7 @@ def test_lora_checkpoint_restores_onto_another_placement(mesh, tmp_path):
   """A LoRA run's checkpoint (frozen base stored as its params) restores onto another placement
   and device count and continues with the same losses as the run that saved it."""
   data = batches(4, seed=2)
-  split, pinned = _place("split", tmp_path), _place("pinned", tmp_path)
+  split, pinned = placed("split", tmp_path), placed("pinned", tmp_path)
   state = zinfjax.init(Model, _tx(split), _zero(split), mesh, rng=1)
   for b in data[:2]:
     state, _ = zinfjax.train_step(state, b, loss_fn)

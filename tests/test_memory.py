@@ -1,7 +1,6 @@
 """Stage 3 memory bounds, read from the compiled step's `memory_analysis()`."""
 
 import jax
-import numpy as np
 import optax
 import pytest
 

@@ -7,7 +7,6 @@ import pytest
 from flax import nnx
 
 from zinfjax.models import GPT, CharTokenizer, TokenDataset, get_config, load_tokens
-from zinfjax.models.gpt import Block
 
 from helpers import DATA
 

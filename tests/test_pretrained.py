@@ -18,14 +18,10 @@ from zinfjax.models import GPT, GPTConfig, hf, lm_loss
 from zinfjax.weights import safetensors, source
 
 from helpers import REPO, random_batches
-from placements import PLACEMENTS, Placement
+from placements import PLACEMENTS, placed
 
 HF = os.path.join(REPO, "tests", "data", "hf")
 CFG = GPTConfig(vocab_size=67, seq_len=16, num_layers=3, num_heads=2, hidden=32)
-
-
-def _place(name, tmp_path):
-  return Placement(name, str(tmp_path / "swap"))
 
 
 def _tx(placement):
@@ -71,7 +67,7 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
   want = nnx.to_pure_dict(nnx.state(GPT(CFG, rngs=nnx.Rngs(0))))
   make = lambda rngs: GPT(CFG, rngs=rngs)
   missing = {k: v for k, v in want.items() if k != "ln_f"}
-  nvme, device = _place("nvme", tmp_path), _place("device", tmp_path)
+  nvme, device = placed("nvme", tmp_path), placed("device", tmp_path)
   with pytest.raises(ValueError, match="missing ln_f/bias, ln_f/scale"):
     zinfjax.init(make, _tx(nvme), nvme.zero(), mesh, params=missing)
   assert not os.path.exists(tmp_path / "swap" / "rank0" / "swap.bin") or \
@@ -125,7 +121,7 @@ def test_export_round_trip(family, mesh, tmp_path):
   values back: reading it again is bit-exact, sharded with an index as well."""
   folder = os.path.join(HF, family)
   config, make, weights = hf.load(folder)
-  split = _place("split", tmp_path)
+  split = placed("split", tmp_path)
   state = zinfjax.init(make, _tx(split), split.zero(), mesh, params=weights)
   out = tmp_path / "export"
   files = hf.save(str(out), config, state, base_config=hf.read_config(folder),
@@ -150,7 +146,7 @@ def test_export_loads_in_transformers(mesh, tmp_path):
   config, make, weights = hf.load(folder)
   ref = np.load(os.path.join(folder, "reference.npz"))
   tokens = np.tile(ref["tokens"], (4, 1))
-  pinned = _place("pinned", tmp_path)
+  pinned = placed("pinned", tmp_path)
   state = zinfjax.init(make, _tx(pinned), pinned.zero(), mesh, params=weights)
   state, _ = zinfjax.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                                 lm_loss)
@@ -205,7 +201,7 @@ def test_metrics_carry_the_learning_rate(mesh, tmp_path):
   make = lambda rngs: GPT(CFG, rngs=rngs)
   for tx, name in ((optax.inject_hyperparams(optax.adamw)(learning_rate=schedule), "device"),
                    (zinfjax.optim.adamw(schedule), "nvme")):
-    state = zinfjax.init(make, tx, _place(name, tmp_path).zero(), mesh)
+    state = zinfjax.init(make, tx, placed(name, tmp_path).zero(), mesh)
     lrs = []
     for _ in range(3):
       state, metrics = zinfjax.train_step(state, batch, lm_loss)
@@ -229,7 +225,7 @@ def test_masked_and_multi_transform_freeze(mesh, tmp_path):
     ref = make(nnx.Rngs(0))
     start = nnx.to_pure_dict(nnx.state(ref))
     opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-    state = zinfjax.init(make, tx, _place("device", tmp_path).zero(), mesh, params=start)
+    state = zinfjax.init(make, tx, placed("device", tmp_path).zero(), mesh, params=start)
     for b in batches:
       state, metrics = zinfjax.train_step(state, b, lm_loss)
       loss, grads = nnx.value_and_grad(lm_loss)(ref, b)

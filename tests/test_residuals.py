@@ -4,7 +4,6 @@ exactly like recomputing the layer, keeps none of its params, and does run fewer
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import zinfjax
 from zinfjax import residuals as R

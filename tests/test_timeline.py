@@ -4,7 +4,6 @@ mixed placements; the NVMe pipeline reads its layers and order there."""
 import itertools
 
 import jax
-import numpy as np
 import pytest
 
 import zinfjax

@@ -34,7 +34,7 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
   out = dict.fromkeys(TIERS, 0.0)
   tiers = {"params": offload_param, "grads": offload_grad or offload_param,
            "optimizer": offload_optimizer}
-  size = {**STATE_BYTES, "optimizer": BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else 12}
+  size = dict(STATE_BYTES, optimizer=BF16_MOMENTS_OPTIMIZER_BYTES) if bf16_moments else STATE_BYTES
   for state, tier in tiers.items():
     copies = 2 if tier == Tier.NVME and atomic_nvme and state != "grads" else 1
     out[Tier(tier)] += size[state] * copies

@@ -281,8 +281,9 @@ class Plan:
     return NamedSharding(self.mesh, self.spec(leaf, compute), memory_kind=Tier(tier).memory_kind)
 
   def dtype(self, state: str) -> Any:
-    low = {"params": self.compute_dtype, "grads": self.compute_dtype, "mu": self.moment_dtype}
-    return jnp.dtype(low.get("mu" if state == "nu" else state, jnp.float32))
+    low = dict(params=self.compute_dtype, grads=self.compute_dtype, mu=self.moment_dtype,
+               nu=self.moment_dtype)
+    return jnp.dtype(low.get(state, jnp.float32))
 
   @property
   def optimizer_bytes(self) -> int:

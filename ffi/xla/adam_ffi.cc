@@ -56,10 +56,9 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> master, ffi::AnyBuffer m, ffi::AnyBuf
     case ffi::DataType::BF16: pt = Precision::kBF16; break;
     default: return ffi::Error::InvalidArgument("zinfjax_adamw: params must be float32 or bfloat16");
   }
-  const size_t moment_bytes = n * (mt == Precision::kF32 ? 4 : 2);
-  CopyIfNotAliased(master.typed_data(), master_out->typed_data(), n * sizeof(float));
-  CopyIfNotAliased(m.untyped_data(), m_out->untyped_data(), moment_bytes);
-  CopyIfNotAliased(v.untyped_data(), v_out->untyped_data(), moment_bytes);
+  CopyIfNotAliased(master.typed_data(), master_out->typed_data(), master.size_bytes());
+  CopyIfNotAliased(m.untyped_data(), m_out->untyped_data(), m.size_bytes());
+  CopyIfNotAliased(v.untyped_data(), v_out->untyped_data(), v.size_bytes());
   if (!apply.typed_data()[0]) {  // skipped: the params are the (unchanged) master's values
     const float* src = master_out->typed_data();
     if (pt == Precision::kF32) {

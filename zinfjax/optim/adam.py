@@ -27,7 +27,7 @@ import optax
 from jax.experimental import io_callback
 
 from .kernel import AdamConstants, adamw_host, adamw_jnp, bias_corrections, on_host
-from .kernel import moment_dtype as moment_dtype_of
+from .kernel import moment_dtype as moment_dtype_of  # the argument's name is taken
 from .nvme import NvmeAdam
 from ..partition import key_name
 from ..placement import TIERS, Tier

@@ -45,7 +45,7 @@ class NvmeAdam(StreamAdam):
              for start in range(0, max(n, 1), g)]
     units = pack_units(parts, [None] * len(self.shapes))
     largest = max((u.size for u in units), default=0)
-    self.lay_out(units, SLOTS * sum(self._itemsizes()[s] for s in STATES) * largest, STATES)
+    self.lay_out(units, SLOTS * sum(self._dtypes()[s].itemsize for s in STATES) * largest, STATES)
     if self.store is None:
       # init creates every state: start from an empty store
       self.store = AioStore(self.path, self.rank, **{"fresh": True, **self.store_options})
