@@ -128,6 +128,15 @@ class ZeroConfig:
       copies instead of updates in place), so the update runs under backward
       with clipping and skip_nonfinite as well, rolled back and redone when the
       global norm turns out to need it.
+    delay_tail_update: the host pipeline (optimizer states on NVMe, or in
+      pinned host with host_optimizer="pipeline") updates the leaves that
+      backward reaches last, those outside the stacks (the embedding, the
+      final norm, an untied head), one step late: their grads are held and
+      applied (with their own step's count and clipping) while the next
+      step's forward runs, so no step waits for their update after backward.
+      The trade: those params see each step's grads one step later (the
+      first step leaves them as they were, and the last step's grads stay
+      held; a checkpoint does not keep held grads). Off by default.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -160,6 +169,7 @@ class ZeroConfig:
   skip_nonfinite: bool = True
   host_optimizer: str = "xla"
   host_atomic_steps: bool = False
+  delay_tail_update: bool = False
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -252,6 +262,9 @@ class ZeroConfig:
     if not isinstance(self.host_atomic_steps, bool):
       raise ValueError(f"ZeroConfig.host_atomic_steps must be True or False, got "
                        f"{self.host_atomic_steps!r}.")
+    if not isinstance(self.delay_tail_update, bool):
+      raise ValueError(f"ZeroConfig.delay_tail_update must be True or False, got "
+                       f"{self.delay_tail_update!r}.")
     if not isinstance(self.nvme_atomic_steps, bool):
       raise ValueError("ZeroConfig.nvme_atomic_steps must be True or False, got "
                        f"{self.nvme_atomic_steps!r}.")

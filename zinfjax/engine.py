@@ -159,7 +159,8 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
                    fresh=True, memory=config.host_store)
   store.defer_errors()  # raised after each step (see runner.checked)
   try:
-    if config.host_store:  # host RAM, one copy: the memory store's NoSpaceError names the lack
+    if config.host_store:  # host RAM (with all-or-nothing steps' copies, if asked): the memory
+      # store's NoSpaceError names the lack
       store.reserve(sum(plan.nvme_disk_bytes(config.nvme_atomic_steps).values()), exact=True)
       return store
     # what a previous run left in the swap files is reused before the drive's free space
@@ -222,6 +223,12 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
       raise
     raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
                      f") to fit the budgets: {e}") from None
+  if config.delay_tail_update and Tier.NVME not in plan.tiers("master"):
+    raise ValueError(
+        "ZeroConfig.delay_tail_update delays the host pipeline's update of the leaves outside the "
+        "stacks, but no optimizer state is in the host pipeline: place the optimizer on NVMe "
+        "(offload_optimizer='nvme') or in pinned host with host_optimizer='pipeline', or leave "
+        "delay_tail_update off.")
   decays = ()
   if hyper is not None:
     shapes = plan.unflatten([jax.ShapeDtypeStruct(l.layout.storage_shape, jnp.float32)
@@ -276,7 +283,8 @@ def with_store(engine: Engine) -> Engine:
   if Tier.NVME in plan.tiers("master"):
     try:
       pipeline = NvmePipeline(store, plan, engine.hyper, engine.decays,
-                              budget=config.pinned_budget - config.pinned_budget // 4)
+                              budget=config.pinned_budget - config.pinned_budget // 4,
+                              delay_tail=config.delay_tail_update)
     except BaseException:
       store.close()
       raise

@@ -110,6 +110,10 @@ class PipelineRunner:
     else:
       new, metrics, outs, t1, skipped = self._after(state, batch, count)
       extra = {}
+    if pipeline.tail:  # the step stands: its tail grads wait for the next one
+      norm = float(metrics["grad_norm"])
+      pipeline.advance(norm, self.skip and not math.isfinite(norm))
+      outs = pipeline.write_held_params(outs)
     new.params = merge_params(engine.plan, new.params, outs)
     stats = pipeline.last_step if not skipped else dict.fromkeys(
         ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written"), 0.0)
@@ -178,12 +182,15 @@ def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
   """`grad_of(part)`: a part's grad from the program's grad arrays (`grads()`, asked once),
   as a host array; each array segment copied to the host once."""
   cache: dict[tuple[int, int], dict] = {}
+  flat: list = []  # the grads per plan leaf, once asked for
 
   def grad_of(p):
     leaf = plan.leaves[p.leaf]
     j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
     if (p.leaf, j) not in cache:
-      cache[(p.leaf, j)] = host_shards(plan.flatten(grads())[p.leaf][j], plan.mesh)
+      if not flat:
+        flat.append(plan.flatten(grads()))
+      cache[(p.leaf, j)] = host_shards(flat[0][p.leaf][j], plan.mesh)
     seg = leaf.array_segments("grads")[j]
     g = cache[(p.leaf, j)][p.rank]
     return g[p.layer - seg.start] if leaf.stacked else g

@@ -8,10 +8,17 @@ their grads (`Timeline.grad_order`), so with the grads in the store the
 update of a layer runs while backward is still on the layers below it. Where
 a part's grads or compute params live (the store, or an array on another
 tier) is the plan's to say, per layer.
+
+With `delay_tail`, the parts backward reaches last (the leaves outside the
+stacks: the embedding, the final norm, an untied head) are updated one step
+late: their grads are held, and the next step updates them with those while
+its forward runs, instead of the step waiting for their update after
+backward. Their new params reach their tier after that step's program.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -22,7 +29,16 @@ from ..offload.store import AioStore
 from ..placement import Plan, Tier
 from ..schedule import Phase, timeline
 from .hyper import AdamHyper
-from .stream import SLOTS, Part, PartKey, StreamAdam, pack_units
+from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
+
+
+@dataclasses.dataclass
+class Held:
+  """The tail parts' grads of one step, for the update one step later."""
+
+  grads: dict[PartKey, np.ndarray]
+  count: int                # the optimizer count of the step that made them
+  norm: float | None = None  # that step's global grad norm (for clipping)
 
 
 class NvmePipeline(StreamAdam):
@@ -33,14 +49,19 @@ class NvmePipeline(StreamAdam):
     plan: the placement plan (segments, keys, shapes).
     hyper, decays: AdamW hyperparameters and per-leaf weight decay.
     budget: bytes the rotating buffers may take.
+    delay_tail: update the parts backward reaches last one step late (see above).
   """
 
   def __init__(self, store: AioStore, plan: Plan, hyper: AdamHyper, decays: Sequence[float], *,
-               budget: int, threads: int = 0):
+               budget: int, threads: int = 0, delay_tail: bool = False):
     super().__init__(store, hyper.constants, plan.dtype("params"), plan.dtype("grads"), threads,
                      hyper.moment_dtype)
     self.plan, self.hyper, self.decays, self.budget = plan, hyper, list(decays), budget
     self.ranks = plan.ranks
+    self.delay_tail = delay_tail
+    self.tail: list[Unit] = []  # the sub-groups updated one step late (first in `units`)
+    self.held: Held | None = None  # the grads they wait with
+    self._pending: Held | None = None  # this step's, held once the step stands
     # (leaf, layer) pairs this pipeline updates (master and moments in the store), whose grads
     # it reads from the store, and whose compute params it writes there: the timeline says
     moves = timeline(plan)
@@ -67,7 +88,12 @@ class NvmePipeline(StreamAdam):
       parts += [Part(leaf, r, layer, self.plan.leaves[leaf].local_size)
                 for r in self.ranks for leaf, layer in mine]
       i = j
-    units = pack_units(parts, [l.num_layers if l.stacked else None for l in self.plan.leaves])
+    layers = [l.num_layers if l.stacked else None for l in self.plan.leaves]
+    # the tail: what backward reaches after the last stacked layer
+    last = max((k for k, (leaf, _) in enumerate(order) if leaf in stack_of), default=-1)
+    late = set(order[last + 1:]) if self.delay_tail else set()
+    self.tail = pack_units([p for p in parts if (p.leaf, p.layer) in late], layers)
+    units = self.tail + pack_units([p for p in parts if (p.leaf, p.layer) not in late], layers)
     per_set = self.lay_out(units, self.budget, ("master", "mu", "nu", "grads", "params"))
     if SLOTS * per_set > self.budget and not self.store.memory:  # in RAM: updated in place
       largest = max(u.size for u in units)
@@ -124,11 +150,62 @@ class NvmePipeline(StreamAdam):
         known.append(grad_norm() if callable(grad_norm) else grad_norm)
       return known[0]
 
+    held = self.held if self.tail else None
+    now = self.units[len(self.tail):]
+    # new params in host arrays: those the store does not keep, and the tail's (written later)
+    made = [p for u in now for p in u.parts if not self.on_store("params", p)]
+    if held is not None:
+      made += [p for u in self.tail for p in u.parts]
     outs: dict[PartKey, np.ndarray] = {
         (p.leaf, p.rank, p.layer): np.empty(self.plan.leaves[p.leaf].local_shape, self.params_dtype)
-        for p in self.parts if not self.on_store("params", p)}
+        for p in made}
     out_of = lambda p: outs[(p.leaf, p.rank, p.layer)].reshape(-1)
-    self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step)
+    stats = None
+    if held is not None:  # the tail, with the grads held from the step before
+      hl = [x.item() for x in self._scalars(jnp.int32(held.count))]
+      self.stream(*hl[:3], self.decays, lambda p: held.grads[(p.leaf, p.rank, p.layer)], out_of,
+                  None, lambda: held.norm, clip, hl[3], units=self.tail, held=True)
+      stats = self.last_step
+    self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
+    if self.tail:
+      self._pending = Held(self._grads_of(self.tail, grad_of, gate), count)
+    if stats is not None:
+      self.last_step = {k: v + stats[k] for k, v in self.last_step.items()}
+    return outs
+
+  def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
+                gate: "GradGate | None") -> dict[PartKey, np.ndarray]:
+    """Copies of the grads of `units`' parts (from the store once backward wrote them, or from
+    `grad_of`)."""
+    out = {}
+    for p in (p for u in units for p in u.parts):
+      if self.on_store("grads", p):
+        key = self.key("grads", p)
+        if gate is not None and not gate.ready(key):
+          gate.wait(key)
+        grad = np.empty(self.shape(p), self.grads_dtype)
+        self.store.read(key, grad).wait()
+      else:
+        grad = np.array(grad_of(p), self.grads_dtype)
+      out[(p.leaf, p.rank, p.layer)] = grad
+    return out
+
+  def advance(self, norm: float, skipped: bool) -> None:
+    """The step stands (after any redo): its tail grads (global norm `norm`) are held for the
+    next step; a skipped step's are dropped, and the grads held before it wait on."""
+    pending, self._pending = self._pending, None
+    if pending is not None and not skipped:
+      pending.norm = norm
+      self.held = pending
+
+  def write_held_params(self, outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
+    """The tail's new params whose tier is the store written there (once the step's program,
+    which read the old ones, is done); returns the rest of `outs`."""
+    mine = [p for u in self.tail for p in u.parts
+            if self.on_store("params", p) and (p.leaf, p.rank, p.layer) in outs]
+    if mine:
+      self.store.write_many([(self.key("params", p), outs.pop((p.leaf, p.rank, p.layer)))
+                             for p in mine]).wait()
     return outs
 
 

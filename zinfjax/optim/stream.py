@@ -175,9 +175,9 @@ class StreamAdam:
     some part keeps them in the store), as many sets as `budget` bytes hold (3 to 8). Returns
     the bytes one set takes."""
     self.units = units
-    item = self._itemsizes()
+    dtypes = self._dtypes()
     largest = max((u.size for u in units), default=0)
-    per_set = largest * sum(item[b] for b in buffers)
+    per_set = largest * sum(dtypes[b].itemsize for b in buffers)
     slots = int(min(MAX_SLOTS, max(SLOTS, budget // max(per_set, 1))))
     if self._slots and (slots != len(self._slots) or tuple(buffers) != self._buffers
                         or self._slots[0]["master"].size < largest):
@@ -189,9 +189,8 @@ class StreamAdam:
   def _slot(self, k: int) -> dict[str, np.ndarray]:
     if not self._slots:
       n = max(u.size for u in self.units)
-      dtype = {"grads": self.grads_dtype, "params": self.params_dtype, "mu": self.moment_dtype,
-               "nu": self.moment_dtype}
-      self._slots = [{b: aligned_empty(n, dtype.get(b, np.float32)) for b in self._buffers}
+      dtypes = self._dtypes()
+      self._slots = [{b: aligned_empty(n, dtypes[b]) for b in self._buffers}
                      for _ in range(self.slots)]
     return self._slots[k % self.slots]
 
@@ -235,27 +234,32 @@ class StreamAdam:
   def stream(self, lr: float, bc1: float, bc2: float, decays: Sequence[float],
              grad_of: Callable[[Part], np.ndarray] | None, out_of: Callable[[Part], np.ndarray],
              gate: Any = None, norm: Callable[[], float] | None = None,
-             clip: float | None = None, step: int = 0) -> None:
-    """One AdamW step over every sub-group.
+             clip: float | None = None, step: int = 0, units: Sequence[Unit] | None = None,
+             held: bool = False) -> None:
+    """One AdamW step over every sub-group (or those of `units`).
 
     `grad_of(part)` gives a part's grad and `out_of(part)` the host array its
-    new params go to, where the store does not keep them. With `gate`, grads in
-    the store are still being written by a running backward pass: each is read
-    once the gate says it is there. With `clip`, grads are scaled to that global
-    norm, `norm()` (asked at the first update, blocking until known). `step` (the count after
-    this update) seeds the rounding of bf16 moments.
+    new params go to, where the store does not keep them (with `held`, for
+    every part: grads held from an earlier step, params written later). With
+    `gate`, grads in the store are still being written by a running backward
+    pass: each is read once the gate says it is there. With `clip`, grads are
+    scaled to that global norm, `norm()` (asked at the first update, blocking
+    until known). `step` (the count after this update) seeds the rounding of
+    bf16 moments.
     """
+    units = self.units if units is None else list(units)
+    stored = (lambda state, part: False) if held else self.on_store
     if self.store.memory and not self.store.in_transaction:
       return self._in_place(lr, bc1, bc2, decays, grad_of, out_of, gate, norm if clip else None,
-                            clip, step)
+                            clip, step, [p for u in units for p in u.parts], stored)
     c = self.constants
 
     def views(k, reading: bool):
       out = []
-      for p in self.units[k].parts:
+      for p in units[k].parts:
         bufs = self._views(k, p)
         extra = "grads" if reading else "params"
-        names = STATES + ((extra,) if self.on_store(extra, p) else ())
+        names = STATES + ((extra,) if stored(extra, p) else ())
         out += [(self.key(s, p), bufs[s]) for s in names]
       return out
 
@@ -274,35 +278,36 @@ class StreamAdam:
           _Deferred(functools.partial(read_when_written, key, out)) for key, out in late]
 
     def compute(k):
-      for p in self.units[k].parts:
+      for p in units[k].parts:
         slot = self._views(k, p)
-        grad = slot["grads"] if self.on_store("grads", p) else _flat(grad_of(p))
+        grad = slot["grads"] if stored("grads", p) else _flat(grad_of(p))
         if clip:
           grad = clipped(grad, norm(), clip)
-        param = slot["params"] if self.on_store("params", p) else out_of(p)
+        param = slot["params"] if stored("params", p) else out_of(p)
         adamw_numpy(slot["master"], slot["mu"], slot["nu"], grad, param.reshape(-1), lr, bc1,
                     bc2, c, decays[p.leaf], self.threads, step)
 
-    stats = run_pipeline(len(self.units), start_read, compute,
+    stats = run_pipeline(len(units), start_read, compute,
                          lambda k: [self.store.write_many(views(k, reading=False))], self.slots)
-    item = self._itemsizes()
-    stored = lambda s: sum(p.size * item[s] for p in self.parts if self.on_store(s, p))
-    moved = sum(p.size for p in self.parts) * sum(item[s] for s in STATES)
-    stats["bytes_read"] = moved + stored("grads")
-    stats["bytes_written"] = moved + stored("params")
+    item = {b: dt.itemsize for b, dt in self._dtypes().items()}
+    parts = [p for u in units for p in u.parts]
+    on_store = lambda s: sum(p.size * item[s] for p in parts if stored(s, p))
+    moved = sum(p.size for p in parts) * sum(item[s] for s in STATES)
+    stats["bytes_read"] = moved + on_store("grads")
+    stats["bytes_written"] = moved + on_store("params")
     self.last_step = stats
 
   def _in_place(self, lr: float, bc1: float, bc2: float, decays: Sequence[float],
                 grad_of: Callable[[Part], np.ndarray], out_of: Callable[[Part], np.ndarray],
                 gate: Any, norm: Callable[[], float] | None, clip: float | None,
-                step: int) -> None:
+                step: int, parts: Sequence[Part], stored: Callable[[str, Part], bool]) -> None:
     """The step on a store in host RAM: each part's master, moments, and (where the store keeps
     them) grads and params used where the store keeps them: no buffers, no copies. A grad a
     running backward has not written yet is waited for."""
     t0, waited = time.perf_counter(), 0.0
-    for p in self.parts:
+    for p in parts:
       master, mu, nu = (self.store.view(self.key(s, p)) for s in STATES)
-      if self.on_store("grads", p):
+      if stored("grads", p):
         key = self.key("grads", p)
         if gate is not None and not gate.ready(key):
           t1 = time.perf_counter()
@@ -313,17 +318,17 @@ class StreamAdam:
         grad = _flat(grad_of(p))
       if norm is not None:
         grad = clipped(grad, norm(), clip)
-      out = self.store.view(self.key("params", p)) if self.on_store("params", p) else out_of(p)
+      out = self.store.view(self.key("params", p)) if stored("params", p) else out_of(p)
       adamw_numpy(master, mu, nu, grad, out, lr, bc1, bc2, self.constants, decays[p.leaf],
                   self.threads, step)
     took = time.perf_counter() - t0
     self.last_step = {"step_s": took, "compute_s": took - waited, "read_wait_s": waited,
                       "write_wait_s": 0.0, "bytes_read": 0, "bytes_written": 0}
 
-  def _itemsizes(self) -> dict[str, int]:
-    """Bytes per element of each buffer: master fp32, moments and grads / params in theirs."""
-    return {"master": 4, "mu": self.moment_dtype.itemsize, "nu": self.moment_dtype.itemsize,
-            "grads": self.grads_dtype.itemsize, "params": self.params_dtype.itemsize}
+  def _dtypes(self) -> dict[str, np.dtype]:
+    """Each buffer's dtype: the master fp32, the moments, grads and params in theirs."""
+    return {"master": np.dtype(np.float32), "mu": self.moment_dtype, "nu": self.moment_dtype,
+            "grads": self.grads_dtype, "params": self.params_dtype}
 
   def close(self) -> None:
     if self.store is not None:

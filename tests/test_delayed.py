@@ -1,0 +1,148 @@
+"""ZeroConfig.delay_tail_update: the leaves outside the stacks (here wte, wpe, ln_f) are updated
+one step late by the host pipeline, with their own step's count and clipping. Checked against a
+plain single-device reference that applies each step's grads of those leaves one step later."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zinfjax
+from zinfjax.models import GPT, get_config, lm_loss
+
+from helpers import text_batches, zero_training
+
+FOUR = get_config("tiny", num_layers=4)
+STEPS = 5
+LR, DECAY = 3e-3, 0.1
+
+
+def factory(r):
+  return GPT(FOUR, rngs=r)
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return text_batches(STEPS, batch=16, seq=32, seed=7)
+
+
+def delayed_reference(batches, clip):
+  """Losses and final params of plain AdamW on one device where the grads of the leaves
+  outside `blocks` reach their update one step late (each clipped by its own step's norm)."""
+  graphdef, state = nnx.split(factory(nnx.Rngs(jax.random.key(0))))
+  params = nnx.to_pure_dict(state)
+  adam = optax.adamw(LR, weight_decay=DECAY)
+  split = lambda p: ({"blocks": p["blocks"]}, {k: v for k, v in p.items() if k != "blocks"})
+
+  @jax.jit
+  def grads(p, batch):
+    def loss(p):
+      s = jax.tree.map(lambda x: x, state)
+      nnx.replace_by_pure_dict(s, p)
+      return lm_loss(nnx.merge(graphdef, s), batch)
+    value, g = jax.value_and_grad(loss)(p)
+    norm = optax.tree.norm(g)
+    if clip is not None:
+      g = jax.tree.map(lambda x: jnp.where(norm < clip, x, x / norm * clip), g)
+    return value, g
+
+  def update(p, g, opt):
+    u, opt = adam.update(g, opt, p)
+    return optax.apply_updates(p, u), opt
+
+  stack, tail = split(params)
+  opt_stack, opt_tail, held, losses = adam.init(stack), adam.init(tail), None, []
+  for batch in batches:
+    value, g = grads({**stack, **tail}, batch)
+    losses.append(float(value))
+    stack, opt_stack = update(stack, split(g)[0], opt_stack)
+    if held is not None:
+      tail, opt_tail = update(tail, held, opt_tail)
+    held = split(g)[1]
+  return np.asarray(losses), {**stack, **tail}
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# (params, optimizer, extra config, clip): the host pipeline after the program (grads in
+# arrays), under backward with the params in the store (their tail written after the program),
+# NVMe under backward with all-or-nothing steps, clipping every step
+CASES = [("device", "pinned_host", dict(host_optimizer="pipeline"), None),
+         ("pinned_host", "pinned_host", dict(host_optimizer="pipeline", skip_nonfinite=False), None),
+         ("nvme", "nvme", {}, 0.5)]
+
+
+@pytest.mark.parametrize("param,optimizer,extra,clip", CASES)
+def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip, mesh, batches,
+                                                  tmp_path):
+  if "nvme" in (param, optimizer):
+    extra = dict(extra, nvme_path=str(tmp_path / "swap"))
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
+                            delay_tail_update=True, **extra)
+  tx = zinfjax.optim.adamw(LR, weight_decay=DECAY, max_grad_norm=clip)
+  losses, state = zero_training(factory, tx, zero, mesh, batches, lm_loss)
+  pipeline = state.engine.pipeline
+  tail = {state.engine.plan.leaves[p.leaf].name for u in pipeline.tail for p in u.parts}
+  assert tail == {"wte/embedding", "wpe/embedding", "ln_f/bias", "ln_f/scale"}
+  want_losses, want = delayed_reference(batches, clip)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  got = flat(state.full_params())
+  for name, expected in flat(want).items():
+    np.testing.assert_allclose(got[name], expected, atol=2e-5, rtol=1e-4, err_msg=name)
+  # where the params are in the store, the tail's new ones were written there after the program
+  in_store = any(pipeline.on_store("params", p) for u in pipeline.tail for p in u.parts)
+  assert in_store == (param != "device")
+  # one more step: under backward where the grads go to the store (redone or predicted where it
+  # clipped), after the program where they are arrays
+  state, metrics = zinfjax.train_step(state, batches[0], lm_loss)
+  assert ("nvme_grad_waits" in metrics) == (param != "device")
+  state.close()
+  # without the delay the same run differs from the second step on
+  plain, state = zero_training(factory, tx, zero.replace(delay_tail_update=False), mesh,
+                               batches[:3], lm_loss)
+  state.close()
+  assert plain[0] == pytest.approx(losses[0], rel=1e-6)
+  assert abs(plain[2] - losses[2]) > 1e-5
+
+
+def test_delay_tail_update_needs_the_host_pipeline(mesh):
+  tx = zinfjax.optim.adamw(LR)
+  with pytest.raises(ValueError, match="delay_tail_update.*offload_optimizer='nvme'"):
+    zinfjax.init(factory, tx, zinfjax.ZeroConfig(offload_optimizer="pinned_host",
+                                                 delay_tail_update=True), mesh)
+  with pytest.raises(ValueError, match="delay_tail_update must be True or False"):
+    zinfjax.ZeroConfig(delay_tail_update=1)
+
+
+def scaled_loss(model, batch):
+  """The LM loss times the batch's `scale` (NaN: every gradient is NaN)."""
+  return lm_loss(model, batch) * batch["scale"][0]
+
+
+@pytest.mark.parametrize("param,optimizer,extra", [
+    ("nvme", "nvme", {}), ("device", "pinned_host", dict(host_optimizer="pipeline"))])
+def test_a_skipped_step_keeps_the_held_grads(param, optimizer, extra, mesh, batches, tmp_path):
+  """A step with NaN grads is skipped whole: the held grads of the step before it are applied by
+  the step after it instead, so the run goes on exactly as if the NaN step had not been taken
+  (on NVMe the skipped step had applied them under backward and is rolled back)."""
+  good = [dict(b, scale=np.ones((16,), np.float32)) for b in batches[:4]]
+  bad = dict(good[0], scale=np.full((16,), np.nan, np.float32))
+  tx = zinfjax.optim.adamw(LR, weight_decay=DECAY)
+  runs = []
+  for with_nan in (False, True):
+    if "nvme" in (param, optimizer):
+      extra = dict(extra, nvme_path=str(tmp_path / f"swap{with_nan}"))
+    zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
+                              delay_tail_update=True, **extra)
+    feed = good[:2] + [bad] + good[2:] if with_nan else good
+    losses, state = zero_training(factory, tx, zero, mesh, feed, scaled_loss)
+    runs.append((np.delete(losses, 2) if with_nan else losses, flat(state.full_params())))
+    state.close()
+  (losses, params), (nan_losses, nan_params) = runs
+  np.testing.assert_array_equal(nan_losses, losses)
+  for name, value in params.items():
+    np.testing.assert_array_equal(nan_params[name], value, err_msg=name)
