@@ -42,6 +42,8 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
                "params + optimizer on pinned_host, host pipeline"),
               ("pipeline-under", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline under backward"),
+              ("pipeline-delayed", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, host pipeline under backward, delayed tail"),
               ("nvme", "nvme", "nvme", "params + optimizer on nvme"),
               ("ffi", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code")]
@@ -263,6 +265,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                                 host_optimizer="pipeline" if "host pipeline" in name else "xla",
                                 # the update under backward: no skipping of non-finite steps
                                 skip_nonfinite="under backward" not in name,
+                                delay_tail_update="delayed tail" in name,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}")
                                 if "nvme" in (param, optimizer) else None)
       state = None
@@ -273,7 +276,9 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                      "tokens_per_s": batch_size * config.seq_len / step,
                      "tflops": flops / step / 1e12, "mfu": flops / step / 1e12 / peak_tflops,
                      "mfu_spec": flops / step / 1e12 / SPEC_TFLOPS,
-                     "loss": float(metrics["loss"]), **peaks(jax)})
+                     "loss": float(metrics["loss"]), **peaks(jax),
+                     # write_many's grads through the copy stream (swap_cuda.cc), or XLA's stream
+                     "copy_stream": os.environ.get("ZINFJAX_COPY_STREAM") == "1"})
         if param == "nvme":  # the same bytes through the store with nothing else running
           rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
         print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)

@@ -16,6 +16,9 @@
 #                                          from the bundle scripts/peer_bundle.sh makes in build/peer
 #                                          (carry it); PEER_SIDES="ours" or "deepspeed" runs one side
 #                                          per call, PEER_PLACEMENTS a subset of device,cpu,nvme)
+#                                          and `copy-stream` (the host-pipeline and NVMe steps with
+#                                          grads leaving the device on XLA's stream, then through
+#                                          the copy stream: ZINFJAX_COPY_STREAM=0/1, copy_stream_*.log)
 #   scripts/gpu_check.sh OUT --dry-run     on a machine without a GPU: checks that every
 #                                          stage's commands exist and run (GPU tests skipped,
 #                                          benchmarks at tiny sizes), builds nothing
@@ -30,7 +33,7 @@ STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
 DRY=0
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
-  STAGES=env,gpu-tests,bench,ckpt,largest,profile,peer
+  STAGES=env,gpu-tests,bench,ckpt,largest,profile,peer,copy-stream
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
@@ -109,6 +112,16 @@ if want bench; then
     run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT"
   fi
   note "bench: table in bench_gpu.log, numbers in bench_gpu.json"
+fi
+
+if want copy-stream; then
+  STAGE=copy-stream
+  for mode in 0 1; do
+    if [[ $DRY == 1 ]]; then sizes=(--tiny --nvme-tokens 64); else sizes=(--tokens 16384); fi
+    ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py \
+      --out "$OUT/copy_stream_$mode" --sections steps --placements device,pipeline-under,nvme "${sizes[@]}"
+  done
+  note "copy-stream: copy_stream_0.log (XLA's stream), copy_stream_1.log (the copy stream)"
 fi
 
 if want profile; then

@@ -137,6 +137,20 @@ class SwapStore {
   // hands over the buffer they lie in (shard i at `at[i]`); GiveBack returns it.
   std::unique_ptr<AlignedBuffer> TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
                                            std::vector<size_t>* at);
+  // The same in two halves, for a read handed on before its destinations are
+  // known (the CUDA copy stream stages it on the device): TakeRead waits for the
+  // read and hands over its buffer, shard offsets and entries; CheckRead
+  // compares those entries with `outs` (ShardMismatch names the first that differs).
+  struct OwnedRead {
+    std::vector<std::string> keys;
+    std::vector<ShardEntry> entries;
+    std::vector<size_t> at;
+    std::unique_ptr<AlignedBuffer> buffer;
+  };
+  OwnedRead TakeRead(uint64_t ticket);
+  static void CheckRead(const OwnedRead& read, const std::vector<ShardIo>& outs);
+  // Whether the job of `ticket` has finished (Wait would not block).
+  bool Done(uint64_t ticket);
   void GiveBack(std::unique_ptr<AlignedBuffer> buffer) { GiveBuffer(std::move(buffer)); }
   // Buffers the store lends (owned reads, detached writes) are passed to `pin`
   // when made and to `unpin` before they are freed: the CUDA handlers page-lock

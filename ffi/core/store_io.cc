@@ -208,25 +208,45 @@ uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgen
                  urgent);
 }
 
-std::unique_ptr<AlignedBuffer> SwapStore::TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
-                                                    std::vector<size_t>* at) {
+SwapStore::OwnedRead SwapStore::TakeRead(uint64_t ticket) {
   std::shared_ptr<Job> job = FindJob(ticket);
   Wait(ticket);
-  if (!job->result || outs.size() != job->entries.size())
-    throw EngineError("ticket " + std::to_string(ticket) + " holds " +
-                      std::to_string(job->result ? job->entries.size() : 0) + " read shards, not " +
+  if (!job->result) throw EngineError("ticket " + std::to_string(ticket) + " holds no owned read");
+  OwnedRead read{job->keys, job->entries, {}, std::move(job->result)};
+  size_t total = 0;
+  read.at = Offsets(read.entries, &total);
+  return read;
+}
+
+void SwapStore::CheckRead(const OwnedRead& read, const std::vector<ShardIo>& outs) {
+  if (outs.size() != read.entries.size())
+    throw EngineError("a read of " + std::to_string(read.entries.size()) + " shards is taken as " +
                       std::to_string(outs.size()));
   for (size_t i = 0; i < outs.size(); ++i) {
-    const ShardEntry& e = job->entries[i];
-    if (e.dtype != outs[i].dtype || e.shape != outs[i].shape || e.nbytes != outs[i].nbytes) {
-      GiveBuffer(std::move(job->result));
-      throw ShardMismatch("shard '" + job->keys[i] + "' was written as " + Describe(e.dtype, e.shape) +
+    const ShardEntry& e = read.entries[i];
+    if (e.dtype != outs[i].dtype || e.shape != outs[i].shape || e.nbytes != outs[i].nbytes)
+      throw ShardMismatch("shard '" + read.keys[i] + "' was written as " + Describe(e.dtype, e.shape) +
                           " but is read as " + Describe(outs[i].dtype, outs[i].shape));
-    }
   }
-  size_t total = 0;
-  *at = Offsets(job->entries, &total);
-  return std::move(job->result);
+}
+
+bool SwapStore::Done(uint64_t ticket) {
+  std::shared_ptr<Job> job = FindJob(ticket);
+  std::lock_guard<std::mutex> lock(mu_);
+  return job->done;
+}
+
+std::unique_ptr<AlignedBuffer> SwapStore::TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
+                                                    std::vector<size_t>* at) {
+  OwnedRead read = TakeRead(ticket);
+  try {
+    CheckRead(read, outs);
+  } catch (...) {
+    GiveBuffer(std::move(read.buffer));
+    throw;
+  }
+  *at = std::move(read.at);
+  return std::move(read.buffer);
 }
 
 void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {

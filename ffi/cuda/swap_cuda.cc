@@ -10,7 +10,9 @@
 //   * write_many reserves the shards in the store, enqueues device-to-host
 //     copies into a page-locked buffer the store lends, and a host function
 //     that hands the filled buffer to the store's I/O threads when the copies
-//     are done; reads of those keys wait for the write from the launch on;
+//     are done; reads of those keys wait for the write from the launch on.
+//     With ZINFJAX_COPY_STREAM=1 both directions leave XLA's stream for the
+//     device's copy stream (cuda/copies.h);
 //   * read_start_many starts reading into a page-locked buffer the store owns;
 //     read_wait_many takes it (waiting on the launch thread only if the read
 //     is still on the disk: the schedule starts reads layers ahead), enqueues
@@ -27,6 +29,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -37,6 +40,7 @@
 #include "core/errors.h"
 #include "core/schedule.h"
 #include "core/store.h"
+#include "cuda/copies.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla/ffi_util.h"
 
@@ -53,42 +57,6 @@ void Pin(void* p, size_t bytes) {
 
 void Unpin(void* p) {
   if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
-}
-
-// Buffers whose copies are done, waiting to go back to their store.
-struct Returned {
-  std::shared_ptr<SwapStore> store;
-  std::unique_ptr<AlignedBuffer> buffer;
-};
-
-class Returns {
- public:
-  void Put(Returned r) {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_.push_back(std::move(r));
-  }
-  void Drain() {  // on the launch thread: giving back may free, and so unpin, a buffer
-    std::vector<Returned> done;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done.swap(done_);
-    }
-    for (Returned& r : done) r.store->GiveBack(std::move(r.buffer));
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<Returned> done_;
-};
-
-Returns& returns() {
-  static auto* r = new Returns();
-  return *r;
-}
-
-void CUDART_CB ReturnBuffer(void* data) {
-  std::unique_ptr<Returned> r(static_cast<Returned*>(data));
-  returns().Put(std::move(*r));
 }
 
 struct PendingWrite {
@@ -113,6 +81,32 @@ std::shared_ptr<SwapStore> Prepared(const SwapSite& at) {
   return store;
 }
 
+// write_many's copies: the shards `xs` into the lent host buffer of `write`, then the host
+// function `CommitWrite(pending)`: on XLA's stream, or through a staging buffer on the copy stream.
+cudaError_t EnqueueWrite(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs xs,
+                         PendingWrite* pending) {
+  SwapStore::DetachedWrite& w = pending->write;
+  cudaError_t err = cudaSuccess;
+  if (!CopyLane::Enabled()) {
+    for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i) {
+      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
+      err = cudaMemcpyAsync(w.buffer->data() + w.at[i], x.untyped_data(), x.size_bytes(),
+                            cudaMemcpyDeviceToHost, stream);
+    }
+    return err == cudaSuccess ? cudaLaunchHostFunc(stream, CommitWrite, pending) : err;
+  }
+  CopyLane* lane = CopyLane::For(ordinal, &err);
+  if (lane == nullptr) return err;
+  std::lock_guard<std::mutex> lock(lane->mu());
+  if ((err = lane->Pump()) != cudaSuccess) return err;
+  std::vector<DeviceSpan> spans;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
+    spans.push_back({x.untyped_data(), x.size_bytes()});
+  }
+  return CopyOut(*lane, stream, spans, w.buffer->data(), w.at, CommitWrite, pending);
+}
+
 ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                          ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::RemainingArgs xs,
                          ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
@@ -121,13 +115,7 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
     std::vector<std::string> keys = ScheduledKeys("write", at, ordinal, run.run_id);
     std::vector<ShardIo> shards = WriteShards(keys, xs, /*with_data=*/false);
     auto pending = std::make_unique<PendingWrite>(PendingWrite{store, s.BeginDetached(shards)});
-    cudaError_t err = cudaSuccess;
-    for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i) {
-      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
-      err = cudaMemcpyAsync(pending->write.buffer->data() + pending->write.at[i], x.untyped_data(),
-                            x.size_bytes(), cudaMemcpyDeviceToHost, stream);
-    }
-    if (err == cudaSuccess) err = cudaLaunchHostFunc(stream, CommitWrite, pending.get());
+    cudaError_t err = EnqueueWrite(stream, ordinal, xs, pending.get());
     if (err != cudaSuccess) {  // release the keys (the step fails with this error)
       store->FinishDetached(std::move(pending->write));
       return Check(err, "enqueue grad copy to host");
@@ -140,12 +128,50 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
 ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
                              ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32>,
                              ffi::ResultBuffer<ffi::S32> ticket, SwapSite at) {
-  Prepared(at);
+  std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
     std::vector<std::string> keys = ScheduledKeys("start", at, ordinal, run.run_id);
-    ProcessOwnedReads().Put(at.store, keys.front(), s.ReadOwnedAsync(keys, /*urgent=*/true));
+    uint64_t read = s.ReadOwnedAsync(keys, /*urgent=*/true);
+    if (!CopyLane::Enabled()) {
+      ProcessOwnedReads().Put(at.store, keys.front(), read);
+    } else {
+      cudaError_t err = cudaSuccess;
+      CopyLane* lane = CopyLane::For(ordinal, &err);
+      if (lane == nullptr) return Check(err, "copy stream");
+      std::lock_guard<std::mutex> lock(lane->mu());
+      lane->Started(StartedRead{store, at.store, keys.front(), read});
+      if ((err = lane->Pump()) != cudaSuccess) return Check(err, "stage param copy to device");
+    }
     return Check(cudaMemsetAsync(ticket->typed_data(), 0, sizeof(int32_t), stream), "ticket");
   });
+}
+
+// read_wait_many through the copy stream: the read staged on the device (now, if it was not
+// yet) copied device to device into `ys` once its staging copy is done.
+ffi::Error WaitStaged(cudaStream_t stream, int32_t ordinal, int64_t store_id, const std::string& key,
+                      ffi::RemainingRets ys) {
+  cudaError_t err = cudaSuccess;
+  CopyLane* lane = CopyLane::For(ordinal, &err);
+  if (lane == nullptr) return Check(err, "copy stream");
+  std::lock_guard<std::mutex> lock(lane->mu());
+  std::optional<StartedRead> r = lane->Take(store_id, key, &err);
+  if (!r) throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + key +
+                            "' was started (the start and wait calls' schedules disagree)");
+  if (err != cudaSuccess) return Check(err, "stage param copy to device");
+  if (r->error) std::rethrow_exception(r->error);
+  try {
+    SwapStore::CheckRead(*r->read, ReadOuts(ys, /*with_data=*/false));
+  } catch (...) {
+    Release(stream, *r);
+    throw;
+  }
+  std::vector<DeviceSpan> spans;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
+    spans.push_back({y->untyped_data(), y->size_bytes()});
+  }
+  return Check(CopyIn(stream, *r, spans), r->slot ? "enqueue staged param copy"
+                                                   : "enqueue param copy to device");
 }
 
 ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
@@ -154,23 +180,22 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
     std::vector<std::string> keys = ScheduledKeys("wait", at, ordinal, run.run_id);
+    if (CopyLane::Enabled()) return WaitStaged(stream, ordinal, at.store, keys.front(), ys);
     auto ticket = ProcessOwnedReads().Take(at.store, keys.front());
     if (!ticket)
       throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + keys.front() +
                         "' was started (the start and wait calls' schedules disagree)");
     std::vector<ShardIo> outs = ReadOuts(ys, /*with_data=*/false);
     std::vector<size_t> offsets;
-    auto back = std::make_unique<Returned>(Returned{store, s.TakeOwned(*ticket, outs, &offsets)});
+    std::unique_ptr<AlignedBuffer> buffer = s.TakeOwned(*ticket, outs, &offsets);
     cudaError_t err = cudaSuccess;
     for (size_t i = 0; i < ys.size() && err == cudaSuccess; ++i) {
       ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-      err = cudaMemcpyAsync(y->untyped_data(), back->buffer->data() + offsets[i], y->size_bytes(),
+      err = cudaMemcpyAsync(y->untyped_data(), buffer->data() + offsets[i], y->size_bytes(),
                             cudaMemcpyHostToDevice, stream);
     }
-    if (err == cudaSuccess) err = cudaLaunchHostFunc(stream, ReturnBuffer, back.get());
-    if (err != cudaSuccess) return Check(err, "enqueue param copy to device");
-    back.release();  // owned by ReturnBuffer now
-    return ffi::Error::Success();
+    if (err == cudaSuccess) err = ReturnAfter(stream, store, std::move(buffer));
+    return Check(err, "enqueue param copy to device");
   });
 }
 

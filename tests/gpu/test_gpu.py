@@ -220,3 +220,47 @@ def test_host_adam_through_the_cuda_registry_equals_jnp(tmp_path):
     out[mode] = np.load(tmp_path / f"{mode}.npz")
   for k in out["jnp"].files:
     np.testing.assert_allclose(out["ffi"][k], out["jnp"][k], rtol=1e-6, atol=1e-7)
+
+
+COPY_STREAM = r"""
+import sys
+import jax, numpy as np
+import zinfjax
+from zinfjax.models import GPT, get_config, lm_loss
+sys.path.insert(0, sys.argv[1])
+from helpers import text_batches
+config = get_config("tiny", num_layers=4)
+out = {}
+for name, zero in [("host", zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
+                                               offload_optimizer="pinned_host",
+                                               host_optimizer="pipeline")),
+                   ("nvme", zinfjax.ZeroConfig(precision="fp32", offload_param="nvme",
+                                               offload_optimizer="nvme", nvme_path=sys.argv[3]))]:
+  with zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(3e-3), zero,
+                    zinfjax.make_mesh(1), 0) as state:
+    for i, batch in enumerate(text_batches(3, 8, config.seq_len)):
+      state, metrics = zinfjax.train_step(state, batch, lm_loss)
+      out[f"{name}_loss{i}"] = np.asarray(metrics["loss"])
+    for j, x in enumerate(jax.tree.leaves(state.full_params())):
+      out[f"{name}_{j}"] = np.asarray(x)
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_grads_through_the_copy_stream_train_bit_for_bit(tmp_path):
+  """ZINFJAX_COPY_STREAM=1: write_many's grads leave the device through a staging buffer and
+  the copy stream instead of XLA's stream; training (host pipeline, NVMe) is bit for bit the
+  same. In child processes: a crash is this test's failure, not the suite's."""
+  script = tmp_path / "copy_stream.py"
+  script.write_text(COPY_STREAM)
+  out = {}
+  for mode in ("0", "1"):
+    done = subprocess.run([sys.executable, str(script), os.path.dirname(HERE),
+                           str(tmp_path / mode), str(tmp_path / f"swap{mode}")],
+                          capture_output=True, text=True, timeout=300, cwd="/",
+                          env={**os.environ, "ZINFJAX_COPY_STREAM": mode})
+    assert done.returncode == 0, f"copy stream {mode}: exit {done.returncode}\n{done.stderr[-3000:]}"
+    out[mode] = np.load(tmp_path / f"{mode}.npz")
+  assert set(out["0"].files) == set(out["1"].files)
+  for k in out["0"].files:
+    np.testing.assert_array_equal(out["1"][k], out["0"][k], err_msg=k)

@@ -1,0 +1,232 @@
+// ffi/cuda/copies.h against the stand-in CUDA runtime (cuda_runtime_api.h here) and a real
+// swap store: data lands where it should, host<->device copies run on the copy stream and
+// never on XLA's, staging buffers are reused only once drained, and a read with no free
+// staging buffer or a mismatched shape is handled. Usage: copies_test FOLDER|memory.
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/errors.h"
+#include "core/store.h"
+#include "cuda/copies.h"
+
+namespace zinfjax {
+namespace {
+
+int checks = 0;
+
+#define CHECK(cond, ...)                                            \
+  do {                                                              \
+    ++checks;                                                       \
+    if (!(cond)) {                                                  \
+      std::fprintf(stderr, "copies_test:%d: %s: ", __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                            \
+      std::fprintf(stderr, "\n");                                   \
+      std::exit(1);                                                 \
+    }                                                               \
+  } while (0)
+
+FakeStream xla_stream{1};  // the stream XLA passes a handler
+constexpr cudaStream_t kXla = &xla_stream;
+
+// Shard sizes of one layer (floats): odd sizes, so the owned buffers have alignment gaps.
+const std::vector<int64_t> kSizes = {1000, 37};
+
+std::vector<float> Values(int layer, size_t shard, int64_t n, float salt = 0) {
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) v[i] = salt + layer * 1000.0f + shard * 100.0f + i * 0.5f;
+  return v;
+}
+
+std::string Key(const char* state, int layer, size_t shard) {
+  return std::string(state) + "/" + std::to_string(layer) + "/" + std::to_string(shard);
+}
+
+void WriteLayer(SwapStore& store, int layer) {
+  std::vector<std::vector<float>> data;
+  std::vector<ShardIo> shards;
+  for (size_t s = 0; s < kSizes.size(); ++s) data.push_back(Values(layer, s, kSizes[s]));
+  for (size_t s = 0; s < kSizes.size(); ++s)
+    shards.push_back({Key("p", layer, s), data[s].data(), data[s].size() * 4, "float32", {kSizes[s]}});
+  store.Wait(store.WriteManyAsync(shards));
+}
+
+// Host copy ops (H2D or D2H) on `stream` in the log since `from`.
+int HostCopies(int stream, size_t from) {
+  int n = 0;
+  for (size_t i = from; i < fake_log().size(); ++i) {
+    const FakeOp& op = fake_log()[i];
+    if (op.what == "copy" && op.stream == stream && op.kind != cudaMemcpyDeviceToDevice) ++n;
+  }
+  return n;
+}
+
+int Copies(int stream, int kind, size_t from) {
+  int n = 0;
+  for (size_t i = from; i < fake_log().size(); ++i) {
+    const FakeOp& op = fake_log()[i];
+    if (op.what == "copy" && op.stream == stream && op.kind == kind) ++n;
+  }
+  return n;
+}
+
+StartedRead Start(std::shared_ptr<SwapStore> store, int layer) {
+  std::vector<std::string> keys;
+  for (size_t s = 0; s < kSizes.size(); ++s) keys.push_back(Key("p", layer, s));
+  uint64_t ticket = store->ReadOwnedAsync(keys, true);
+  while (!store->Done(ticket)) {
+  }
+  StartedRead r;
+  r.store = store;
+  r.store_id = 7;
+  r.key = keys.front();
+  r.ticket = ticket;
+  return r;
+}
+
+std::vector<ShardIo> Outs(std::vector<std::vector<float>>& ys, int64_t grow = 0) {
+  ys.clear();
+  std::vector<ShardIo> outs;
+  for (int64_t n : kSizes) ys.emplace_back(n + grow, -1.0f);
+  for (size_t s = 0; s < kSizes.size(); ++s)
+    outs.push_back({"", ys[s].data(), ys[s].size() * 4, "float32", {kSizes[s] + grow}});
+  return outs;
+}
+
+std::vector<DeviceSpan> Spans(std::vector<std::vector<float>>& ys) {
+  std::vector<DeviceSpan> spans;
+  for (auto& y : ys) spans.push_back({y.data(), y.size() * 4});
+  return spans;
+}
+
+// Takes layer `layer`'s read from the lane and copies it into fresh outputs; checks the values.
+void Consume(CopyLane& lane, int layer, bool expect_staged) {
+  cudaError_t err = cudaSuccess;
+  std::optional<StartedRead> r = lane.Take(7, Key("p", layer, 0), &err);
+  CHECK(r.has_value() && err == cudaSuccess, "layer %d's read was started", layer);
+  CHECK(!r->error, "layer %d read without error", layer);
+  CHECK((r->slot != nullptr) == expect_staged, "layer %d staged: %d", layer, r->slot != nullptr);
+  std::vector<std::vector<float>> ys;
+  SwapStore::CheckRead(*r->read, Outs(ys));
+  size_t from = fake_log().size();
+  CHECK(CopyIn(kXla, *r, Spans(ys)) == cudaSuccess, "CopyIn");
+  if (expect_staged)
+    CHECK(HostCopies(kXla->id, from) == 0, "a staged read reaches XLA's stream device to device");
+  for (size_t s = 0; s < kSizes.size(); ++s)
+    CHECK(ys[s] == Values(layer, s, kSizes[s]), "layer %d shard %zu arrives intact", layer, s);
+}
+
+struct Commit {
+  std::shared_ptr<SwapStore> store;
+  SwapStore::DetachedWrite write;
+};
+
+void CUDART_CB CommitWrite(void* data) {
+  std::unique_ptr<Commit> c(static_cast<Commit*>(data));
+  c->store->FinishDetached(std::move(c->write));
+}
+
+void TestWrites(CopyLane& lane, std::shared_ptr<SwapStore> store) {
+  for (int step = 0; step < 3; ++step) {  // more writes than staging buffers
+    std::vector<std::vector<float>> grads;
+    std::vector<ShardIo> shards;
+    std::vector<DeviceSpan> xs;
+    for (size_t s = 0; s < kSizes.size(); ++s) grads.push_back(Values(step, s, kSizes[s], 0.25f));
+    for (size_t s = 0; s < kSizes.size(); ++s) {
+      shards.push_back({Key("g", step, s), nullptr, grads[s].size() * 4, "float32", {kSizes[s]}});
+      xs.push_back({grads[s].data(), grads[s].size() * 4});
+    }
+    auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(shards)});
+    size_t from = fake_log().size();
+    CHECK(CopyOut(lane, kXla, xs, c->write.buffer->data(), c->write.at, CommitWrite, c.get()) ==
+              cudaSuccess, "CopyOut");
+    c.release();
+    CHECK(HostCopies(kXla->id, from) == 0, "grads leave XLA's stream device to device only");
+    CHECK(Copies(lane.stream()->id, cudaMemcpyDeviceToHost, from) == 1,
+          "one copy to the host on the copy stream");
+    std::vector<std::vector<float>> back;
+    std::vector<ShardIo> outs = Outs(back);
+    for (size_t s = 0; s < kSizes.size(); ++s) outs[s].key = Key("g", step, s);
+    store->Wait(store->ReadManyAsync(outs));
+    for (size_t s = 0; s < kSizes.size(); ++s)
+      CHECK(back[s] == grads[s], "grad shard %zu of write %d reaches the store intact", s, step);
+  }
+}
+
+void TestStagedReads(CopyLane& lane, std::shared_ptr<SwapStore> store) {
+  size_t from = fake_log().size();
+  for (int layer = 0; layer < 3; ++layer) lane.Started(Start(store, layer));
+  CHECK(lane.Pump() == cudaSuccess, "Pump");
+  CHECK(lane.staged() == 2, "two staging buffers: two of three reads staged, got %zu", lane.staged());
+  CHECK(HostCopies(kXla->id, from) == 0 && Copies(lane.stream()->id, cudaMemcpyHostToDevice, from) == 2,
+        "staging copies run on the copy stream");
+  Consume(lane, 0, true);
+  CHECK(lane.Pump() == cudaSuccess && lane.staged() == 2, "the drained buffer takes the third read");
+  Consume(lane, 1, true);
+  Consume(lane, 2, true);
+  cudaError_t err;
+  CHECK(!lane.Take(7, Key("p", 0, 0), &err).has_value(), "a read is taken once");
+}
+
+void TestNoFreeBuffer(CopyLane& one, std::shared_ptr<SwapStore> store) {
+  one.Started(Start(store, 0));
+  one.Started(Start(store, 1));
+  CHECK(one.Pump() == cudaSuccess && one.staged() == 1, "one staging buffer: one read staged");
+  size_t from = fake_log().size();
+  Consume(one, 1, false);  // taken before the staged one: no buffer is free
+  CHECK(Copies(kXla->id, cudaMemcpyHostToDevice, from) == static_cast<int>(kSizes.size()),
+        "unstaged: from the host on XLA's stream");
+  Consume(one, 0, true);
+}
+
+void TestMismatch(CopyLane& lane, std::shared_ptr<SwapStore> store) {
+  lane.Started(Start(store, 2));
+  cudaError_t err;
+  std::optional<StartedRead> r = lane.Take(7, Key("p", 2, 0), &err);
+  CHECK(r && r->slot != nullptr, "staged when taken");
+  std::vector<std::vector<float>> ys;
+  bool threw = false;
+  try {
+    SwapStore::CheckRead(*r->read, Outs(ys, /*grow=*/1));
+  } catch (const ShardMismatch& e) {
+    threw = std::string(e.what()).find("was written as") != std::string::npos;
+  }
+  CHECK(threw, "a read taken with other shapes is refused, naming both");
+  Release(kXla, *r);
+  for (int layer = 0; layer < 3; ++layer) lane.Started(Start(store, layer));
+  CHECK(lane.Pump() == cudaSuccess && lane.staged() == 2, "the released buffer is reused");
+  for (int layer = 0; layer < 3; ++layer) Consume(lane, layer, true);
+}
+
+}  // namespace
+}  // namespace zinfjax
+
+int main(int argc, char** argv) {
+  using namespace zinfjax;
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: copies_test FOLDER|memory\n");
+    return 2;
+  }
+  StoreConfig config;
+  config.memory = std::string(argv[1]) == "memory";
+  if (!config.memory) config.paths = {argv[1]};
+  config.fresh = true;
+  auto store = std::make_shared<SwapStore>(config);
+  for (int layer = 0; layer < 3; ++layer) WriteLayer(*store, layer);
+  setenv("ZINFJAX_COPY_STAGING", "2", 1);
+  cudaError_t err = cudaSuccess;
+  CopyLane* lane = CopyLane::For(0, &err);
+  CHECK(lane != nullptr && err == cudaSuccess, "lane");
+  setenv("ZINFJAX_COPY_STAGING", "1", 1);
+  CopyLane* one = CopyLane::For(1, &err);
+  CHECK(one != nullptr && one != lane, "a lane per device");
+  TestWrites(*lane, store);
+  TestStagedReads(*lane, store);
+  TestNoFreeBuffer(*one, store);
+  TestMismatch(*lane, store);
+  returns().Drain();  // every host buffer goes back to the store
+  std::printf("copies_test: %d checks passed (%s store)\n", checks, argv[1]);
+  return 0;
+}
