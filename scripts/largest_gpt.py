@@ -33,6 +33,7 @@ import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
+SPEC_TFLOPS = 989.0  # dense bf16 TFLOP/s of an H100 / H200 SXM, as in bench_gpu.py
 
 
 def devices_here(devices: int | None) -> tuple[str, int, int | None]:
@@ -69,11 +70,16 @@ def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, i
   return out
 
 
-def num_params(layers: int, args) -> int:
-  """Parameters of the GPT `train_gpt.py` builds with `layers` layers (embeddings counted)."""
+def gpt_config(layers: int, args):
+  """The GPT `train_gpt.py` builds with `layers` layers."""
   from zinfjax.models import get_config
   return get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
-                    vocab_size=65, seq_len=args.seq_len).num_params
+                    vocab_size=65, seq_len=args.seq_len)
+
+
+def num_params(layers: int, args) -> int:
+  """Parameters of that GPT (embeddings counted)."""
+  return gpt_config(layers, args).num_params
 
 
 def need(layers: int, tier: str, args) -> dict[str, int]:
@@ -274,17 +280,25 @@ def main(argv=None) -> int:
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
         f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "
-        "tokens/s | TFLOP/s | loss first -> last | peak RSS GiB | wall s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        f"tokens/s | TFLOP/s | MFU ({SPEC_TFLOPS:.0f} spec) | loss first -> last | peak HBM GiB | "
+        "peak RSS GiB | disk used GB | wall s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for run in runs:
-    n, rs = num_params(run["layers"], args), run["records"]
+    config, rs = gpt_config(run["layers"], args), run["records"]
+    n = config.num_params
     states = ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
-    trained = ["-"] * 5  # a run that wrote no step
+    trained = ["-"] * 8  # a run that wrote no step
     if rs:
       last = rs[-1]
-      trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}",
-                 f"{6 * n * last['tokens_per_s'] / 1e12:.1f}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}",
-                 f"{max(r['peak_rss'] for r in rs) / GIB:.2f}"]
+      # 6·N·T plus causal attention, the standard count (GPTConfig.train_flops)
+      tflops = config.train_flops(args.batch_size * args.seq_len) / last["step_time_s"] / 1e12
+      hbm = [r["peak_hbm"] for r in rs if r.get("peak_hbm") is not None]
+      disk = last.get("tiers", {}).get("nvme", 0) * args.devices
+      trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}", f"{tflops:.1f}",
+                 f"{tflops / SPEC_TFLOPS:.1%}" if platform == "gpu" else "-",
+                 f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}",
+                 f"{max(hbm) / GIB:.2f}" if hbm else "-",
+                 f"{max(r['peak_rss'] for r in rs) / GIB:.2f}", f"{disk / 1e9:.1f}"]
     where = run["tier"] + (" (params {offload_param}; optimizer {offload_optimizer})".format(
         **run["placement"]) if "placement" in run else "")
     print("| " + " | ".join([where, str(run["layers"]), f"{n / 1e9:.2f}", states,

@@ -130,6 +130,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
+def peak_hbm() -> int | None:
+  """Peak device memory of this process's busiest device in bytes (None where the backend keeps
+  no count, e.g. CPU)."""
+  import jax
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  return max((p for p in peaks if p is not None), default=None)
+
+
 def peak_rss() -> int:
   """Peak resident memory of this process in bytes (VmHWM)."""
   with open("/proc/self/status") as f:
@@ -473,7 +481,8 @@ def main(argv=None) -> int:
         breakdown["eval_loss"] = float(zinfjax.eval_step(state, held_out, lm_loss)["loss"])
       progress.update(step, {"loss": loss, "grad_norm": norm,
                              "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                             "tiers": tiers, "peak_rss": peak_rss(), **breakdown})
+                             "tiers": tiers, "peak_rss": peak_rss(), "peak_hbm": peak_hbm(),
+                             **breakdown})
       if ckpt is not None and args.save_every and (step % args.save_every == 0 or step == args.steps):
         ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
   except KeyboardInterrupt:

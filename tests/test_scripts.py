@@ -153,6 +153,10 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   for key in ("device", "pinned", "pipeline-under"):
     rows = json.loads((out / f"peer_ours_{key}" / "bench_gpu.json").read_text())["steps"]
     assert rows and all(r["step_s"] > 0 and r["peak_rss"] > 0 for r in rows), rows
+  # the copy-stream stage: the same rows with the swap copies on XLA's stream and on their own
+  for mode in ("0", "1"):
+    rows = json.loads((out / f"copy_stream_{mode}" / "bench_gpu.json").read_text())["steps"]
+    assert rows and all(r["step_s"] > 0 and r["copy_stream"] == (mode == "1") for r in rows), rows
   if (out / "peer_deepspeed.json").exists():
     assert "| zinfjax / DeepSpeed |" in (out / "peer_table.txt").read_text()
   failed = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / "real"),
