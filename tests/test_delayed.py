@@ -146,3 +146,40 @@ def test_a_skipped_step_keeps_the_held_grads(param, optimizer, extra, mesh, batc
   np.testing.assert_array_equal(nan_losses, losses)
   for name, value in params.items():
     np.testing.assert_array_equal(nan_params[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("restore_as", ["nvme", "pipeline", "device"])
+def test_checkpoints_keep_the_held_grads(restore_as, mesh, batches, tmp_path):
+  """Saved on NVMe with grads held, restored under the delay (on NVMe, or under the host
+  pipeline): the rest of the run equals the run that never stopped, bit for bit. Restored
+  without the delay (optimizer on the device), the held grads are left out."""
+  from zinfjax.checkpoint import Checkpointer
+  tx = zinfjax.optim.adamw(LR, weight_decay=DECAY)
+  nvme = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+                            delay_tail_update=True, nvme_path=str(tmp_path / "a"))
+  straight, _ = zero_training(factory, tx, nvme, mesh, batches, lm_loss)
+  half, state = zero_training(factory, tx, nvme.replace(nvme_path=str(tmp_path / "b")), mesh,
+                              batches[:3], lm_loss)
+  again = {"nvme": nvme.replace(nvme_path=str(tmp_path / "c")),
+           "pipeline": zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
+                                          offload_optimizer="pinned_host",
+                                          host_optimizer="pipeline", delay_tail_update=True),
+           "device": zinfjax.ZeroConfig(precision="fp32")}[restore_as]
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(state)
+    ckpt.wait()
+    assert ckpt.metadata()["held"]["count"] == 2  # the third step's grads (count 2 before it)
+    state.close()
+    state, _ = ckpt.restore(factory, tx, again, mesh)
+  pipeline = state.engine.pipeline
+  assert (pipeline is not None and pipeline.held is not None) == (restore_as != "device")
+  losses = []
+  for batch in batches[3:]:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+  state.close()
+  if restore_as == "device":  # the same params; then the tail trains on without the delay
+    np.testing.assert_allclose(losses[0], straight[3], rtol=1e-5)
+    assert np.isfinite(losses).all() and losses[-1] != straight[-1]
+  else:
+    np.testing.assert_array_equal(np.concatenate([half, losses]), straight)

@@ -135,8 +135,8 @@ class ZeroConfig:
       applied (with their own step's count and clipping) while the next
       step's forward runs, so no step waits for their update after backward.
       The trade: those params see each step's grads one step later (the
-      first step leaves them as they were, and the last step's grads stay
-      held; a checkpoint does not keep held grads). Off by default.
+      first step leaves them as they were; checkpoints keep the held grads,
+      and a run resumed with the delay applies them). Off by default.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they

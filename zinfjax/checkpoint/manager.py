@@ -38,6 +38,7 @@ from ..state import TrainState, make_states
 from . import lock as dirlock
 from .errors import CheckpointError, CheckpointMismatch
 from .handler import Run, StateHandler, StateRestore, StateSave, open_checked, read
+from .held import held_leaves, held_targets, restore_held
 from .zarr import trim
 from .leaves import Leaf, state_leaves
 
@@ -121,8 +122,9 @@ class Checkpointer:
     if step in self.all_steps():
       return False
     engine = state.engine
-    leaves = state_leaves(state)
-    meta = {"format": FORMAT, "step": step,
+    held, held_meta = held_leaves(state)  # delay_tail_update's grads, waiting for their update
+    leaves = state_leaves(state) + held
+    meta = {"format": FORMAT, "step": step, "held": held_meta,
             "leaves": {l.name: {"shape": list(l.shape), "dtype": np.dtype(l.dtype).name}
                        for l in leaves},
             "config": _config_json(engine.config), "devices": engine.dp,
@@ -209,10 +211,12 @@ class Checkpointer:
       target = make_states(engine, model_factory, abstract=True)
       leaves = _restore_targets(target)
       _check_compatible(meta, leaves, self.directory, step)
-      run = Run(leaves, engine.plan, engine.store)
+      held = held_targets(engine, meta)
+      run = Run(leaves + held, engine.plan, engine.store)
       restored = self.manager.restore(step, args=ocp.args.Composite(state=StateRestore(run)))["state"]
       if engine.store is not None:
         engine.store.sync()
+      restore_held(engine, restored, held, meta)
     except BaseException:
       engine.close("its restore failed")  # its folders stay locked until closed
       raise

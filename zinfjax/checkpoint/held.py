@@ -1,0 +1,80 @@
+"""The grads `delay_tail_update` holds between steps, in a checkpoint.
+
+Under `ZeroConfig.delay_tail_update` the grads of the leaves outside the
+stacks wait one step for their update. A checkpoint saves them as leaves
+`held/{leaf}` (whole, in their logical shape, like the master params) with
+the count and global norm of the step that made them in its metadata, so a
+run resumed from it (on any split or device count) applies them at its first
+step, as the run that saved it would have. A run without the delay, or whose
+tail holds other leaves, ignores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..optim.pipeline import Held
+from ..placement import Tier
+from ..shards import from_host_shards, host_shards
+from .leaves import Leaf, Source
+
+PREFIX = "held/"
+
+
+def _tail(engine) -> list:
+  """The plan leaves of the pipeline's delayed sub-groups (none without the delay)."""
+  pipeline = engine.pipeline
+  if pipeline is None or not pipeline.tail:
+    return []
+  indices = sorted({p.leaf for u in pipeline.tail for p in u.parts})
+  return [engine.plan.leaves[i] for i in indices]
+
+
+def _sharding(engine, leaf):
+  return engine.plan.sharding(leaf, Tier.PINNED_HOST)
+
+
+def held_leaves(state) -> tuple[list[Leaf], dict | None]:
+  """The leaves of the grads `state`'s pipeline holds, and their metadata (count and norm);
+  `([], None)` when it holds none."""
+  engine = state.engine
+  held = engine.pipeline.held if engine.pipeline is not None else None
+  if held is None:
+    return [], None
+  plan, out = engine.plan, []
+  dtype = np.dtype(plan.dtype("grads"))
+  for leaf in _tail(engine):
+    shards = {r: held.grads[(leaf.index, r, 0)] for r in plan.ranks}
+    array = from_host_shards(shards, _sharding(engine, leaf), leaf.layout.storage_shape)
+    out.append(Leaf(PREFIX + leaf.name, leaf.layout.shape, dtype, leaf.layout,
+                    [Source(0, 1, array)], leaf))
+  return out, {"count": held.count, "norm": held.norm}
+
+
+def held_targets(engine, meta: dict) -> list[Leaf]:
+  """Restore targets for the held grads a checkpoint (`meta`) saved, where this run delays the
+  same leaves' updates (else none: they are not restored)."""
+  tail = _tail(engine)
+  saved = {k for k in meta["leaves"] if k.startswith(PREFIX)}
+  if not tail or meta.get("held") is None or saved != {PREFIX + l.name for l in tail}:
+    return []
+  dtype = np.dtype(engine.plan.dtype("grads"))
+  return [Leaf(PREFIX + leaf.name, leaf.layout.shape, dtype, leaf.layout,
+               [Source(0, 1, jax.ShapeDtypeStruct(leaf.layout.storage_shape, dtype,
+                                                  sharding=_sharding(engine, leaf)))], leaf)
+          for leaf in tail]
+
+
+def restore_held(engine, restored: dict[str, Any], targets: list[Leaf], meta: dict) -> None:
+  """Hand the restored held grads to the engine's pipeline (for its first step)."""
+  if not targets:
+    return
+  grads = {}
+  for target in targets:
+    leaf = target.plan
+    for rank, shard in host_shards(restored[f"{target.name}#0"], engine.plan.mesh).items():
+      grads[(leaf.index, rank, 0)] = np.ascontiguousarray(shard)
+  engine.pipeline.held = Held(grads, int(meta["held"]["count"]), meta["held"]["norm"])
