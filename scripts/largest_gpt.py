@@ -87,10 +87,9 @@ def need(layers: int, tier: str, args) -> dict[str, int]:
   from zinfjax.memory import estimate_memory
   est = estimate_memory(layers=layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                         batch_per_device=max(1, args.batch_size // args.devices), devices=args.devices,
-                        offload_param=tier, offload_optimizer=tier, num_params=num_params(layers, args))
+                        offload_param=tier, offload_optimizer=tier, num_params=num_params(layers, args),
+                        bf16_moments=getattr(args, "bf16_moments", False))
   out = dict(est.per_device)
-  if getattr(args, "bf16_moments", False):  # the paper's 16 optimizer bytes, with 2 + 2 moments
-    out[tier] -= -(-num_params(layers, args) * 4 // args.devices)
   out["device"] += (est.activation_checkpoints + est.activation_working_memory +
                     est.model_state_working_memory)
   return out

@@ -68,8 +68,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
 
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
   the 12·nl·hd² approximation (e.g. with embeddings counted). `per_param` is what
-  zinfjax itself keeps per parameter on each tier (`bytes_per_param`, with bf16 moments
-  when `bf16_moments`).
+  zinfjax itself keeps per parameter on each tier (`bytes_per_param`); `bf16_moments`
+  shrinks both it and `per_device`'s optimizer states by the moments' 4 bytes.
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
                      ("offload_optimizer", offload_optimizer)):
@@ -87,7 +87,9 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   per_device = dict.fromkeys(TIERS, 0)
   per_device[offload_param] += share(PARAM_BYTES, stage >= 3)
   per_device[offload_grad] += share(GRAD_BYTES, stage >= 2)
-  per_device[offload_optimizer] += share(OPTIMIZER_BYTES, stage >= 1)
+  # the paper's 16 optimizer bytes, less the 4 that bf16 moments save
+  saved = STATE_BYTES["optimizer"] - BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else 0
+  per_device[offload_optimizer] += share(OPTIMIZER_BYTES - saved, stage >= 1)
   ci = checkpoint_interval
   return MemoryEstimate(
       num_params=n,

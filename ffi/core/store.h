@@ -133,14 +133,10 @@ class SwapStore {
   };
   DetachedWrite BeginDetached(const std::vector<ShardIo>& shards);
   void FinishDetached(DetachedWrite write) noexcept;
-  // TakeResults without the copy: checks the read's shards against `outs` and
-  // hands over the buffer they lie in (shard i at `at[i]`); GiveBack returns it.
-  std::unique_ptr<AlignedBuffer> TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
-                                           std::vector<size_t>* at);
-  // The same in two halves, for a read handed on before its destinations are
-  // known (the CUDA copy stream stages it on the device): TakeRead waits for the
-  // read and hands over its buffer, shard offsets and entries; CheckRead
-  // compares those entries with `outs` (ShardMismatch names the first that differs).
+  // An owned read handed on without the copy (the CUDA handlers copy it to the
+  // device): TakeRead waits for the read and hands over its buffer, shard
+  // offsets and entries; CheckRead compares those entries with `outs`
+  // (ShardMismatch names the first that differs); GiveBack returns the buffer.
   struct OwnedRead {
     std::vector<std::string> keys;
     std::vector<ShardEntry> entries;

@@ -236,8 +236,7 @@ bool SwapStore::Done(uint64_t ticket) {
   return job->done;
 }
 
-std::unique_ptr<AlignedBuffer> SwapStore::TakeOwned(uint64_t ticket, const std::vector<ShardIo>& outs,
-                                                    std::vector<size_t>* at) {
+void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
   OwnedRead read = TakeRead(ticket);
   try {
     CheckRead(read, outs);
@@ -245,15 +244,9 @@ std::unique_ptr<AlignedBuffer> SwapStore::TakeOwned(uint64_t ticket, const std::
     GiveBuffer(std::move(read.buffer));
     throw;
   }
-  *at = std::move(read.at);
-  return std::move(read.buffer);
-}
-
-void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
-  std::vector<size_t> at;
-  std::unique_ptr<AlignedBuffer> buffer = TakeOwned(ticket, outs, &at);
-  for (size_t i = 0; i < outs.size(); ++i) std::memcpy(outs[i].data, buffer->data() + at[i], outs[i].nbytes);
-  GiveBuffer(std::move(buffer));
+  for (size_t i = 0; i < outs.size(); ++i)
+    std::memcpy(outs[i].data, read.buffer->data() + read.at[i], outs[i].nbytes);
+  GiveBuffer(std::move(read.buffer));
 }
 
 }  // namespace zinfjax

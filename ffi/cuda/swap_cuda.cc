@@ -146,6 +146,24 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId ru
   });
 }
 
+// A taken read checked against `ys` (ShardMismatch names the first shard that differs, its
+// buffers released) and copied into them: from its staging buffer, or from the host.
+ffi::Error CopyTaken(cudaStream_t stream, StartedRead& r, ffi::RemainingRets ys) {
+  try {
+    SwapStore::CheckRead(*r.read, ReadOuts(ys, /*with_data=*/false));
+  } catch (...) {
+    Release(stream, r);
+    throw;
+  }
+  std::vector<DeviceSpan> spans;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
+    spans.push_back({y->untyped_data(), y->size_bytes()});
+  }
+  return Check(CopyIn(stream, r, spans), r.slot ? "enqueue staged param copy"
+                                                : "enqueue param copy to device");
+}
+
 // read_wait_many through the copy stream: the read staged on the device (now, if it was not
 // yet) copied device to device into `ys` once its staging copy is done.
 ffi::Error WaitStaged(cudaStream_t stream, int32_t ordinal, int64_t store_id, const std::string& key,
@@ -159,19 +177,7 @@ ffi::Error WaitStaged(cudaStream_t stream, int32_t ordinal, int64_t store_id, co
                             "' was started (the start and wait calls' schedules disagree)");
   if (err != cudaSuccess) return Check(err, "stage param copy to device");
   if (r->error) std::rethrow_exception(r->error);
-  try {
-    SwapStore::CheckRead(*r->read, ReadOuts(ys, /*with_data=*/false));
-  } catch (...) {
-    Release(stream, *r);
-    throw;
-  }
-  std::vector<DeviceSpan> spans;
-  for (size_t i = 0; i < ys.size(); ++i) {
-    ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-    spans.push_back({y->untyped_data(), y->size_bytes()});
-  }
-  return Check(CopyIn(stream, *r, spans), r->slot ? "enqueue staged param copy"
-                                                   : "enqueue param copy to device");
+  return CopyTaken(stream, *r, ys);
 }
 
 ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
@@ -185,17 +191,10 @@ ffi::Error ReadWaitManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run
     if (!ticket)
       throw EngineError("zinfjax_swap_read_wait_many: no read of shard '" + keys.front() +
                         "' was started (the start and wait calls' schedules disagree)");
-    std::vector<ShardIo> outs = ReadOuts(ys, /*with_data=*/false);
-    std::vector<size_t> offsets;
-    std::unique_ptr<AlignedBuffer> buffer = s.TakeOwned(*ticket, outs, &offsets);
-    cudaError_t err = cudaSuccess;
-    for (size_t i = 0; i < ys.size() && err == cudaSuccess; ++i) {
-      ffi::Result<ffi::AnyBuffer> y = ys.get<ffi::AnyBuffer>(i).value();
-      err = cudaMemcpyAsync(y->untyped_data(), buffer->data() + offsets[i], y->size_bytes(),
-                            cudaMemcpyHostToDevice, stream);
-    }
-    if (err == cudaSuccess) err = ReturnAfter(stream, store, std::move(buffer));
-    return Check(err, "enqueue param copy to device");
+    StartedRead r;  // not staged: copied from the host on XLA's stream
+    r.store = store;
+    r.read = s.TakeRead(*ticket);
+    return CopyTaken(stream, r, ys);
   });
 }
 

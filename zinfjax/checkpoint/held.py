@@ -33,8 +33,13 @@ def _tail(engine) -> list:
   return [engine.plan.leaves[i] for i in indices]
 
 
-def _sharding(engine, leaf):
-  return engine.plan.sharding(leaf, Tier.PINNED_HOST)
+def _leaf(engine, leaf, make) -> Leaf:
+  """The checkpoint leaf of `leaf`'s held grads, its one source `make(storage shape, dtype,
+  sharding)` (the array, or its restore target)."""
+  dtype = np.dtype(engine.plan.dtype("grads"))
+  source = make(leaf.layout.storage_shape, dtype, engine.plan.sharding(leaf, Tier.PINNED_HOST))
+  return Leaf(PREFIX + leaf.name, leaf.layout.shape, dtype, leaf.layout, [Source(0, 1, source)],
+              leaf)
 
 
 def held_leaves(state) -> tuple[list[Leaf], dict | None]:
@@ -44,13 +49,9 @@ def held_leaves(state) -> tuple[list[Leaf], dict | None]:
   held = engine.pipeline.held if engine.pipeline is not None else None
   if held is None:
     return [], None
-  plan, out = engine.plan, []
-  dtype = np.dtype(plan.dtype("grads"))
-  for leaf in _tail(engine):
-    shards = {r: held.grads[(leaf.index, r, 0)] for r in plan.ranks}
-    array = from_host_shards(shards, _sharding(engine, leaf), leaf.layout.storage_shape)
-    out.append(Leaf(PREFIX + leaf.name, leaf.layout.shape, dtype, leaf.layout,
-                    [Source(0, 1, array)], leaf))
+  ranks = engine.plan.ranks
+  out = [_leaf(engine, leaf, lambda shape, _, sharding, i=leaf.index: from_host_shards(
+      {r: held.grads[(i, r, 0)] for r in ranks}, sharding, shape)) for leaf in _tail(engine)]
   return out, {"count": held.count, "norm": held.norm}
 
 
@@ -61,11 +62,8 @@ def held_targets(engine, meta: dict) -> list[Leaf]:
   saved = {k for k in meta["leaves"] if k.startswith(PREFIX)}
   if not tail or meta.get("held") is None or saved != {PREFIX + l.name for l in tail}:
     return []
-  dtype = np.dtype(engine.plan.dtype("grads"))
-  return [Leaf(PREFIX + leaf.name, leaf.layout.shape, dtype, leaf.layout,
-               [Source(0, 1, jax.ShapeDtypeStruct(leaf.layout.storage_shape, dtype,
-                                                  sharding=_sharding(engine, leaf)))], leaf)
-          for leaf in tail]
+  target = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  return [_leaf(engine, leaf, target) for leaf in tail]
 
 
 def restore_held(engine, restored: dict[str, Any], targets: list[Leaf], meta: dict) -> None:

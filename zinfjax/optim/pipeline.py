@@ -138,8 +138,7 @@ class NvmePipeline(StreamAdam):
     norm of all grads, or a callable asked for it at the first update) is needed when the
     AdamW clips. Returns the new compute params of the parts whose params are not in the
     store."""
-    # jitted, like in the step: XLA's compiled pow/schedule can differ from eager by an ulp
-    lr, bc1, bc2, step = (x.item() for x in self._scalars(jnp.int32(count)))
+    lr, bc1, bc2, step = self._hyper_at(count)
     clip = self.hyper.max_grad_norm
     if clip is not None and grad_norm is None:
       raise ValueError("this AdamW clips grads (max_grad_norm): pass the step's grad_norm.")
@@ -157,14 +156,13 @@ class NvmePipeline(StreamAdam):
     if held is not None:
       made += [p for u in self.tail for p in u.parts]
     outs: dict[PartKey, np.ndarray] = {
-        (p.leaf, p.rank, p.layer): np.empty(self.plan.leaves[p.leaf].local_shape, self.params_dtype)
-        for p in made}
-    out_of = lambda p: outs[(p.leaf, p.rank, p.layer)].reshape(-1)
+        p.id: np.empty(self.plan.leaves[p.leaf].local_shape, self.params_dtype) for p in made}
+    out_of = lambda p: outs[p.id].reshape(-1)
     stats = None
     if held is not None:  # the tail, with the grads held from the step before
-      hl = [x.item() for x in self._scalars(jnp.int32(held.count))]
-      self.stream(*hl[:3], self.decays, lambda p: held.grads[(p.leaf, p.rank, p.layer)], out_of,
-                  None, lambda: held.norm, clip, hl[3], units=self.tail, held=True)
+      h_lr, h_bc1, h_bc2, h_step = self._hyper_at(held.count)
+      self.stream(h_lr, h_bc1, h_bc2, self.decays, lambda p: held.grads[p.id], out_of, None,
+                  lambda: held.norm, clip, h_step, units=self.tail, held=True)
       stats = self.last_step
     self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
     if self.tail:
@@ -173,21 +171,26 @@ class NvmePipeline(StreamAdam):
       self.last_step = {k: v + stats[k] for k, v in self.last_step.items()}
     return outs
 
+  def _hyper_at(self, count: int) -> tuple:
+    """(lr, bc1, bc2, step) of the update after `count` steps, as Python scalars (jitted, like
+    in the step: XLA's compiled pow/schedule can differ from eager by an ulp)."""
+    return tuple(x.item() for x in self._scalars(jnp.int32(count)))
+
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
                 gate: "GradGate | None") -> dict[PartKey, np.ndarray]:
-    """Copies of the grads of `units`' parts (from the store once backward wrote them, or from
-    `grad_of`)."""
-    out = {}
-    for p in (p for u in units for p in u.parts):
-      if self.on_store("grads", p):
-        key = self.key("grads", p)
-        if gate is not None and not gate.ready(key):
-          gate.wait(key)
-        grad = np.empty(self.shape(p), self.grads_dtype)
-        self.store.read(key, grad).wait()
-      else:
-        grad = np.array(grad_of(p), self.grads_dtype)
-      out[(p.leaf, p.rank, p.layer)] = grad
+    """Copies of the grads of `units`' parts: from the store (one read, once backward wrote
+    them all), or from `grad_of`."""
+    parts = [p for u in units for p in u.parts]
+    out = {p.id: np.array(grad_of(p), self.grads_dtype)
+           for p in parts if not self.on_store("grads", p)}
+    stored = [(self.key("grads", p), p) for p in parts if self.on_store("grads", p)]
+    for key, _ in stored:
+      if gate is not None and not gate.ready(key):
+        gate.wait(key)
+    for _, p in stored:
+      out[p.id] = np.empty(self.shape(p), self.grads_dtype)
+    if stored:
+      self.store.read_many([(key, out[p.id]) for key, p in stored]).wait()
     return out
 
   def advance(self, norm: float, skipped: bool) -> None:
@@ -201,11 +204,9 @@ class NvmePipeline(StreamAdam):
   def write_held_params(self, outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
     """The tail's new params whose tier is the store written there (once the step's program,
     which read the old ones, is done); returns the rest of `outs`."""
-    mine = [p for u in self.tail for p in u.parts
-            if self.on_store("params", p) and (p.leaf, p.rank, p.layer) in outs]
+    mine = [p for u in self.tail for p in u.parts if self.on_store("params", p) and p.id in outs]
     if mine:
-      self.store.write_many([(self.key("params", p), outs.pop((p.leaf, p.rank, p.layer)))
-                             for p in mine]).wait()
+      self.store.write_many([(self.key("params", p), outs.pop(p.id)) for p in mine]).wait()
     return outs
 
 

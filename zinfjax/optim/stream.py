@@ -44,6 +44,11 @@ class Part:
   offset: int = 0
   start: int = 0
 
+  @property
+  def id(self) -> PartKey:
+    """(leaf, rank, layer): the part's name in the pipeline's outputs and held grads."""
+    return (self.leaf, self.rank, self.layer)
+
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
