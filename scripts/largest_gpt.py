@@ -118,7 +118,8 @@ def mixed_plan(layers: int, room: dict[str, int], args, folder: str) -> dict | N
                       vocab_size=65, seq_len=args.seq_len)
   zero = zinfjax.ZeroConfig(offload="auto", tier_budgets=mixed_budgets(layers, room, args),
                             nvme_path=folder, nvme_atomic_steps=False,
-                            pinned_budget=args.pinned_budget << 20)
+                            pinned_budget=args.pinned_budget << 20,
+                            host_optimizer=args.host_optimizer)
   try:
     tx = zinfjax.optim.adamw(1e-3, moment_dtype="bfloat16" if args.bf16_moments else "float32")
     auto = build_engine(lambda r: GPT(config, rngs=r), tx, zero, zinfjax.make_mesh(),
@@ -191,6 +192,8 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
     cmd += ["--offload-param", tier, "--offload-optimizer", tier]
   if tier in ("nvme", "mixed"):
     cmd += ["--nvme-path", folder, "--no-atomic-steps", "--pinned-budget", str(args.pinned_budget)]
+  if tier in ("pinned_host", "mixed"):
+    cmd += ["--host-optimizer", args.host_optimizer]
   cmd += ["--devices", str(args.devices)]
   t0 = time.perf_counter()
   try:
@@ -220,6 +223,10 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--bf16-moments", action="store_true",
                  help="Adam's moments in bf16 (8 optimizer bytes per parameter instead of 12)")
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline"),
+                 help="who updates the optimizer states in pinned host (train_gpt.py's flag): "
+                      "with 'pipeline', the C++ AdamW on host threads, the pinned-host states in "
+                      "a store in RAM beside the drive's")
   p.add_argument("--lr", type=float, default=1e-4,
                  help="no warm-up: deep stacks (50+ layers) overshoot at 3e-4 by the third step")
   p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")

@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline"),
                  help="who updates the optimizer states in pinned host memory: the step's XLA "
                       "program, or zinfjax's host pipeline (C++ AdamW on host threads, states in "
-                      "a store in RAM, updated in place)")
+                      "a store in RAM, updated in place; beside the drive's store when states are "
+                      "on NVMe too)")
   p.add_argument("--host-atomic-steps", action="store_true",
                  help="with --host-optimizer pipeline: all-or-nothing steps in the RAM store (twice "
                       "its RAM), so the update runs under backward with clipping and skips too")
@@ -283,6 +284,7 @@ def main(argv=None) -> int:
   from zinfjax.memory import tier_bytes
   from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
   from zinfjax.offload import CorruptShardError, EngineError, MissingShardError, NoSpaceError
+  from zinfjax.offload.mixed import used_by_medium
   from zinfjax.engine import build_engine
   from zinfjax.progress import Progress, human_bytes, parse_budgets
 
@@ -479,9 +481,9 @@ def main(argv=None) -> int:
         first_loss = loss if first_loss is None else first_loss
         last_loss = loss
       tiers = tier_bytes(state)
-      if state.engine.store is not None:  # on the drive, or in RAM (host_optimizer="pipeline")
-        tiers[str(plan.store_tier)] = tiers.get(str(plan.store_tier), 0) + (
-            state.engine.store.stats()["bytes_used"] // len(jax.local_devices()))
+      if state.engine.store is not None:  # on the drive, and in RAM (host_optimizer="pipeline")
+        for medium, used in used_by_medium(state.engine.store).items():
+          tiers[str(medium)] = tiers.get(str(medium), 0) + used // len(jax.local_devices())
       breakdown = {k: float(v) for k, v in metrics.items()
                    if k.endswith("_s") or "bytes" in k or k in ("lr", "nvme_redone", "nvme_clip_predicted", "skipped")}
       if held_out is not None and (step % args.eval_every == 0 or step == args.steps):

@@ -9,7 +9,6 @@ import pytest
 
 import zinfjax
 from zinfjax.checkpoint import Checkpointer
-from zinfjax.config import HOST_MEMORY
 from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.offload import AioStore
 from zinfjax.placement import Tier
@@ -72,7 +71,7 @@ def test_host_pipeline_trains_bit_for_bit_like_xla(param, optimizer, precision, 
   assert engine.store.memory and engine.pipeline is not None and engine.config.host_store
   # every pinned-host state is in the store: params and grads too, where they were placed
   in_store = {s for l in engine.plan.leaves for s in ("params", "grads", "master")
-              if any(seg.tier == Tier.NVME for seg in l.segments(s))}
+              if any(seg.tier == Tier.HOST_STORE for seg in l.segments(s))}
   assert in_store == ({"params", "grads", "master"} if "pinned_host" in param else {"master"})
   assert engine.pipeline.last_step["bytes_read"] == 0  # updated in place: no copies
   assert losses[-1] < losses[0]
@@ -120,19 +119,29 @@ def test_checkpoints_move_between_the_host_pipeline_and_xla(mesh, batches, tmp_p
 
 
 def test_host_pipeline_config_is_checked(mesh, tmp_path):
-  with pytest.raises(ValueError, match="cannot also use a drive yet"):
-    zinfjax.ZeroConfig(offload_optimizer="nvme", nvme_path=str(tmp_path), host_optimizer="pipeline")
   with pytest.raises(ValueError, match="host_optimizer must be 'xla' or 'pipeline'"):
     zinfjax.ZeroConfig(host_optimizer="cpu")
-  with pytest.raises(ValueError, match="leave nvme_path unset"):
-    zinfjax.ZeroConfig(offload_optimizer="nvme", nvme_path=HOST_MEMORY)
-  # nothing on pinned host: the pipeline has nothing to do, the config stays as given
-  zero = zinfjax.ZeroConfig(host_optimizer="pipeline")
-  assert zero.with_host_pipeline() is zero
+  # the RAM store's tier is made by with_host_pipeline, never named
+  with pytest.raises(ValueError, match="must be one of"):
+    zinfjax.ZeroConfig(offload_optimizer="host_store", host_optimizer="pipeline")
+  with pytest.raises(ValueError, match="name 'pinned_host' and set host_optimizer='pipeline'"):
+    zinfjax.ZeroConfig(offload_optimizer=((Tier.HOST_STORE, None),))
+  # nothing on pinned host, or no optimizer state off the device: nothing for the pipeline
+  for zero in (zinfjax.ZeroConfig(host_optimizer="pipeline"),
+               zinfjax.ZeroConfig(offload_param="pinned_host", host_optimizer="pipeline")):
+    assert zero.with_host_pipeline() is zero
   mapped = zinfjax.ZeroConfig(offload_optimizer="device:1,pinned_host",
                               host_optimizer="pipeline").with_host_pipeline()
   assert mapped.host_store and not mapped.nvme_atomic_steps and mapped.nvme_paths == []
-  assert [str(t) for t, _ in mapped.optimizer_split] == ["device", "nvme"]
+  assert [str(t) for t, _ in mapped.optimizer_split] == ["device", "host_store"]
+  assert mapped.uses_store and not mapped.uses_nvme
+  # with the drive too: params in RAM's store, the optimizer on the drive's, steps all or
+  # nothing as nvme_atomic_steps says (host_atomic_steps is for RAM alone)
+  both = zinfjax.ZeroConfig(offload_param="pinned_host", offload_optimizer="pinned_host:1,nvme",
+                            nvme_path=str(tmp_path), host_optimizer="pipeline").with_host_pipeline()
+  assert [str(t) for t, _ in both.param_split] == ["host_store"]
+  assert [str(t) for t, _ in both.optimizer_split] == ["host_store", "nvme"]
+  assert both.nvme_atomic_steps and both.uses_nvme and both.nvme_paths == [str(tmp_path)]
 
 
 def test_memory_store_lends_its_shards_in_place():
@@ -177,7 +186,7 @@ def test_all_or_nothing_host_steps_update_under_backward_with_clipping_and_skips
   state = zinfjax.init(factory, tx(0.5), zero.replace(host_optimizer="pipeline",
                                                       host_atomic_steps=True), mesh, 0)
   assert state.engine.config.nvme_atomic_steps and state.engine.store.memory
-  assert state.engine.plan.nvme_disk_bytes(True)["copies"] > 0
+  assert state.engine.plan.nvme_disk_bytes(True, tier=Tier.HOST_STORE)["copies"] > 0
   losses = []
   for i, batch in enumerate(good):
     if i == 2:

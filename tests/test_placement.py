@@ -226,24 +226,29 @@ def test_no_import_cycles_and_small_modules():
         assert not inner, f"{m}.{node.name} imports inside a function"
 
 
-def test_tier_names_live_in_placement_only():
-  """Tiers are `placement.Tier` everywhere else: no module outside placement.py spells a tier
-  as a string (a comparison, a default, a dict key), so where a tier means something is
-  found by one name."""
+def test_tier_names_live_in_tier_only():
+  """Tiers are `tier.Tier` everywhere else: no module outside tier.py spells a tier as a
+  string (a comparison, a default, a dict key), so where a tier means something is found by
+  one name."""
   from zinfjax.placement import TIERS, Tier
   assert [str(t) for t in TIERS] == ["device", "pinned_host", "nvme"]
   assert Tier.NVME == "nvme" and {"nvme": 1}[Tier.NVME] == 1
   assert f"{Tier.PINNED_HOST}" == "pinned_host"
   assert not Tier.NVME.holds_arrays and Tier.PINNED_HOST.memory_kind == "pinned_host"
+  # the host pipeline's RAM store: a store tier, whose bytes are host RAM's
+  assert not Tier.HOST_STORE.holds_arrays and Tier.HOST_STORE.medium is Tier.PINNED_HOST
+  assert Tier.NVME.medium is Tier.NVME and Tier.HOST_STORE not in TIERS
+  with pytest.raises(ValueError, match="live in a swap store"):
+    Tier.HOST_STORE.memory_kind
   root = os.path.join(REPO, "zinfjax")
   spelled = []
   for d, _, names in os.walk(root):
     for n in names:
       path = os.path.join(d, n)
-      if not n.endswith(".py") or path == os.path.join(root, "placement.py"):
+      if not n.endswith(".py") or path == os.path.join(root, "tier.py"):
         continue
       for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Constant) and node.value in {"device", "pinned_host", "nvme"}:
+        if isinstance(node, ast.Constant) and node.value in {str(t) for t in Tier}:
           spelled.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
   assert not spelled, spelled
 

@@ -58,7 +58,7 @@ def test_moves_follow_the_plan_layer_by_layer(param, optimizer, mesh, tmp_path):
         assert m.dst == leaf.tier("grads", layer)
       elif m.phase == Phase.OPTIMIZER:
         assert m.src == m.dst == leaf.tier("master", layer)
-        assert m.in_program == (m.src != Tier.NVME)
+        assert m.in_program == m.src.holds_arrays
       else:
         assert (m.src, m.dst) == (leaf.tier("master", layer), leaf.tier("params", layer))
   # the program updates exactly the optimizer segments held in arrays
@@ -79,9 +79,13 @@ def test_grad_order_is_backward_of_the_forward_order(mesh, tmp_path):
   assert list(order[:len(stacked)]) == stacked
 
 
-def test_pipeline_reads_its_layers_from_the_timeline(mesh, tmp_path):
+@pytest.mark.parametrize("host_optimizer", ["xla", "pipeline"])
+def test_pipeline_reads_its_layers_from_the_timeline(host_optimizer, mesh, tmp_path):
+  """The pipeline updates, reads and writes in the stores exactly the layers the plan keeps
+  there: the drive's, and under the host pipeline RAM's too."""
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param="device:1,pinned_host:1,nvme",
-                            offload_optimizer="pinned_host:1,nvme", nvme_path=str(tmp_path))
+                            offload_optimizer="pinned_host:1,nvme", nvme_path=str(tmp_path),
+                            host_optimizer=host_optimizer)
   state = zinfjax.init(lambda r: GPT(FOUR, rngs=r), zinfjax.optim.adamw(1e-3), zero, mesh, 0)
   with state:
     plan, pipeline = state.engine.plan, state.engine.pipeline
@@ -90,7 +94,7 @@ def test_pipeline_reads_its_layers_from_the_timeline(mesh, tmp_path):
       if layer >= leaf.num_layers or not leaf.trainable:
         continue
       part = type(pipeline.parts[0])(leaf.index, 0, layer, 0)
-      assert pipeline.on_store(name, part) == (leaf.tier(name, layer) == Tier.NVME)
+      assert pipeline.on_store(name, part) == (not leaf.tier(name, layer).holds_arrays)
     # its sub-groups follow backward's order
     order = [o for o in timeline(plan).grad_order if o in
              {(p.leaf, p.layer) for p in pipeline.parts}]

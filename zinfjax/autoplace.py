@@ -103,10 +103,15 @@ class AutoPlan:
 
 
 def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
-  """Bytes per device on each tier: the plan's states, and on NVMe the store's aligned
-  shards plus the second copy all-or-nothing steps write."""
+  """Bytes per device on each tier: the plan's states, and in a swap store (on NVMe; in pinned
+  host under the host pipeline, `with_host_pipeline`) its aligned shards plus the second copy
+  all-or-nothing steps write."""
   out = plan.tier_bytes()
-  out[Tier.NVME] = sum(plan.nvme_disk_bytes(config.nvme_atomic_steps, ranks=1).values())
+  mapped = config.with_host_pipeline()
+  out[Tier.NVME] = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1).values())
+  if mapped.host_store:  # every pinned-host state is in the RAM store
+    out[Tier.PINNED_HOST] = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
+                                                     tier=Tier.PINNED_HOST).values())
   return out
 
 

@@ -6,11 +6,7 @@ import dataclasses
 import os
 from typing import Any, Literal, Mapping, Sequence
 
-from .placement import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
-
-# the nvme_path of a swap store kept in host RAM: where `host_optimizer="pipeline"` puts the
-# pinned-host optimizer states (set by `ZeroConfig.with_host_pipeline`, not by hand)
-HOST_MEMORY = ":host-memory:"
+from .tier import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
 
 Precision = Literal["bf16", "fp32"]
 
@@ -119,9 +115,13 @@ class ZeroConfig:
       master, moments and params where the store keeps them, with no copies.
       With skip_nonfinite=False and no clipping, each layer is updated while
       backward runs on the layers below it; otherwise after backward (or under
-      it too, with `host_atomic_steps`). Needs zinfjax's AdamW and no state on
-      NVMe; its steps are not all-or-nothing (as with "xla") unless
-      `host_atomic_steps`.
+      it too, with `host_atomic_steps`). Needs zinfjax's AdamW; its steps are
+      not all-or-nothing (as with "xla") unless `host_atomic_steps`. With
+      states on NVMe as well (e.g. params in pinned host, the optimizer on
+      NVMe, or a per-layer split of both), each shard lives in the store of
+      its tier, RAM's or the drive's, and one pipeline updates them all;
+      steps are then all or nothing over both stores as `nvme_atomic_steps`
+      says (its copies in RAM too).
     host_atomic_steps: with host_optimizer="pipeline", steps are all or nothing
       in the RAM store as on NVMe (`nvme_atomic_steps`): each step writes new
       copies of the params and optimizer states it updates (twice their RAM, and
@@ -239,13 +239,11 @@ class ZeroConfig:
     if self.host_optimizer not in ("xla", "pipeline"):
       raise ValueError(f"ZeroConfig.host_optimizer must be 'xla' or 'pipeline', got "
                        f"{self.host_optimizer!r}.")
-    if (self.nvme_path == HOST_MEMORY) != (self.host_optimizer == "pipeline" and self.uses_nvme):
+    if self.host_store and self.host_optimizer != "pipeline":
       raise ValueError(
-          f"ZeroConfig(offload_param={self.offload_param!r}, offload_optimizer="
-          f"{self.offload_optimizer!r}, host_optimizer={self.host_optimizer!r}, nvme_path="
-          f"{self.nvme_path!r}): host_optimizer='pipeline' keeps the pinned-host optimizer states "
-          "in a store in host RAM and cannot also use a drive yet; place no state on 'nvme' with "
-          "it (or use host_optimizer='xla'), and leave nvme_path unset.")
+          f"ZeroConfig: the tier {Tier.HOST_STORE.value!r} is pinned host as host_optimizer="
+          "'pipeline' keeps it, made by with_host_pipeline(); name 'pinned_host' and set "
+          "host_optimizer='pipeline' instead.")
     if self.uses_nvme and not self.nvme_path:
       raise ValueError(
           "a state is placed on 'nvme' but ZeroConfig.nvme_path is not set: give a folder on a "
@@ -302,25 +300,36 @@ class ZeroConfig:
 
   @property
   def host_store(self) -> bool:
-    """Whether the swap store lives in host RAM (`with_host_pipeline`), not on a drive."""
-    return self.nvme_path == HOST_MEMORY
+    """Whether a state is in the swap store in host RAM (`with_host_pipeline`)."""
+    return Tier.HOST_STORE in split_tiers(self.param_split) + split_tiers(self.optimizer_split)
 
   def with_host_pipeline(self) -> "ZeroConfig":
-    """The config the engine plans with: under host_optimizer="pipeline", every pinned-host
-    segment (params and their grads, master params and moments) becomes a segment of a swap
-    store in host RAM, which the step and the host pipeline use as they use the drive; steps
-    all-or-nothing only with `host_atomic_steps`. Otherwise itself."""
-    split = self.optimizer_split
-    if self.host_optimizer != "pipeline" or self.host_store or Tier.PINNED_HOST not in split_tiers(split):
+    """The config the engine plans with: under host_optimizer="pipeline", with an optimizer
+    state off the device, every pinned-host segment (params and their grads, master params and
+    moments) becomes a segment of the swap store in host RAM (`Tier.HOST_STORE`), which the
+    step and the host pipeline use as they use the drive's. Steps are all or nothing as
+    `nvme_atomic_steps` says where a state is on the drive too (one transaction over both
+    stores), else as `host_atomic_steps` says. Otherwise itself."""
+    opt = split_tiers(self.optimizer_split)
+    if (self.host_optimizer != "pipeline" or self.host_store
+        or not {Tier.PINNED_HOST, Tier.NVME} & set(opt)
+        or Tier.PINNED_HOST not in opt + split_tiers(self.param_split)):
       return self
-    to_store = lambda split: tuple((Tier.NVME if t is Tier.PINNED_HOST else t, a) for t, a in split)
-    return self.replace(offload_optimizer=to_store(split), offload_param=to_store(self.param_split),
-                        offload_grad=None, nvme_path=HOST_MEMORY,
-                        nvme_atomic_steps=self.host_atomic_steps)
+    to_store = lambda split: tuple((Tier.HOST_STORE if t is Tier.PINNED_HOST else t, a)
+                                   for t, a in split)
+    atomic = self.nvme_atomic_steps if self.uses_nvme else self.host_atomic_steps
+    return self.replace(offload_optimizer=to_store(self.optimizer_split),
+                        offload_param=to_store(self.param_split), offload_grad=None,
+                        nvme_atomic_steps=atomic)
+
+  @property
+  def uses_store(self) -> bool:
+    """Whether a state lives in a swap store (on the drive, or in host RAM)."""
+    return self.uses_nvme or self.host_store
 
   @property
   def nvme_paths(self) -> list[str]:
-    if self.nvme_path is None or self.host_store:
+    if self.nvme_path is None:
       return []
     if isinstance(self.nvme_path, (str, os.PathLike)):
       return [os.fspath(self.nvme_path)]

@@ -93,7 +93,7 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
   parts = []
   shards = None
   for seg in leaf.segments(state):
-    if seg.tier != Tier.NVME:
+    if seg.tier.holds_arrays:
       piece = x if seg.layers == leaf.num_layers else leaf.take(x, seg)
       # a program, not device_put: each state gets its own buffers (fp32 params are not the master)
       put = jax.jit(lambda v: v.astype(dtype), out_shardings=plan.sharding(leaf, seg.tier))
@@ -116,7 +116,7 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
   array parts, as `_place` does."""
   plan = engine.plan
   nvme_at = lambda layer: [st for st in _created(plan.stage)
-                           if any(s.tier == Tier.NVME and layer in s for s in leaf.segments(st))]
+                           if any(not s.tier.holds_arrays and layer in s for s in leaf.segments(st))]
   # XLA casts the NVMe compute params in the draw's program (several times numpy's bf16 cast)
   low = _low(plan) if any(nvme_at(layer) for layer in range(leaf.num_layers)) else None
   draw = layer_initializer(engine, model_factory, leaf.index, low)

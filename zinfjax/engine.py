@@ -22,6 +22,7 @@ from .autoplace import AutoPlan, plan_placement
 from . import hostlimit
 from .config import ZeroConfig
 from .layers import Stack
+from .offload.mixed import MixedStore
 from .offload.store import AioStore, NoSpaceError
 from .optim.adam import OffloadedTransformation
 from .optim.hyper import AdamHyper
@@ -56,7 +57,7 @@ class Engine:
   tx: optax.GradientTransformation
   hyper: AdamHyper | None = None   # the AdamW the engine runs itself (None: `tx` under jit)
   decays: tuple[float, ...] = ()   # its weight decay per leaf
-  store: AioStore | None = None    # the process's swap store when a state is on NVMe
+  store: AioStore | MixedStore | None = None  # the swap store(s) of the states off the arrays
   pipeline: NvmePipeline | None = None  # the NVMe optimizer (optimizer segments on NVMe)
   steps: dict = dataclasses.field(default_factory=dict)  # compiled steps by loss_fn
   auto: AutoPlan | None = None     # the placement offload="auto" chose (its config holds the tiers)
@@ -151,22 +152,39 @@ def _engine_adamw(tx: optax.GradientTransformation, plan: Plan, config: ZeroConf
   return tx.hyper
 
 
-def open_store(config: ZeroConfig, plan: Plan) -> AioStore:
-  """The process's swap store, emptied for this run's states, with all of their space (grads
-  included) allocated now: a drive that cannot hold them fails here, not at step 1."""
-  store = AioStore(config.nvme_paths, jax.process_index(), io_threads=config.nvme_io_threads,
-                   pinned_budget=max(1 << 20, config.pinned_budget // 4), io_nice=config.host_nice,
-                   fresh=True, memory=config.host_store)
-  store.defer_errors()  # raised after each step (see runner.checked)
+def open_store(config: ZeroConfig, plan: Plan) -> AioStore | MixedStore:
+  """The process's swap store (the drive's, host RAM's, or both as a `MixedStore`), emptied for
+  this run's states, with all of their space (grads included) allocated now: a drive or RAM
+  that cannot hold them fails here, not at step 1."""
+  stores: dict[Tier, AioStore] = {}
   try:
-    if config.host_store:  # host RAM (with all-or-nothing steps' copies, if asked): the memory
-      # store's NoSpaceError names the lack
-      store.reserve(sum(plan.nvme_disk_bytes(config.nvme_atomic_steps).values()), exact=True)
+    for tier in sorted(plan.store_tiers):
+      stores[tier] = _open_one(config, plan, tier)
+  except BaseException:
+    for store in stores.values():
+      store.close()
+    raise
+  if len(stores) == 1:
+    return stores.popitem()[1]
+  return MixedStore(stores, plan.key_tier)
+
+
+def _open_one(config: ZeroConfig, plan: Plan, tier: Tier) -> AioStore:
+  """The store of `tier`: on the drive (nvme) or in host RAM (host_store)."""
+  memory = tier is Tier.HOST_STORE
+  store = AioStore([] if memory else config.nvme_paths, jax.process_index(),
+                   io_threads=config.nvme_io_threads,
+                   pinned_budget=max(1 << 20, config.pinned_budget // 4 // len(plan.store_tiers)),
+                   io_nice=config.host_nice, fresh=True, memory=memory)
+  store.defer_errors()  # raised after each step (see runner.checked)
+  # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
+  need = plan.nvme_disk_bytes(config.nvme_atomic_steps, tier=tier)
+  try:
+    if memory:  # host RAM: the memory store's NoSpaceError names the lack
+      store.reserve(sum(need.values()), exact=True)
       return store
     # what a previous run left in the swap files is reused before the drive's free space
     free = sum(shutil.disk_usage(p).free for p in config.nvme_paths) + store.allocated_bytes
-    # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy
-    need = plan.nvme_disk_bytes(config.nvme_atomic_steps)
     copies = need["copies"]
     total = sum(need.values())
     if total > free:
@@ -214,7 +232,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
     config = auto.resolve(config)
   given, config = config, config.with_host_pipeline()  # errors speak of the tiers as given
   plan = make_plan(config, layouts, stack_paths, mesh, frozen, moments)
-  hostlimit.check(plan.tier_bytes()[Tier.PINNED_HOST] * len(mesh.local_devices),
+  hostlimit.check(plan.tier_bytes(by_medium=False)[Tier.PINNED_HOST] * len(mesh.local_devices),
                   mesh.devices.flat[0].platform)
   try:
     hyper = _engine_adamw(tx, plan, given)
@@ -223,7 +241,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
       raise
     raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
                      f") to fit the budgets: {e}") from None
-  if config.delay_tail_update and Tier.NVME not in plan.tiers("master"):
+  if config.delay_tail_update and all(t.holds_arrays for t in plan.tiers("master")):
     raise ValueError(
         "ZeroConfig.delay_tail_update delays the host pipeline's update of the leaves outside the "
         "stacks, but no optimizer state is in the host pipeline: place the optimizer on NVMe "
@@ -275,12 +293,12 @@ def with_store(engine: Engine) -> Engine:
   An earlier engine of this process on the same folders is closed first (`_replace_holders`);
   the store closes when the engine is closed or collected."""
   config, plan = engine.config, engine.plan
-  if not config.uses_nvme or engine.store is not None:
+  if not config.uses_store or engine.store is not None:
     return engine
   _replace_holders(config)
   store = open_store(config, plan)
   pipeline = None
-  if Tier.NVME in plan.tiers("master"):
+  if not all(t.holds_arrays for t in plan.tiers("master")):
     try:
       pipeline = NvmePipeline(store, plan, engine.hyper, engine.decays,
                               budget=config.pinned_budget - config.pinned_budget // 4,

@@ -23,9 +23,9 @@ its layers [start, stop)); segments on `nvme` live in the swap store only.
 from __future__ import annotations
 
 import dataclasses
-import enum
+import functools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,87 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _engine
 from .partition import LeafLayout, is_layout, key_name
-
-class Tier(str, enum.Enum):
-  """Where a shard lives: HBM and pinned host memory (JAX memory kinds, held in `jax.Array`s),
-  or the NVMe swap store. Equal to its name as a string (configs and JSON speak strings)."""
-
-  DEVICE = "device"
-  PINNED_HOST = "pinned_host"
-  NVME = "nvme"
-
-  __hash__ = str.__hash__  # a key of a dict or set, found by its string too
-  __str__ = lambda self: self.value  # noqa: E731 - printed, formatted and repr'd as the string
-  __format__ = lambda self, spec: format(self.value, spec)  # noqa: E731
-  __repr__ = lambda self: repr(self.value)  # noqa: E731
-
-  @property
-  def holds_arrays(self) -> bool:
-    """A tier of `jax.Array`s (a JAX memory kind), not the swap store."""
-    return self is not Tier.NVME
-
-  @property
-  def memory_kind(self) -> str:
-    """The JAX memory kind of an array on this tier."""
-    if self is Tier.NVME:
-      raise ValueError("NVMe shards live in the swap store, not in a JAX memory kind.")
-    return self.value
-
-
-TIERS = tuple(Tier)
-# a per-layer split: (tier, layers or fraction of each stack's layers), the last one None (the rest)
-TierSplit = tuple[tuple[Tier, "int | float | None"], ...]
-
-
-def parse_split(value: Any, name: str) -> TierSplit:
-  """A tier, a split string ("device:2,pinned_host") or a dict/pairs, as a `TierSplit`."""
-  if isinstance(value, str):
-    pairs = []
-    for item in value.split(","):
-      tier, _, amount = item.strip().partition(":")
-      pairs.append((tier.strip(), _amount(amount.strip(), name) if amount else None))
-  elif isinstance(value, Mapping):
-    pairs = list(value.items())
-  elif isinstance(value, (tuple, list)):
-    pairs = [tuple(p) for p in value]
-  else:
-    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split such as "
-                     f"'device:2,pinned_host', got {value!r}.")
-  example = f"e.g. {name}='pinned_host:0.25,nvme' (the first quarter of each stack's layers in " \
-            "pinned host, the rest on NVMe)"
-  tiers = [p[0] for p in pairs]
-  bad = [t for t in tiers if t not in TIERS]
-  if bad or not pairs:
-    raise ValueError(f"ZeroConfig.{name} must be one of {TIERS} or a per-layer split of them, "
-                     f"got {value!r}; {example}.")
-  if len(set(tiers)) != len(tiers):
-    raise ValueError(f"ZeroConfig.{name}={value!r} names a tier twice; name each tier once, "
-                     f"{example}.")
-  for tier, amount in pairs[:-1]:
-    ok = (isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0) or (
-        isinstance(amount, float) and 0.0 <= amount <= 1.0)
-    if not ok:
-      raise ValueError(f"ZeroConfig.{name}={value!r}: {tier!r} needs a layer count (int >= 0) or "
-                       f"a fraction of the layers (0.0 to 1.0); {example}.")
-  if pairs[-1][1] is not None and len(pairs) > 1:
-    raise ValueError(f"ZeroConfig.{name}={value!r}: the last tier ({pairs[-1][0]!r}) takes the "
-                     f"remaining layers, so give it no amount; {example}.")
-  return tuple((Tier(t), a) for t, a in pairs[:-1]) + ((Tier(pairs[-1][0]), None),)
-
-
-def _amount(text: str, name: str) -> int | float:
-  try:
-    if text.endswith("%"):
-      return float(text[:-1]) / 100
-    return float(text) if "." in text else int(text)
-  except ValueError:
-    raise ValueError(f"ZeroConfig.{name}: {text!r} is neither a layer count nor a fraction "
-                     "(write 2, 0.25 or 25%).") from None
-
-
-def split_tiers(split: TierSplit) -> tuple[Tier, ...]:
-  return tuple(t for t, _ in split)
-
+from .tier import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401  (re-exported)
 
 STATES = ("params", "grads", "master", "mu", "nu")
 PREFIX = {"params": "p", "grads": "g", "master": "o/master", "mu": "o/m", "nu": "o/v"}
@@ -188,8 +108,9 @@ class LeafPlan:
     return self.params if state in ("params", "grads") else self.optimizer
 
   def params_with_master(self, layer: int) -> bool:
-    """Whether the NVMe master's writes make this layer's NVMe compute params too."""
-    return self.trainable and self.tier("master", layer) == Tier.NVME
+    """Whether the host pipeline's writes of the master make this layer's compute params in the
+    store too (where they are there)."""
+    return self.trainable and not self.tier("master", layer).holds_arrays
 
   def array_segments(self, state: str) -> tuple[Segment, ...]:
     return tuple(s for s in self.segments(state) if s.tier.holds_arrays)
@@ -234,8 +155,6 @@ class Plan:
   axis: str
   stage: int
   compute_dtype: Any
-  # where the swap store keeps its shards: the drive, or host RAM (`ZeroConfig.host_store`)
-  store_tier: Tier = Tier.NVME
   moment_dtype: Any = jnp.float32  # Adam's moments: fp32, or bf16 (`adamw(moment_dtype=)`)
 
   @property
@@ -305,38 +224,56 @@ class Plan:
     return self.unflatten([one(leaf) for leaf in self.leaves])
 
   # ------------------------------------------------------------ bytes
-  def nvme_bytes(self, ranks: int | None = None) -> dict[str, int]:
-    """Bytes this process's ranks keep in the swap store, by state group (each shard
-    rounded up to the store's alignment, as it lies on disk)."""
+  def nvme_bytes(self, ranks: int | None = None, tier: Tier = Tier.NVME) -> dict[str, int]:
+    """Bytes this process's ranks keep in the swap store of `tier` (the drive's, or host RAM's),
+    by state group (each shard rounded up to the store's alignment, as it lies there)."""
     ranks = len(self.ranks) if ranks is None else ranks
     out = {"params": 0, "grads": 0, "optimizer": 0}
     item = jnp.dtype(self.compute_dtype).itemsize
     disk = lambda nbytes: -(-nbytes // _engine.ALIGNMENT) * _engine.ALIGNMENT
     for leaf in self.leaves:
-      n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == Tier.NVME)
+      n = lambda state: sum(s.layers for s in leaf.segments(state) if s.tier == tier)
       out["params"] += n("params") * disk(leaf.local_size * item) * ranks
       out["grads"] += n("grads") * disk(leaf.local_size * item) * ranks
       moments = 2 * disk(leaf.local_size * self.dtype("mu").itemsize)
       out["optimizer"] += n("master") * (disk(leaf.local_size * 4) + moments) * ranks
     return out
 
-  def nvme_disk_bytes(self, atomic: bool, ranks: int | None = None) -> dict[str, int]:
+  def nvme_disk_bytes(self, atomic: bool, ranks: int | None = None,
+                      tier: Tier = Tier.NVME) -> dict[str, int]:
     """`nvme_bytes` plus "copies": what all-or-nothing steps (`atomic`) write besides, a second
     copy of the params and optimizer states they rewrite."""
-    need = self.nvme_bytes(ranks)
+    need = self.nvme_bytes(ranks, tier)
     return {**need, "copies": need["params"] + need["optimizer"] if atomic else 0}
 
-  def tier_bytes(self) -> dict[str, int]:
-    """Bytes of model states one device holds on each tier (params, grads, master, moments);
-    the swap store's on the tier it keeps them (`store_tier`)."""
-    out = dict.fromkeys(Tier, 0)
+  @property
+  def store_tiers(self) -> set[Tier]:
+    """The swap stores the plan keeps shards in: the drive's (nvme), host RAM's (host_store)."""
+    return {t for state in ("params", "master") for t in self.tiers(state) if not t.holds_arrays}
+
+  @functools.cached_property
+  def _bases(self) -> dict[str, tuple[LeafPlan, str]]:
+    return {leaf.base_key(state): (leaf, state) for leaf in self.leaves for state in STATES}
+
+  def key_tier(self, key: str) -> Tier:
+    """The tier of the shard a swap-store key of this plan names (`LeafPlan.key`)."""
+    base, _, layer = key.rsplit("/", 2)
+    if base not in self._bases or not layer.startswith("l"):
+      raise KeyError(f"{key!r} names no shard of this run's plan")
+    leaf, state = self._bases[base]
+    return leaf.tier(state, int(layer[1:]))
+
+  def tier_bytes(self, by_medium: bool = True) -> dict[str, int]:
+    """Bytes of model states one device holds in each memory (params, grads, master, moments),
+    host RAM's swap store's in pinned_host; by tier (that store's apart) if not `by_medium`."""
+    out = dict.fromkeys(TIERS if by_medium else tuple(Tier), 0)
     item = jnp.dtype(self.compute_dtype).itemsize
-    medium = lambda t: self.store_tier if t is Tier.NVME else t  # noqa: E731
+    where = (lambda t: t.medium) if by_medium else (lambda t: t)
     for leaf in self.leaves:
       for seg in leaf.params:
-        out[medium(seg.tier)] += seg.layers * leaf.local_size * (2 if leaf.trainable else 1) * item
+        out[where(seg.tier)] += seg.layers * leaf.local_size * (2 if leaf.trainable else 1) * item
       for seg in leaf.optimizer:
-        out[medium(seg.tier)] += seg.layers * leaf.local_size * self.optimizer_bytes
+        out[where(seg.tier)] += seg.layers * leaf.local_size * self.optimizer_bytes
     return out
 
   # ------------------------------------------------------------ checkpoint regions
@@ -383,8 +320,7 @@ def make_plan(config: Any, layouts: Any, stack_paths: Sequence[tuple[Any, ...]],
     depth = leaves[members[0]].num_layers
     stacks.append(StackPlan(tuple(path), depth, members, split_layers(config.param_split, depth)))
   return Plan(tuple(leaves), treedef, tuple(stacks), mesh, config.axis, config.stage,
-              config.compute_dtype, Tier.PINNED_HOST if config.host_store else Tier.NVME,
-              jnp.dtype(moment_dtype))
+              config.compute_dtype, jnp.dtype(moment_dtype))
 
 
 def _check_counts(split: TierSplit, field: str, depth: int | None) -> None:

@@ -91,7 +91,7 @@ class Move:
   @property
   def in_program(self) -> bool:
     """Made by the step's compiled program (else by the host pipeline around it)."""
-    return not (self.phase in (Phase.OPTIMIZER, Phase.AFTER) and self.src == Tier.NVME)
+    return not (self.phase in (Phase.OPTIMIZER, Phase.AFTER) and not self.src.holds_arrays)
 
 
 def _overlap(a: Segment, b: Segment) -> tuple[int, int]:

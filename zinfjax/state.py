@@ -24,7 +24,7 @@ from .draw import random_states
 from .engine import Engine, ModelFactory, build_engine, leaf_names, with_store
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
-from .placement import Plan, Tier
+from .placement import Plan
 from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
 
@@ -167,7 +167,7 @@ def _whole(plan: Plan, leaf, parts: tuple, store, state: str = "master") -> np.n
   arrays = iter(parts)
   pieces = []
   for seg in leaf.segments(state):
-    if seg.tier != Tier.NVME:
+    if seg.tier.holds_arrays:
       # a copy: numpy may view a CPU buffer that the next (donating) step reuses
       pieces.append(np.array(next(arrays), copy=True))
       continue

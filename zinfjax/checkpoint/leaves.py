@@ -21,7 +21,7 @@ import optax
 
 from ..optim.host import HostAdamState
 from ..partition import LeafLayout, key_name
-from ..placement import LeafPlan, Plan, Tier
+from ..placement import LeafPlan, Plan
 
 @dataclasses.dataclass
 class Source:
@@ -49,7 +49,7 @@ class Leaf:
 def _segment_sources(leaf: LeafPlan, state: str, parts: tuple, dtype, derived=False) -> list[Source]:
   arrays, out = iter(parts), []
   for seg in leaf.segments(state):
-    if seg.tier == Tier.NVME:
+    if not seg.tier.holds_arrays:
       out.append(Source(seg.start, seg.stop, keys=((leaf.base_key(state), dtype),), derived=derived))
     else:
       out.append(Source(seg.start, seg.stop, next(arrays), derived=derived))

@@ -23,6 +23,7 @@ from jax import lax
 
 from ..placement import LeafPlan, Plan, Segment, Tier
 from . import swap
+from .mixed import store_handle
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
 
@@ -41,7 +42,7 @@ def to_tier(x: jax.Array, tier: str) -> jax.Array:
 class NvmeLeaf:
   """Where one leaf's per-rank shards live in the swap store, and their per-layer shape."""
 
-  store: int                  # handle of the process's AioStore
+  store: int                  # handle of the swap store that keeps the segment's tier
   key: str                    # base key; shards are `{key}/r{rank}/l{layer}`
   shape: tuple[int, ...]      # one layer's local shard
   dtype: Any
@@ -86,7 +87,7 @@ class NvmeLeaf:
 
 def nvme_leaf(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> NvmeLeaf:
   """The swap-store shards of layers `seg` of one leaf's `state`."""
-  return NvmeLeaf(store.handle, leaf.base_key(state), leaf.local_shape, plan.dtype(state),
+  return NvmeLeaf(store_handle(store, seg.tier), leaf.base_key(state), leaf.local_shape, plan.dtype(state),
                   seg.layers if leaf.stacked else None, seg.start,
                   swap.rank_table(plan.mesh, plan.axis))
 
@@ -124,7 +125,7 @@ class NvmeOps:
   seg: Segment
 
   def shards(self, lo: int, hi: int) -> NvmeLeaf:
-    return nvme_leaf(self.plan, self.store, self.leaf, self.state, Segment(Tier.NVME, lo, hi))
+    return nvme_leaf(self.plan, self.store, self.leaf, self.state, Segment(self.seg.tier, lo, hi))
 
   def fetch(self, anchor: jax.Array, lo: int, hi: int, rank) -> jax.Array:
     return self.shards(lo, hi).read_all(anchor[0, 0].astype(jnp.int32), rank)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..offload.store import AioStore
-from ..placement import Plan, Tier
+from ..placement import Plan
 from ..schedule import Phase, timeline
 from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
@@ -65,7 +65,7 @@ class NvmePipeline(StreamAdam):
     # (leaf, layer) pairs this pipeline updates (master and moments in the store), whose grads
     # it reads from the store, and whose compute params it writes there: the timeline says
     moves = timeline(plan)
-    layers = lambda ms: {(m.leaf, l) for m in ms if m.dst == Tier.NVME for l in range(m.start, m.stop)}
+    layers = lambda ms: {(m.leaf, l) for m in ms if not m.dst.holds_arrays for l in range(m.start, m.stop)}
     self._on_nvme = {"master": layers(moves.select(Phase.OPTIMIZER)),
                      "params": layers(moves.select(Phase.AFTER)),
                      "grads": layers(moves.select(Phase.BACKWARD, "grads"))}

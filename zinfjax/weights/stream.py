@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ..partition import Region, clip, local, norm_region, shifted
-from ..placement import LeafPlan, Plan, Segment, Tier
+from ..placement import LeafPlan, Plan, Segment
 from .source import Tensor
 
 IN_FLIGHT = 256 << 20   # bytes of NVMe writes in flight while streaming
@@ -67,7 +67,7 @@ def place(plan: Plan, leaf: LeafPlan, tensor: Tensor, state: str, store, pipelin
   dtype = plan.dtype(state)
   parts = []
   for seg in leaf.segments(state):
-    if seg.tier != Tier.NVME:
+    if seg.tier.holds_arrays:
       parts.append(_array(plan, leaf, tensor, seg, dtype))
       continue
     for rank in plan.ranks:

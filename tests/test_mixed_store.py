@@ -1,0 +1,171 @@
+"""host_optimizer="pipeline" with states on NVMe as well: the pinned-host shards in the swap store
+in host RAM, the NVMe ones in the drive's, one host pipeline over both. It trains bit for bit
+like the same placement under the XLA host update, each shard is in the store of its tier, a
+skipped step leaves both stores as they were, and checkpoints restore from it."""
+
+import jax
+import numpy as np
+import pytest
+
+import zinfjax
+from zinfjax.checkpoint import Checkpointer
+from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.offload import AioStore
+from zinfjax.offload.mixed import MixedStore, used_by_medium
+from zinfjax.placement import Tier
+from zinfjax.state import _whole
+
+from helpers import text_batches, zero_training
+
+FOUR = get_config("tiny", num_layers=4)
+STEPS = 5
+
+
+def factory(r):
+  return GPT(FOUR, rngs=r)
+
+
+def tx(clip):
+  return zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip)
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return text_batches(STEPS, batch=16, seq=32, seed=5)
+
+
+def arrays(tree) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def compute_params(state) -> list[np.ndarray]:
+  plan = state.engine.plan
+  return [_whole(plan, leaf, parts, state.engine.store, "params")
+          for leaf, parts in zip(plan.leaves, plan.flatten(state.params))]
+
+
+def assert_same_training(losses, state, want_losses, want, rtol: float = 0.0) -> None:
+  """Equal losses, fp32 masters and compute params: bit for bit, or to `rtol` (clipping: the
+  global norm's sum runs in another order with the grads in a store, not in arrays)."""
+  same = lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol / 10)
+  same(losses, want_losses)
+  for got, expected in zip(arrays(state.full_params()) + compute_params(state),
+                           arrays(want.full_params()) + compute_params(want)):
+    same(got, expected)
+
+
+def assert_routed(state) -> None:
+  """Every shard lies in the store of its tier, and both stores hold some."""
+  store, plan = state.engine.store, state.engine.plan
+  assert isinstance(store, MixedStore)
+  for tier in (Tier.HOST_STORE, Tier.NVME):
+    keys = store.stores[tier].keys()
+    assert keys and {plan.key_tier(k) for k in keys} == {tier}
+  assert store.stores[Tier.HOST_STORE].memory and not store.stores[Tier.NVME].memory
+  used = used_by_medium(store)
+  assert used[Tier.PINNED_HOST] > 0 and used[Tier.NVME] > 0
+
+
+# (params, optimizer, precision, clip, skip): params and grads in RAM with the optimizer on the
+# drive; both stores holding params and optimizer states, per layer
+CASES = [("pinned_host", "nvme", "fp32", 0.5, True),
+         ("pinned_host:2,nvme", "device:1,pinned_host:1,nvme", "bf16", None, False)]
+
+
+@pytest.mark.parametrize("param,optimizer,precision,clip,skip", CASES)
+def test_mixed_store_trains_bit_for_bit_like_xla(param, optimizer, precision, clip, skip, mesh,
+                                                 batches, tmp_path):
+  zero = zinfjax.ZeroConfig(precision=precision, offload_param=param, offload_optimizer=optimizer,
+                            skip_nonfinite=skip, nvme_path=str(tmp_path))
+  xla_losses, xla = zero_training(factory, tx(clip), zero.replace(nvme_path=str(tmp_path / "x")),
+                                  mesh, batches, lm_loss)
+  state = zinfjax.init(factory, tx(clip), zero.replace(nvme_path=str(tmp_path / "p"),
+                                                       host_optimizer="pipeline"), mesh, 0)
+  assert_routed(state)
+  losses = []
+  for batch in batches:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+    # backward writes the grads into the stores and the pipeline updates beside the program
+    assert "nvme_grad_waits" in metrics
+  assert losses[-1] < losses[0]
+  assert_same_training(losses, state, xla_losses, xla, rtol=0.0 if clip is None else 1e-5)
+  assert not state.engine.store.in_transaction
+  state.close()
+  xla.close()
+
+
+def test_a_skipped_step_leaves_both_stores_as_they_were(mesh, batches, tmp_path):
+  """Clipping on every step (the update under backward redone) and a NaN step: the NaN step
+  changes nothing in RAM or on the drive, and the run equals the one without it."""
+  zero = zinfjax.ZeroConfig(offload_param="pinned_host:2,nvme", offload_optimizer="pinned_host:2,nvme",
+                            host_optimizer="pipeline", nvme_path=str(tmp_path))
+  scaled = lambda model, batch: lm_loss(model, batch) * batch["scale"][0]
+  good = [dict(b, scale=np.ones((16,), np.float32)) for b in batches]
+  bad = dict(good[1], scale=np.full((16,), np.nan, np.float32))
+  want_losses, want = zero_training(factory, tx(0.5), zero.replace(nvme_path=str(tmp_path / "a")),
+                                    mesh, good, scaled)
+  state = zinfjax.init(factory, tx(0.5), zero.replace(nvme_path=str(tmp_path / "b")), mesh, 0)
+  losses = []
+  for i, batch in enumerate(good):
+    if i == 2:
+      before = compute_params(state) + arrays(state.full_params())
+      state, metrics = zinfjax.train_step(state, bad, scaled)
+      assert int(metrics["skipped"]) == 1
+      after = compute_params(state) + arrays(state.full_params())
+      assert all(np.array_equal(a, b) for a, b in zip(after, before))
+    state, metrics = zinfjax.train_step(state, batch, scaled)
+    losses.append(float(metrics["loss"]))
+  assert_same_training(losses, state, want_losses, want)
+  state.close()
+  want.close()
+
+
+@pytest.mark.parametrize("target", ["device", "mixed"])
+def test_checkpoints_of_the_mixed_store_restore(target, mesh, batches, tmp_path):
+  """Saved from both stores, restored with every state on the device or into another split of
+  RAM and the drive: the rest of the run equals the mixed run that never stopped (the same
+  update, to fp32 tolerance)."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host:2,nvme",
+                            offload_optimizer="pinned_host:1,nvme", host_optimizer="pipeline",
+                            nvme_path=str(tmp_path / "swap"))
+  straight, done = zero_training(factory, tx(0.5), zero, mesh, batches, lm_loss)
+  done.close()
+  half, state = zero_training(factory, tx(0.5), zero, mesh, batches[:2], lm_loss)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(state)
+    ckpt.wait()
+    state.close()
+    other = zero.replace(offload_param="pinned_host:1,nvme", offload_optimizer="nvme:1,pinned_host",
+                         nvme_path=str(tmp_path / "other"))
+    state, _ = ckpt.restore(factory, tx(0.5), zinfjax.ZeroConfig(precision="fp32")
+                            if target == "device" else other, mesh)
+    assert (target == "device") == (state.engine.store is None)
+  losses = []
+  for batch in batches[2:]:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(np.concatenate([half, losses]), straight, rtol=1e-5)
+
+
+def test_mixed_store_splits_calls_and_transactions(tmp_path):
+  """Keys go to the store their tier names; a many-key call is split and rejoined in order; one
+  transaction spans both stores (a rollback undoes RAM and drive alike)."""
+  stores = {Tier.HOST_STORE: AioStore([], memory=True), Tier.NVME: AioStore(tmp_path, fresh=True)}
+  store = MixedStore(stores, lambda key: Tier.HOST_STORE if key.startswith("p/") else Tier.NVME)
+  rng = np.random.default_rng(0)
+  xs = {k: rng.standard_normal((4, 3)).astype(np.float32) for k in ("p/a", "o/b", "p/c", "o/d")}
+  store.write_many(list(xs.items())).wait()
+  assert sorted(stores[Tier.HOST_STORE].keys()) == ["p/a", "p/c"]
+  assert sorted(stores[Tier.NVME].keys()) == ["o/b", "o/d"]
+  outs = store.read_many([(k, np.empty((4, 3), np.float32)) for k in xs]).wait()
+  for out, want in zip(outs, xs.values()):
+    np.testing.assert_array_equal(out, want)
+  store.begin(["p/", "o/"])
+  store.write_many([(k, np.zeros((4, 3), np.float32)) for k in xs]).wait()
+  assert store.in_transaction
+  store.rollback()
+  assert not store.in_transaction
+  for k, want in xs.items():
+    np.testing.assert_array_equal(store.read(k).wait(), want)
+  store.close()
