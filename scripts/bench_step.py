@@ -149,6 +149,16 @@ def main(argv=None) -> int:
       state, _ = timed_steps("pinned_host", "pinned_host", "pinned", "pipeline", atomic=True)
   state.close()
   del state
+  # params and grads in RAM, the optimizer on the drive: pinned-host arrays with the NVMe
+  # pipeline after the program, or both in stores (RAM's and the drive's) under backward
+  results["params on pinned_host, optimizer on nvme"], state, _ = timed_steps(
+      "pinned_host", "nvme", "mixed-xla")
+  state.close()
+  del state
+  results["params on pinned_host, optimizer on nvme, host pipeline (RAM + drive stores)"], \
+      state, _ = timed_steps("pinned_host", "nvme", "mixed", "pipeline")
+  state.close()
+  del state
   results["params + optimizer on nvme"], state, metrics = timed_steps("nvme", "nvme", "nvme")
   io = io_alone(state.engine.store)
   print(f"\ncompute alone: {compute:.3f} s (fwd/bwd {fwd_bwd:.3f} s + AdamW {adam:.3f} s)")
