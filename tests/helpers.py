@@ -53,3 +53,27 @@ def zero_training(make_model, tx, zero, mesh, batches, loss_fn, seed: int = 0):
     state, metrics = zinfjax.train_step(state, batch, loss_fn)
     losses.append(float(metrics["loss"]))
   return np.asarray(losses), state
+
+
+def arrays(tree) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def compute_params(state) -> list[np.ndarray]:
+  """Every leaf's compute params joined from their tiers (the swap stores' included)."""
+  from zinfjax.state import _whole
+  plan = state.engine.plan
+  return [_whole(plan, leaf, parts, state.engine.store, "params")
+          for leaf, parts in zip(plan.leaves, plan.flatten(state.params))]
+
+
+def assert_same_training(losses, state, want_losses, want, rtol: float = 0.0) -> None:
+  """Equal losses, fp32 masters and compute params: bit for bit, or to `rtol` (atol rtol/10)."""
+  if rtol:
+    same = lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol / 10)
+  else:
+    same = np.testing.assert_array_equal
+  same(losses, want_losses)
+  for got, expected in zip(arrays(state.full_params()) + compute_params(state),
+                           arrays(want.full_params()) + compute_params(want)):
+    same(got, expected)

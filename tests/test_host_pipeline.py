@@ -3,7 +3,6 @@ updated in place by the host pipeline (the C++ AdamW on host threads). It trains
 like the update inside XLA's host computation, checkpoints move between the two, and the
 memory store itself lends its shards without copies and without outliving its owner."""
 
-import jax
 import numpy as np
 import pytest
 
@@ -12,9 +11,8 @@ from zinfjax.checkpoint import Checkpointer
 from zinfjax.models import GPT, get_config, lm_loss
 from zinfjax.offload import AioStore
 from zinfjax.placement import Tier
-from zinfjax.state import _whole
 
-from helpers import text_batches, zero_training
+from helpers import arrays, assert_same_training, compute_params, text_batches, zero_training
 
 FOUR = get_config("tiny", num_layers=4)
 STEPS = 6
@@ -31,26 +29,6 @@ def tx(clip):
 @pytest.fixture(scope="module")
 def batches():
   return text_batches(STEPS, batch=16, seq=32, seed=4)
-
-
-def arrays(tree) -> list[np.ndarray]:
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def assert_same_training(losses, state, want_losses, want) -> None:
-  """Equal losses, fp32 masters and compute params, bit for bit."""
-  np.testing.assert_array_equal(losses, want_losses)
-  for got, expected in zip(arrays(state.full_params()), arrays(want.full_params())):
-    np.testing.assert_array_equal(got, expected)
-  for got, expected in zip(compute_params(state), compute_params(want)):
-    np.testing.assert_array_equal(got, expected)
-
-
-def compute_params(state) -> list[np.ndarray]:
-  """Every leaf's compute params joined from their tiers (the memory store's included)."""
-  plan = state.engine.plan
-  return [_whole(plan, leaf, parts, state.engine.store, "params")
-          for leaf, parts in zip(plan.leaves, plan.flatten(state.params))]
 
 
 # (params, optimizer, precision, clip): with clipping on (0.5 is below the tiny GPT's grad

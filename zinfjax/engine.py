@@ -241,7 +241,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
       raise
     raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
                      f") to fit the budgets: {e}") from None
-  if config.delay_tail_update and all(t.holds_arrays for t in plan.tiers("master")):
+  if config.delay_tail_update and not plan.optimizer_in_store:
     raise ValueError(
         "ZeroConfig.delay_tail_update delays the host pipeline's update of the leaves outside the "
         "stacks, but no optimizer state is in the host pipeline: place the optimizer on NVMe "
@@ -298,7 +298,7 @@ def with_store(engine: Engine) -> Engine:
   _replace_holders(config)
   store = open_store(config, plan)
   pipeline = None
-  if not all(t.holds_arrays for t in plan.tiers("master")):
+  if plan.optimizer_in_store:
     try:
       pipeline = NvmePipeline(store, plan, engine.hyper, engine.decays,
                               budget=config.pinned_budget - config.pinned_budget // 4,

@@ -247,6 +247,11 @@ class Plan:
     return {**need, "copies": need["params"] + need["optimizer"] if atomic else 0}
 
   @property
+  def optimizer_in_store(self) -> bool:
+    """Whether some optimizer state lives in a swap store: the host pipeline updates it."""
+    return not all(t.holds_arrays for t in self.tiers("master"))
+
+  @property
   def store_tiers(self) -> set[Tier]:
     """The swap stores the plan keeps shards in: the drive's (nvme), host RAM's (host_store)."""
     return {t for state in ("params", "master") for t in self.tiers(state) if not t.holds_arrays}

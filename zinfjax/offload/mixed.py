@@ -34,12 +34,12 @@ class MixedStore:
     """The engine handle of the store of `tier`, for the XLA custom calls of its segments."""
     return self.stores[tier].handle
 
-  def _by_store(self, items: Sequence[tuple[str, Any]]) -> dict[int, tuple[AioStore, list]]:
-    groups: dict[int, tuple[AioStore, list]] = {}
+  def _by_store(self, items: Sequence[tuple[str, Any]]) -> list[tuple[AioStore, list]]:
+    """`items` (key first) grouped by the store that keeps their keys."""
+    groups: dict[Tier, list] = {}
     for item in items:
-      store = self.of(item[0])
-      groups.setdefault(id(store), (store, []))[1].append(item)
-    return groups
+      groups.setdefault(self._tier_of(item[0]), []).append(item)
+    return [(self.stores[tier], group) for tier, group in groups.items()]
 
   @property
   def folder(self) -> str:
@@ -61,11 +61,11 @@ class MixedStore:
 
   def write_many(self, items: Sequence[tuple[str, np.ndarray]]) -> Ticket:
     """One job per store; one ticket for both."""
-    return _joined([s.write_many(group) for s, group in self._by_store(items).values()], None)
+    return _joined([s.write_many(group) for s, group in self._by_store(items)], None)
 
   def read_many(self, items: Sequence[tuple[str, np.ndarray]]) -> Ticket:
     """One job per store; `wait()` returns the arrays in `items`' order."""
-    tickets = [s.read_many(group) for s, group in self._by_store(items).values()]
+    tickets = [s.read_many(group) for s, group in self._by_store(items)]
     return _joined(tickets, [out for _, out in items])
 
   def entry(self, key: str) -> dict:

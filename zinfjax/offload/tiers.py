@@ -87,7 +87,8 @@ class NvmeLeaf:
 
 def nvme_leaf(plan: Plan, store, leaf: LeafPlan, state: str, seg: Segment) -> NvmeLeaf:
   """The swap-store shards of layers `seg` of one leaf's `state`."""
-  return NvmeLeaf(store_handle(store, seg.tier), leaf.base_key(state), leaf.local_shape, plan.dtype(state),
+  return NvmeLeaf(store_handle(store, seg.tier), leaf.base_key(state), leaf.local_shape,
+                  plan.dtype(state),
                   seg.layers if leaf.stacked else None, seg.start,
                   swap.rank_table(plan.mesh, plan.axis))
 
