@@ -43,6 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--bf16-moments", action="store_true",
                  help="Adam's moments in bf16 (adamw(moment_dtype='bfloat16')): 8 optimizer bytes "
                       "per parameter instead of 12")
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline"),
+                 help="ZeroConfig.host_optimizer: with 'pipeline' the pinned-host states live in "
+                      "a swap store in RAM (its shards twice with all-or-nothing steps)")
+  p.add_argument("--host-atomic-steps", action="store_true",
+                 help="ZeroConfig.host_atomic_steps: all-or-nothing steps in the RAM store "
+                      "(--host-optimizer pipeline, no state on NVMe)")
   p.add_argument("--plan", action="store_true",
                  help="print the placement offload='auto' chooses and the step time it allows")
   p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
@@ -85,7 +91,9 @@ def show_plan(args, layers: int, hidden: int, heads: int) -> int:
                       seq_len=args.seq_len)
   try:
     zero = zinfjax.ZeroConfig(precision=args.precision, offload="auto", nvme_path=args.nvme_path,
-                              tier_budgets=budgets or None)
+                              tier_budgets=budgets or None, nvme_atomic_steps=args.atomic_nvme,
+                              host_optimizer=args.host_optimizer,
+                              host_atomic_steps=args.host_atomic_steps)
     engine = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero,
                           zinfjax.make_mesh(args.devices), open_store_=False)
   except (PlacementError, ValueError) as e:
@@ -124,7 +132,8 @@ def main(argv=None) -> int:
                         checkpoint_interval=args.checkpoint_interval,
                         offload_param=args.offload_param, offload_grad=args.offload_grad,
                         offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme,
-                        bf16_moments=args.bf16_moments)
+                        bf16_moments=args.bf16_moments, host_optimizer=args.host_optimizer,
+                        atomic_host=args.host_atomic_steps)
   inputs = {k: v for k, v in vars(args).items() if k != "json"}
   inputs.update(layers=layers, hidden=hidden, heads=heads)
   if args.json:
@@ -143,10 +152,23 @@ def main(argv=None) -> int:
     print(f"  {name:<{width}}  {fmt(value):>14}")
   kept = ", ".join(f"{t} {b:g}" for t, b in est.per_param.items() if b)
   print(f"  zinfjax keeps per parameter (bytes, before the split over devices): {kept}"
-        + ("; NVMe params and optimizer states twice (all-or-nothing steps; "
-           "--no-atomic-nvme: once)" if args.atomic_nvme and "nvme" in
-           (args.offload_param, args.offload_optimizer) else ""))
+        + copies_note(args))
   return 0
+
+
+def copies_note(args) -> str:
+  """Which swap stores `per_param` counts twice (all-or-nothing steps), and how to say once."""
+  from zinfjax.config import host_pipeline_applies
+  tiers = (args.offload_param, args.offload_optimizer)
+  on_drive = "nvme" in tiers
+  in_ram = host_pipeline_applies(args.host_optimizer, tiers[:1], tiers[1:])
+  stores = (["in the RAM store"] if in_ram else []) + (["on NVMe"] if on_drive else [])
+  atomic = args.atomic_nvme if on_drive else args.host_atomic_steps
+  if not stores or not atomic:
+    return ""
+  names = " and ".join(stores)
+  undo = "--no-atomic-nvme" if on_drive else "without --host-atomic-steps"
+  return f"; params and optimizer states {names} twice (all-or-nothing steps; {undo}: once)"
 
 
 if __name__ == "__main__":

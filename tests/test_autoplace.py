@@ -27,10 +27,10 @@ def tx():
   return zinfjax.optim.adamw(3e-3, weight_decay=0.1)
 
 
-def budgets_of(mesh, param, optimizer, path):
+def budgets_of(mesh, param, optimizer, path, **options):
   """The bytes per device that the placement (param, optimizer) holds on each tier."""
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
-                            nvme_path=path)
+                            nvme_path=path, **options)
   engine = build_engine(gpt, tx(), zero, mesh, open_store_=False)
   return need(engine.plan, zero)
 
@@ -111,3 +111,25 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(mesh, t
 def test_bad_auto_config(kwargs, match):
   with pytest.raises(ValueError, match=match):
     zinfjax.ZeroConfig(**kwargs)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_auto_counts_the_ram_store_of_the_host_pipeline(mesh, tmp_path, atomic):
+  """Under host_optimizer="pipeline" the pinned-host states are in a swap store in RAM: the
+  budgets a split needs (counted on the engine's plan, in the RAM store) give that split back,
+  and the table says which tiers hold the second copy of all-or-nothing steps. Plans only."""
+  path = str(tmp_path / "nvme")
+  # all or nothing with and without the drive: else the RAM store's copies would go with it
+  options = dict(host_optimizer="pipeline", nvme_atomic_steps=atomic, host_atomic_steps=atomic)
+  split = ("device:2,pinned_host", "pinned_host:4,nvme")
+  budgets = budgets_of(mesh, *split, path, **options)
+  assert budgets != budgets_of(mesh, *split, path)  # the store's padding (and copies) count
+  zero = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=budgets,
+                            nvme_path=path, **options)
+  auto = build_engine(gpt, tx(), zero, mesh, open_store_=False).auto
+  assert (auto.offload_param, auto.offload_optimizer) == split
+  assert auto.need == budgets
+  assert auto.copies == (("pinned_host", "nvme") if atomic else ())
+  rows = {line.split()[0]: line for line in auto.table().splitlines()[1:]}
+  for tier in ("device", "pinned_host", "nvme"):
+    assert ("second copy" in rows[tier]) == (tier in auto.copies), rows[tier]

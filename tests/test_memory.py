@@ -89,29 +89,43 @@ def test_init_never_materializes_the_whole_model(mesh):
   assert analysis.temp_size_in_bytes < total / 4, (analysis.temp_size_in_bytes, total)
 
 
-@pytest.mark.parametrize("param,optimizer,atomic", [("pinned_host", "nvme", True),
-                                                    ("nvme", "nvme", False),
-                                                    ("device", "pinned_host", True)])
-def test_bytes_per_param_match_the_plan(param, optimizer, atomic, tmp_path):
-  """`bytes_per_param` times the params equals what the plan keeps on each tier (the NVMe
-  copies of all-or-nothing steps included), to the shards' alignment padding."""
+@pytest.mark.parametrize("param,optimizer,atomic,host", [
+    ("pinned_host", "nvme", True, "xla"), ("nvme", "nvme", False, "xla"),
+    ("device", "pinned_host", True, "xla"),
+    # the host pipeline: pinned-host states in the RAM store, twice when steps are all or nothing
+    ("pinned_host", "nvme", True, "pipeline"), ("pinned_host", "pinned_host", True, "pipeline"),
+    ("device", "pinned_host", False, "pipeline")])
+def test_bytes_per_param_match_the_plan(param, optimizer, atomic, host, tmp_path):
+  """`bytes_per_param` times the params equals what the plan keeps on each tier (the swap
+  stores' copies of all-or-nothing steps included), to the stores' alignment padding."""
   import jax
   import zinfjax
+  from zinfjax.autoplace import need
   from zinfjax.engine import build_engine
   from zinfjax.memory import bytes_per_param
   from zinfjax.models import GPT, get_config
   config = get_config("tiny", num_layers=2, hidden=256, num_heads=4)
   zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
-                            nvme_path=str(tmp_path), nvme_atomic_steps=atomic)
+                            nvme_path=str(tmp_path), nvme_atomic_steps=atomic,
+                            host_optimizer=host, host_atomic_steps=atomic)
   plan = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
                       zinfjax.make_mesh(jax.devices()[:1]), open_store_=False).plan
   n = sum(leaf.num_layers * leaf.local_size for leaf in plan.leaves)
-  per = bytes_per_param(param, None, optimizer, atomic_nvme=atomic)
-  held = plan.tier_bytes()
-  nvme = sum(plan.nvme_disk_bytes(atomic).values())
-  for tier in ("device", "pinned_host"):
-    assert held[tier] == per[tier] * n, tier  # arrays: exact
-  assert per["nvme"] * n <= nvme <= per["nvme"] * n * 1.1  # + padding to 4 KiB per shard
+  per = bytes_per_param(param, None, optimizer, atomic_nvme=atomic, host_optimizer=host,
+                        atomic_host=atomic)
+  held = need(plan, zero)
+  stores = {"nvme"} | ({"pinned_host"} if zero.with_host_pipeline().host_store else set())
+  assert (host == "pipeline") == ("pinned_host" in stores)
+  for tier in ("device", "pinned_host", "nvme"):
+    if tier in stores:  # + padding to 4 KiB per shard
+      assert per[tier] * n <= held[tier] <= per[tier] * n * 1.1, (tier, held[tier], per[tier] * n)
+    else:  # arrays: exact
+      assert held[tier] == per[tier] * n, tier
+  expect = {("pinned_host", "nvme", True): {"pinned_host": 4 + 2, "nvme": 24},
+            ("pinned_host", "pinned_host", True): {"pinned_host": 4 + 2 + 24},
+            ("device", "pinned_host", False): {"device": 4, "pinned_host": 12}}
+  if host == "pipeline":
+    assert {t: b for t, b in per.items() if b} == expect[param, optimizer, atomic]
 
 
 def test_xla_gpu_pinned_host_limit_is_raised_and_checked():

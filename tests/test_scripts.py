@@ -63,6 +63,17 @@ def test_estimate_memory_table_for_a_preset():
   assert "1,006.63B params" in stdout and "model-state working memory" in stdout
 
 
+def test_estimate_memory_counts_the_host_pipelines_ram_store():
+  """--host-optimizer pipeline: pinned-host params in the RAM store, twice when the drive's
+  steps are all or nothing (the optimizer on NVMe); once without."""
+  args = [os.path.join(SCRIPTS, "estimate_memory.py"), "--preset", "tiny", "--offload-param",
+          "pinned_host", "--offload-optimizer", "nvme", "--host-optimizer", "pipeline"]
+  stdout = run(args)
+  assert ("per parameter (bytes, before the split over devices): pinned_host 6, nvme 24; "
+          "params and optimizer states in the RAM store and on NVMe twice") in stdout
+  assert "pinned_host 4, nvme 12\n" in run(args + ["--no-atomic-nvme"])
+
+
 def test_estimate_memory_plan_for_budgets(tmp_path):
   """--plan: the placement offload='auto' picks for the budgets (the 2.5B model, abstractly:
   nothing allocated), its bytes per tier and the step time it allows."""

@@ -76,15 +76,17 @@ def _available_ram() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
-  """The splits chosen, the budgets they were chosen for and the bytes each tier holds
-  (per device; NVMe with the copies all-or-nothing steps keep), and the pinned buffers the
-  run needs (`ZeroConfig.pinned_budget`, raised when the NVMe optimizer needs more)."""
+  """The splits chosen, the budgets they were chosen for, the bytes each tier holds per device
+  (a swap store's with the second copy all-or-nothing steps write, on the `copies` tiers), and
+  the pinned buffers the run needs (`ZeroConfig.pinned_budget`, raised when the NVMe optimizer
+  needs more)."""
 
   offload_param: str
   offload_optimizer: str
   budgets: dict[str, int]
   need: dict[str, int]
   pinned_budget: int
+  copies: tuple[str, ...] = ()  # tiers whose `need` holds a second copy (all-or-nothing steps)
 
   def resolve(self, config: ZeroConfig) -> ZeroConfig:
     """`config` with the tiers (and pinned budget) this plan chose, ready to build."""
@@ -98,20 +100,23 @@ class AutoPlan:
     for tier in TIERS:
       share = self.need[tier] / self.budgets[tier] if self.budgets[tier] else 0.0
       rows.append(f"  {tier:<11} {_gb(self.need[tier]):>11} of {_gb(self.budgets[tier]):>11} "
-                  f"per device ({share:.0%})")
+                  f"per device ({share:.0%})" + (", with the second copy of all-or-nothing steps"
+                                                 if tier in self.copies else ""))
     return "\n".join(rows)
 
 
 def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   """Bytes per device on each tier: the plan's states, and in a swap store (on NVMe; in pinned
   host under the host pipeline, `with_host_pipeline`) its aligned shards plus the second copy
-  all-or-nothing steps write."""
+  all-or-nothing steps write. `plan` is made from `config` or from its `with_host_pipeline()`
+  (the engine's `plan`)."""
   out = plan.tier_bytes()
   mapped = config.with_host_pipeline()
-  out[Tier.NVME] = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1).values())
+  store = lambda tier: sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
+                                                tier=tier).values())
+  out[Tier.NVME] = store(Tier.NVME)
   if mapped.host_store:  # every pinned-host state is in the RAM store
-    out[Tier.PINNED_HOST] = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
-                                                     tier=Tier.PINNED_HOST).values())
+    out[Tier.PINNED_HOST] = store(Tier.PINNED_HOST) + store(Tier.HOST_STORE)
   return out
 
 
@@ -205,7 +210,10 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
     raise PlacementError(
         f"offload='auto': the model's states ({_gb(total)} per device in all) do not fit the "
         f"tiers' budgets even with the fewest layers on the fast tiers: {detail}.{hint}")
-  return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget)
+  mapped = chosen.with_host_pipeline()
+  copies = tuple(t for t, held in ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
+                 if held and mapped.nvme_atomic_steps)
+  return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget, copies)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,15 @@ from .tier import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
 Precision = Literal["bf16", "fp32"]
 
 
+def host_pipeline_applies(host_optimizer: str, param_tiers: Sequence[str],
+                          optimizer_tiers: Sequence[str]) -> bool:
+  """Whether `host_optimizer` puts the pinned-host states in the RAM store (see
+  `ZeroConfig.with_host_pipeline`): it is "pipeline", an optimizer state is off the device, and
+  some state is in pinned host."""
+  return (host_optimizer == "pipeline" and bool({Tier.PINNED_HOST, Tier.NVME} & set(optimizer_tiers))
+          and Tier.PINNED_HOST in (*param_tiers, *optimizer_tiers))
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
   """ZeRO settings, validated on construction.
@@ -310,10 +319,8 @@ class ZeroConfig:
     step and the host pipeline use as they use the drive's. Steps are all or nothing as
     `nvme_atomic_steps` says where a state is on the drive too (one transaction over both
     stores), else as `host_atomic_steps` says. Otherwise itself."""
-    opt = split_tiers(self.optimizer_split)
-    if (self.host_optimizer != "pipeline" or self.host_store
-        or not {Tier.PINNED_HOST, Tier.NVME} & set(opt)
-        or Tier.PINNED_HOST not in opt + split_tiers(self.param_split)):
+    if self.host_store or not host_pipeline_applies(
+        self.host_optimizer, split_tiers(self.param_split), split_tiers(self.optimizer_split)):
       return self
     to_store = lambda split: tuple((Tier.HOST_STORE if t is Tier.PINNED_HOST else t, a)
                                    for t, a in split)

@@ -14,7 +14,9 @@ from typing import Any
 
 import jax
 
+from .config import host_pipeline_applies
 from .placement import TIERS, Tier
+
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
 # zinfjax's AdamW keeps 12 of the paper's 16 optimizer bytes: the fp32 master and moments (the
 # fp32 grad is a transient of the update, in its buffers, not a state)
@@ -25,18 +27,28 @@ BF16_MOMENTS_OPTIMIZER_BYTES = 8
 
 def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None = None,
                     offload_optimizer: str = Tier.DEVICE, *, atomic_nvme: bool = True,
-                    bf16_moments: bool = False) -> dict[str, float]:
+                    bf16_moments: bool = False, host_optimizer: str = "xla",
+                    atomic_host: bool = False) -> dict[str, float]:
   """Bytes each parameter keeps on each tier under zinfjax's mixed precision (bf16 params and
   grads, fp32 master and moments, or bf16 moments with `bf16_moments`), before the split
-  over devices. With all-or-nothing NVMe steps (`ZeroConfig.nvme_atomic_steps`) the params
-  and optimizer states on NVMe take their space twice (the committed copy and the step's);
-  grads there are scratch, once."""
+  over devices and the swap stores' padding of each shard to 4 KiB.
+
+  All-or-nothing steps keep the params and optimizer states of a swap store twice (the
+  committed copy and the step's); grads there are scratch, once. The drive's store is
+  all or nothing with `atomic_nvme` (`ZeroConfig.nvme_atomic_steps`). Under
+  `host_optimizer="pipeline"` the pinned-host states live in a store in RAM
+  (`ZeroConfig.with_host_pipeline`), all or nothing with the drive's where a state is on the
+  drive, else with `atomic_host` (`ZeroConfig.host_atomic_steps`)."""
   out = dict.fromkeys(TIERS, 0.0)
   tiers = {"params": offload_param, "grads": offload_grad or offload_param,
            "optimizer": offload_optimizer}
+  stores = {Tier.NVME}
+  if host_pipeline_applies(host_optimizer, (offload_param,), (offload_optimizer,)):
+    stores.add(Tier.PINNED_HOST)
+  atomic = atomic_nvme if Tier.NVME in tiers.values() else atomic_host
   size = dict(STATE_BYTES, optimizer=BF16_MOMENTS_OPTIMIZER_BYTES) if bf16_moments else STATE_BYTES
   for state, tier in tiers.items():
-    copies = 2 if tier == Tier.NVME and atomic_nvme and state != "grads" else 1
+    copies = 2 if tier in stores and atomic and state != "grads" else 1
     out[Tier(tier)] += size[state] * copies
   return out
 
@@ -63,13 +75,15 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                     stage: int = 3, checkpoint_interval: int = 1, offload_param: str = Tier.DEVICE,
                     offload_grad: str | None = None, offload_optimizer: str = Tier.DEVICE,
                     num_params: int | None = None, atomic_nvme: bool = True,
-                    bf16_moments: bool = False) -> MemoryEstimate:
+                    bf16_moments: bool = False, host_optimizer: str = "xla",
+                    atomic_host: bool = False) -> MemoryEstimate:
   """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
 
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
   the 12·nl·hd² approximation (e.g. with embeddings counted). `per_param` is what
-  zinfjax itself keeps per parameter on each tier (`bytes_per_param`); `bf16_moments`
-  shrinks both it and `per_device`'s optimizer states by the moments' 4 bytes.
+  zinfjax itself keeps per parameter on each tier (`bytes_per_param`, which reads
+  `atomic_nvme`, `host_optimizer` and `atomic_host`); `bf16_moments` shrinks both it and
+  `per_device`'s optimizer states by the moments' 4 bytes.
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
                      ("offload_optimizer", offload_optimizer)):
@@ -100,7 +114,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
       model_state_working_memory=4 * hidden * 4 * hidden,
       activation_working_memory=batch_per_device * seq_len * ci * (16 * hidden + 2 * heads * seq_len),
       per_param=bytes_per_param(offload_param, offload_grad, offload_optimizer,
-                                atomic_nvme=atomic_nvme, bf16_moments=bf16_moments),
+                                atomic_nvme=atomic_nvme, bf16_moments=bf16_moments,
+                                host_optimizer=host_optimizer, atomic_host=atomic_host),
   )
 
 
