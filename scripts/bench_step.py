@@ -84,13 +84,14 @@ def main(argv=None) -> int:
         f"{jax.devices()[0].platform} devices, swap store under {root}")
 
   def timed_steps(param, optimizer, tag, host_optimizer="xla", skip_nonfinite=True, atomic=False,
-                  delay=False):
+                  delay=False, nvme_atomic=True):
     zero = zinfjax.ZeroConfig(precision=args.precision, offload_param=param,
                               offload_optimizer=optimizer, pinned_budget=args.pinned_budget << 20,
                               host_optimizer=host_optimizer, skip_nonfinite=skip_nonfinite,
                               host_atomic_steps=atomic, delay_tail_update=delay,
+                              nvme_atomic_steps=nvme_atomic,
                               nvme_path=os.path.join(root, tag)
-                              if "nvme" in (param, optimizer) else None)
+                              if any("nvme" in t for t in (param, optimizer)) else None)
     state = zinfjax.init(lambda r: GPT(config, rngs=r), tx, zero, mesh, 0)
     return median_step(state, batches, lm_loss)
 
@@ -159,6 +160,19 @@ def main(argv=None) -> int:
       state, _ = timed_steps("pinned_host", "nvme", "mixed", "pipeline")
   state.close()
   del state
+  # the same rewritten in place (nvme_atomic_steps=False): under the host pipeline the RAM
+  # store's shards are updated where they lie while the drive's stream; then with half of the
+  # layers' optimizer states in RAM too
+  half = f"pinned_host:{config.num_layers // 2},nvme"
+  for optimizer in ("nvme", half):
+    name = f"params on pinned_host, optimizer on {optimizer}, rewritten in place"
+    results[name], state, _ = timed_steps("pinned_host", optimizer, "mixed-xla", nvme_atomic=False)
+    state.close()
+    del state
+    results[f"{name}, host pipeline under backward"], state, _ = timed_steps(
+        "pinned_host", optimizer, "mixed", "pipeline", skip_nonfinite=False, nvme_atomic=False)
+    state.close()
+    del state
   results["params + optimizer on nvme"], state, metrics = timed_steps("nvme", "nvme", "nvme")
   io = io_alone(state.engine.store)
   print(f"\ncompute alone: {compute:.3f} s (fwd/bwd {fwd_bwd:.3f} s + AdamW {adam:.3f} s)")

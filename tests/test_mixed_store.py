@@ -44,17 +44,34 @@ def assert_routed(state) -> None:
   assert used[Tier.PINNED_HOST] > 0 and used[Tier.NVME] > 0
 
 
-# (params, optimizer, precision, clip, skip): params and grads in RAM with the optimizer on the
-# drive; both stores holding params and optimizer states, per layer
-CASES = [("pinned_host", "nvme", "fp32", 0.5, True),
-         ("pinned_host:2,nvme", "device:1,pinned_host:1,nvme", "bf16", None, False)]
+def streamed_bytes(plan, tiers) -> int:
+  """Bytes the host pipeline reads in one step from the stores of `tiers`: the master params
+  and moments its layers keep there, and the grads where the store keeps them too."""
+  total = 0
+  for leaf in plan.leaves:
+    for layer in range(leaf.num_layers):
+      if leaf.tier("master", layer).holds_arrays:
+        continue  # updated on the device, not by the pipeline
+      n = leaf.local_size * len(plan.ranks)
+      total += n * (4 + 2 * plan.dtype("mu").itemsize) * (leaf.tier("master", layer) in tiers)
+      total += n * plan.dtype("params").itemsize * (leaf.tier("grads", layer) in tiers)
+  return total
 
 
-@pytest.mark.parametrize("param,optimizer,precision,clip,skip", CASES)
-def test_mixed_store_trains_bit_for_bit_like_xla(param, optimizer, precision, clip, skip, mesh,
-                                                 batches, tmp_path):
+# (params, optimizer, precision, clip, skip, atomic): params and grads in RAM with the optimizer
+# on the drive; both stores holding params and optimizer states, per layer; the same rewritten
+# in place, the RAM shards updated where they lie while the drive's stream
+CASES = [("pinned_host", "nvme", "fp32", 0.5, True, True),
+         ("pinned_host:2,nvme", "device:1,pinned_host:1,nvme", "bf16", None, False, True),
+         ("pinned_host:2,nvme", "pinned_host:2,nvme", "fp32", None, False, False)]
+
+
+@pytest.mark.parametrize("param,optimizer,precision,clip,skip,atomic", CASES)
+def test_mixed_store_trains_bit_for_bit_like_xla(param, optimizer, precision, clip, skip, atomic,
+                                                 mesh, batches, tmp_path):
   zero = zinfjax.ZeroConfig(precision=precision, offload_param=param, offload_optimizer=optimizer,
-                            skip_nonfinite=skip, nvme_path=str(tmp_path))
+                            skip_nonfinite=skip, nvme_path=str(tmp_path),
+                            nvme_atomic_steps=atomic)
   xla_losses, xla = zero_training(factory, tx(clip), zero.replace(nvme_path=str(tmp_path / "x")),
                                   mesh, batches, lm_loss)
   state = zinfjax.init(factory, tx(clip), zero.replace(nvme_path=str(tmp_path / "p"),
@@ -66,6 +83,11 @@ def test_mixed_store_trains_bit_for_bit_like_xla(param, optimizer, precision, cl
     losses.append(float(metrics["loss"]))
     # backward writes the grads into the stores and the pipeline updates beside the program
     assert "nvme_grad_waits" in metrics
+  # all or nothing: every shard through the pipeline's buffers (the step writes new copies);
+  # else the RAM store's in place, only the drive's read
+  plan = state.engine.plan
+  stores = {Tier.NVME, Tier.HOST_STORE} if atomic else {Tier.NVME}
+  assert state.engine.pipeline.last_step["bytes_read"] == streamed_bytes(plan, stores) > 0
   assert losses[-1] < losses[0]
   # with clipping, to 1e-5: the global norm's sum runs in another order with the grads in a
   # store, not in arrays

@@ -128,9 +128,10 @@ class ZeroConfig:
       not all-or-nothing (as with "xla") unless `host_atomic_steps`. With
       states on NVMe as well (e.g. params in pinned host, the optimizer on
       NVMe, or a per-layer split of both), each shard lives in the store of
-      its tier, RAM's or the drive's, and one pipeline updates them all;
-      steps are then all or nothing over both stores as `nvme_atomic_steps`
-      says (its copies in RAM too).
+      its tier, RAM's or the drive's, and one pipeline updates them all (the
+      RAM shards in place, the drive's streamed through its buffers); steps
+      are then all or nothing over both stores as `nvme_atomic_steps` says
+      (its copies in RAM too, and every shard through the buffers).
     host_atomic_steps: with host_optimizer="pipeline", steps are all or nothing
       in the RAM store as on NVMe (`nvme_atomic_steps`): each step writes new
       copies of the params and optimizer states it updates (twice their RAM, and

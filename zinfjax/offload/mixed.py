@@ -47,8 +47,12 @@ class MixedStore:
 
   @property
   def memory(self) -> bool:
-    """False: some shards are on the drive (the pipeline streams them through buffers)."""
+    """False: some shards are on the drive (`lends` says which are updated in place)."""
     return False
+
+  def lends(self, key: str) -> bool:
+    """Whether `key`'s shard may be updated in place: the RAM store's, outside a transaction."""
+    return self.of(key).lends(key)
 
   def view(self, key: str) -> np.ndarray:
     return self.of(key).view(key)

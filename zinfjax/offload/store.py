@@ -155,6 +155,11 @@ class AioStore:
     """Whether the shards live in host RAM (see `view`), not in files."""
     return self._store.memory
 
+  def lends(self, key: str) -> bool:
+    """Whether `key`'s shard may be updated where it lies (`view`): in host RAM, outside a
+    transaction (whose writes go to a new copy)."""
+    return self.memory and not self.in_transaction
+
   def view(self, key: str) -> np.ndarray:
     """A memory store's shard `key` itself (its dtype and shape), for reading and updating in
     place; valid until the key is written again in a transaction (which moves it)."""

@@ -4,8 +4,9 @@ The fp32 master params and both moments of each `Part` (a shard, or a slice
 of one) live in a swap store. Parts are packed into sub-groups (`Unit`s),
 which rotate through 3 to 8 pinned buffer sets: while sub-group k is updated
 by the C++ kernel, the next ones are being read and k-1 written, so reads,
-the CPU kernel and writes overlap (ZeRO-Infinity's pipeline). A store in host
-RAM needs none of it: each part is updated where the store keeps it.
+the CPU kernel and writes overlap (ZeRO-Infinity's pipeline). Shards in host
+RAM need none of it: outside a transaction, each is updated where the store
+keeps it (`lends`), while the drive's shards of the same step stream.
 
 `StreamAdam` is that driver; what differs per user is only the layout (which
 parts, their keys, which of grads and params the store holds), given by the
@@ -254,18 +255,20 @@ class StreamAdam:
     """
     units = self.units if units is None else list(units)
     stored = (lambda state, part: False) if held else self.on_store
-    if self.store.memory and not self.store.in_transaction:
-      return self._in_place(lr, bc1, bc2, decays, grad_of, out_of, gate, norm if clip else None,
-                            clip, step, [p for u in units for p in u.parts], stored)
+    lent = self.store.lends  # updated where the store keeps it: no buffer, no copy
     c = self.constants
+    waited = [0.0]
+
+    def keys(p: Part, extra: str) -> list[tuple[str, str]]:
+      return [(s, self.key(s, p)) for s in STATES + ((extra,) if stored(extra, p) else ())]
 
     def views(k, reading: bool):
+      """Sub-group k's transfers: its keys the store does not lend, and their buffers."""
       out = []
       for p in units[k].parts:
-        bufs = self._views(k, p)
-        extra = "grads" if reading else "params"
-        names = STATES + ((extra,) if stored(extra, p) else ())
-        out += [(self.key(s, p), bufs[s]) for s in names]
+        moved = [(s, key) for s, key in keys(p, "grads" if reading else "params") if not lent(key)]
+        bufs = self._views(k, p) if moved else {}
+        out += [(key, bufs[s]) for s, key in moved]
       return out
 
     def read_when_written(key, out):
@@ -279,56 +282,41 @@ class StreamAdam:
       for key, out in views(k, reading=True):
         waits = gate is not None and key.startswith("g/") and not gate.ready(key)
         (late if waits else now).append((key, out))
-      return [self.store.read_many(now)] + [
+      return ([self.store.read_many(now)] if now else []) + [
           _Deferred(functools.partial(read_when_written, key, out)) for key, out in late]
+
+    def at(k: int, state: str, p: Part) -> np.ndarray:
+      """Where the update finds `state` of `p`: in the store, or in sub-group k's buffers."""
+      key = self.key(state, p)
+      if not lent(key):
+        return self._views(k, p)[state]
+      if state == "grads" and gate is not None and not gate.ready(key):
+        t0 = time.perf_counter()  # backward has not written it yet
+        gate.wait(key)
+        waited[0] += time.perf_counter() - t0
+      return self.store.view(key)
 
     def compute(k):
       for p in units[k].parts:
-        slot = self._views(k, p)
-        grad = slot["grads"] if stored("grads", p) else _flat(grad_of(p))
+        grad = at(k, "grads", p) if stored("grads", p) else _flat(grad_of(p))
         if clip:
           grad = clipped(grad, norm(), clip)
-        param = slot["params"] if stored("params", p) else out_of(p)
-        adamw_numpy(slot["master"], slot["mu"], slot["nu"], grad, param.reshape(-1), lr, bc1,
-                    bc2, c, decays[p.leaf], self.threads, step)
+        param = at(k, "params", p) if stored("params", p) else out_of(p)
+        adamw_numpy(at(k, "master", p), at(k, "mu", p), at(k, "nu", p), grad, param.reshape(-1),
+                    lr, bc1, bc2, c, decays[p.leaf], self.threads, step)
 
-    stats = run_pipeline(len(units), start_read, compute,
-                         lambda k: [self.store.write_many(views(k, reading=False))], self.slots)
+    def start_write(k):
+      items = views(k, reading=False)
+      return [self.store.write_many(items)] if items else []
+
+    stats = run_pipeline(len(units), start_read, compute, start_write, self.slots)
+    stats["compute_s"] -= waited[0]  # waits on backward inside the update: the reads' waits
+    stats["read_wait_s"] += waited[0]
     item = {b: dt.itemsize for b, dt in self._dtypes().items()}
-    parts = [p for u in units for p in u.parts]
-    on_store = lambda s: sum(p.size * item[s] for p in parts if stored(s, p))
-    moved = sum(p.size for p in parts) * sum(item[s] for s in STATES)
-    stats["bytes_read"] = moved + on_store("grads")
-    stats["bytes_written"] = moved + on_store("params")
+    moved = lambda extra: sum(p.size * item[s] for p in (p for u in units for p in u.parts)
+                              for s, key in keys(p, extra) if not lent(key))
+    stats["bytes_read"], stats["bytes_written"] = moved("grads"), moved("params")
     self.last_step = stats
-
-  def _in_place(self, lr: float, bc1: float, bc2: float, decays: Sequence[float],
-                grad_of: Callable[[Part], np.ndarray], out_of: Callable[[Part], np.ndarray],
-                gate: Any, norm: Callable[[], float] | None, clip: float | None,
-                step: int, parts: Sequence[Part], stored: Callable[[str, Part], bool]) -> None:
-    """The step on a store in host RAM: each part's master, moments, and (where the store keeps
-    them) grads and params used where the store keeps them: no buffers, no copies. A grad a
-    running backward has not written yet is waited for."""
-    t0, waited = time.perf_counter(), 0.0
-    for p in parts:
-      master, mu, nu = (self.store.view(self.key(s, p)) for s in STATES)
-      if stored("grads", p):
-        key = self.key("grads", p)
-        if gate is not None and not gate.ready(key):
-          t1 = time.perf_counter()
-          gate.wait(key)
-          waited += time.perf_counter() - t1
-        grad = self.store.view(key)
-      else:
-        grad = _flat(grad_of(p))
-      if norm is not None:
-        grad = clipped(grad, norm(), clip)
-      out = self.store.view(self.key("params", p)) if stored("params", p) else out_of(p)
-      adamw_numpy(master, mu, nu, grad, out, lr, bc1, bc2, self.constants, decays[p.leaf],
-                  self.threads, step)
-    took = time.perf_counter() - t0
-    self.last_step = {"step_s": took, "compute_s": took - waited, "read_wait_s": waited,
-                      "write_wait_s": 0.0, "bytes_read": 0, "bytes_written": 0}
 
   def _dtypes(self) -> dict[str, np.dtype]:
     """Each buffer's dtype: the master fp32, the moments, grads and params in theirs."""
