@@ -45,8 +45,12 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("pipeline-delayed", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline under backward, delayed tail"),
               ("nvme", "nvme", "nvme", "params + optimizer on nvme"),
+              ("mixed", "pinned_host", "nvme", "params on pinned_host, optimizer on nvme, host "
+               "pipeline under backward (RAM + drive stores), rewritten in place"),
               ("ffi", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code")]
+# rows run only when --placements names them (the bench stage's 10 minutes hold the others)
+OPT_IN = {"mixed"}
 
 
 def parse_args(argv=None):
@@ -66,10 +70,11 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
   p.add_argument("--sections", default="copies,matmul,disk,steps",
                  help="comma-separated parts to run (a failing part is recorded and the rest run)")
-  p.add_argument("--placements", default=",".join(p[0] for p in PLACEMENTS),
-                 help="comma-separated keys of the step rows to run (nvme only at --nvme-tokens, "
-                      "ffi only with --host-adam-ffi); peaks are the process's: one key per run "
-                      "gives each its own")
+  p.add_argument("--placements", default=",".join(p[0] for p in PLACEMENTS if p[0] not in OPT_IN),
+                 help="comma-separated keys of the step rows to run (nvme and mixed only at "
+                      "--nvme-tokens, ffi only with --host-adam-ffi; default: all but "
+                      f"{sorted(OPT_IN)}); peaks are the process's: one key per run gives each "
+                      "its own")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
   p.add_argument("--host-adam-ffi", action="store_true",
                  help="also run the pinned-host row with ZINFJAX_HOST_ADAM=ffi (the C++ AdamW "
@@ -256,7 +261,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                 for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
     placements = [p for p in PLACEMENTS if p[0] in wanted
-                  and (p[0] != "nvme" or tokens in nvme_tokens)
+                  and ("nvme" not in (p[1], p[2]) or tokens in nvme_tokens)
                   and (p[0] != "ffi" or (tokens in nvme_tokens and args.host_adam_ffi))]
     for _, param, optimizer, name in placements:
       os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
@@ -266,6 +271,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                                 # the update under backward: no skipping of non-finite steps
                                 skip_nonfinite="under backward" not in name,
                                 delay_tail_update="delayed tail" in name,
+                                nvme_atomic_steps="rewritten in place" not in name,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}")
                                 if "nvme" in (param, optimizer) else None)
       state = None

@@ -134,6 +134,24 @@ def test_host_pipeline_trains_like_all_device(param, gpu_mesh, batches, referenc
   state.close()
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_mixed_store_trains_like_all_device(atomic, gpu_mesh, batches, reference, tmp_path):
+  """The host pipeline over RAM and the drive on the GPU: params and grads in the RAM store, the
+  optimizer in the drive's, updated under backward (all or nothing over both stores, or in
+  place: the RAM shards where they lie, the drive's streamed), train like all-device."""
+  from zinfjax.offload.mixed import MixedStore
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host", offload_optimizer="nvme",
+                            host_optimizer="pipeline", skip_nonfinite=False,
+                            nvme_atomic_steps=atomic, nvme_path=str(tmp_path / "nvme"))
+  losses, state = zero_training(lambda r: GPT(TINY, rngs=r),
+                                zinfjax.optim.adamw(schedule(), weight_decay=0.1), zero, gpu_mesh,
+                                batches, lm_loss)
+  assert isinstance(state.engine.store, MixedStore)
+  rel = np.abs(losses - reference) / reference
+  assert np.all(rel < 1e-5), rel
+  state.close()
+
+
 def _peak(param: str, optimizer: str, tmp_path) -> dict:
   out = subprocess.run([sys.executable, os.path.join(HERE, "peak_worker.py"), param, optimizer,
                         str(tmp_path / f"nvme-{param}-{optimizer}")],
