@@ -86,8 +86,8 @@ def test_a_donated_state_is_refused_by_every_entry_point(tier, mesh, tmp_path):
 
 def test_nvme_states_restore_in_the_same_process(mesh, tmp_path):
   """A restore onto the nvme_path of a run that is still open replaces its store (a warning;
-  that run's states are refused after); after close() or once its states are dropped, the
-  folder is free at once; `with` closes the run."""
+  that run's states are refused after); after close() (the run's, or its store's alone) or
+  once its states are dropped, the folder is free at once; `with` closes the run."""
   cfg = zero("nvme", "nvme", tmp_path / "nvme")
   state = zinfjax.init(factory, tx(), cfg, mesh, 0)
   state, _ = zinfjax.train_step(state, BATCHES[0], lm_loss)
@@ -107,6 +107,13 @@ def test_nvme_states_restore_in_the_same_process(mesh, tmp_path):
     assert loss(again) == want
     del again
     gc.collect()
+    # the store alone closed by hand: its folders are free, and its states refused clearly
+    hand = zinfjax.init(factory, tx(), cfg, mesh, 0)
+    hand.engine.store.close()
+    zinfjax.init(factory, tx(), cfg, mesh, 0).close()
+    with pytest.raises(UnusableStateError, match=r"run is closed \(its swap store on .* was "
+                       r"closed \(engine.store.close\(\)\)\)"):
+      loss(hand)
     with zinfjax.init(factory, tx(), cfg, mesh, 0) as fresh:
       assert loss(fresh) != want
   with pytest.raises(UnusableStateError, match=r"run is closed \(closed by TrainState.close\(\)\)"):

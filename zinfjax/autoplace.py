@@ -211,8 +211,8 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
         f"offload='auto': the model's states ({_gb(total)} per device in all) do not fit the "
         f"tiers' budgets even with the fewest layers on the fast tiers: {detail}.{hint}")
   mapped = chosen.with_host_pipeline()
-  copies = tuple(t for t, held in ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
-                 if held and mapped.nvme_atomic_steps)
+  stores = ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
+  copies = tuple(t for t, held in stores if held and mapped.nvme_atomic_steps)
   return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget, copies)
 
 

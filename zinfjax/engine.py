@@ -279,6 +279,9 @@ def _replace_holders(config: ZeroConfig) -> None:
     held = {ref() for f in _folders(config) if (ref := _holders.get(f)) is not None}
   for old in held - {None}:
     folders = ", ".join(config.nvme_paths)
+    if old.store is not None and old.store.closed:  # closed by hand: the folders are free
+      old.close(f"its swap store on {folders} was closed (engine.store.close())")
+      continue
     warnings.warn(
         f"zinfjax: the swap store on {folders} was held by an earlier run of this process; it is "
         "closed to open this one, and the TrainStates of that run can no longer be used. Call "

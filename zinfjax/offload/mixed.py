@@ -131,6 +131,10 @@ class MixedStore:
     parts = {str(t): s.stats() for t, s in self.stores.items()}
     return {**out, **parts, "bytes_used": sum(p["bytes_used"] for p in parts.values())}
 
+  @property
+  def closed(self) -> bool:
+    return all(s.closed for s in self.stores.values())
+
   def close(self) -> None:
     for s in self.stores.values():
       s.close()

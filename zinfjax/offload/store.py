@@ -275,6 +275,10 @@ class AioStore:
             "pool": self._store.pool_stats(),
             "spare_bytes": self._store.spare_bytes}
 
+  @property
+  def closed(self) -> bool:
+    return isinstance(self._store, _Closed)
+
   def close(self) -> None:
     """Flush and release the files and folder locks; a second close does nothing."""
     if self._handle is not None:
