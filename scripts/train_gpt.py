@@ -285,6 +285,7 @@ def main(argv=None) -> int:
   from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
   from zinfjax.offload import CorruptShardError, EngineError, MissingShardError, NoSpaceError
   from zinfjax.offload.mixed import used_by_medium
+  from zinfjax.autoplace import need
   from zinfjax.engine import build_engine
   from zinfjax.progress import Progress, human_bytes, parse_budgets
 
@@ -434,15 +435,13 @@ def main(argv=None) -> int:
       raise SystemExit(f"error: {e}") from None
     say(f"{'loaded' if weights else 'init'} {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
-  plan = state.engine.plan
-  planned = plan.tier_bytes()
-  copies = ""
-  if zero.uses_nvme:  # as it lies on the drive: shards aligned, and the all-or-nothing copies
-    disk = plan.nvme_disk_bytes(zero.nvme_atomic_steps, ranks=1)
-    planned["nvme"] = sum(disk.values())
-    if disk["copies"]:
-      copies = (f" (of which {human_bytes(disk['copies'])} are the copies that make each step "
-                "all or nothing)")
+  plan, run = state.engine.plan, state.engine.config  # the run's tiers (auto, host pipeline)
+  # the swap stores' shards as they lie there: aligned, with the all-or-nothing copies
+  planned = need(plan, run)
+  held = sum(plan.nvme_disk_bytes(run.nvme_atomic_steps, ranks=1, tier=t)["copies"]
+             for t in plan.store_tiers)
+  copies = (f" (of which {human_bytes(held)} are the copies that make each step all or nothing)"
+            if held else "")
   say("model states per device (plan): " + ", ".join(f"{k} {human_bytes(v)}" for k, v in planned.items())
       + copies)
   step_fn = zinfjax.make_train_step(state, lm_loss)
