@@ -70,16 +70,19 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 # (params, optimizer, extra config, clip): the host pipeline after the program (grads in
 # arrays), under backward with the params in the store (their tail written after the program),
-# NVMe under backward with all-or-nothing steps, clipping every step
+# NVMe under backward with all-or-nothing steps, clipping every step; RAM and the drive under
+# backward, rewritten in place (the RAM shards, the tail's among them, updated where they lie)
 CASES = [("device", "pinned_host", dict(host_optimizer="pipeline"), None),
          ("pinned_host", "pinned_host", dict(host_optimizer="pipeline", skip_nonfinite=False), None),
-         ("nvme", "nvme", {}, 0.5)]
+         ("nvme", "nvme", {}, 0.5),
+         ("pinned_host:2,nvme", "pinned_host:2,nvme",
+          dict(host_optimizer="pipeline", skip_nonfinite=False, nvme_atomic_steps=False), None)]
 
 
 @pytest.mark.parametrize("param,optimizer,extra,clip", CASES)
 def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip, mesh, batches,
                                                   tmp_path):
-  if "nvme" in (param, optimizer):
+  if any("nvme" in tier for tier in (param, optimizer)):
     extra = dict(extra, nvme_path=str(tmp_path / "swap"))
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
                             delay_tail_update=True, **extra)
