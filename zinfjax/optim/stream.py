@@ -255,7 +255,8 @@ class StreamAdam:
     """
     units = self.units if units is None else list(units)
     stored = (lambda state, part: False) if held else self.on_store
-    lent = self.store.lends  # updated where the store keeps it: no buffer, no copy
+    # updated where the store keeps it, no buffer, no copy (asked once a key: fixed for the step)
+    lent = functools.cache(self.store.lends)
     c = self.constants
     waited = [0.0]
 
