@@ -51,7 +51,8 @@ class MixedStore:
     return False
 
   def lends(self, key: str) -> bool:
-    """Whether `key`'s shard may be updated in place: the RAM store's, outside a transaction."""
+    """Whether `key`'s shard may be used in place: the RAM store's, where no transaction
+    versions it (`AioStore.lends`)."""
     return self.of(key).lends(key)
 
   def view(self, key: str) -> np.ndarray:

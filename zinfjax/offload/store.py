@@ -129,6 +129,7 @@ class AioStore:
                                     backend, direct, io_threads, pinned_budget, pool_timeout_s,
                                     io_nice, fresh, memory)
     self._handle: int | None = None
+    self._versioned: tuple[str, ...] = ()  # the open transaction's prefixes (`begin`)
 
   @property
   def folder(self) -> str:
@@ -156,9 +157,9 @@ class AioStore:
     return self._store.memory
 
   def lends(self, key: str) -> bool:
-    """Whether `key`'s shard may be updated where it lies (`view`): in host RAM, outside a
-    transaction (whose writes go to a new copy)."""
-    return self.memory and not self.in_transaction
+    """Whether `key`'s shard may be used where it lies (`view`): in host RAM, unless an open
+    transaction versions it (its rewrite goes to a new copy; the grads it leaves alone)."""
+    return self.memory and not (self.in_transaction and key.startswith(self._versioned))
 
   def view(self, key: str) -> np.ndarray:
     """A memory store's shard `key` itself (its dtype and shape), for reading and updating in
@@ -225,6 +226,7 @@ class AioStore:
     """Start an all-or-nothing update of the keys under `prefixes` (see `commit`, `rollback`):
     their first rewrite goes to a fresh extent, the committed one is kept."""
     self._store.begin(list(prefixes))
+    self._versioned = tuple(prefixes)
 
   def commit(self) -> None:
     """Keep the update's writes (all waited for) and free the extents they replaced."""

@@ -5,8 +5,9 @@ of one) live in a swap store. Parts are packed into sub-groups (`Unit`s),
 which rotate through 3 to 8 pinned buffer sets: while sub-group k is updated
 by the C++ kernel, the next ones are being read and k-1 written, so reads,
 the CPU kernel and writes overlap (ZeRO-Infinity's pipeline). Shards in host
-RAM need none of it: outside a transaction, each is updated where the store
-keeps it (`lends`), while the drive's shards of the same step stream.
+RAM need none of it: each is used where the store keeps it (`lends`: the
+grads always, the states unless an all-or-nothing step versions them), while
+the drive's shards of the same step stream.
 
 `StreamAdam` is that driver; what differs per user is only the layout (which
 parts, their keys, which of grads and params the store holds), given by the
