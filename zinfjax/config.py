@@ -131,7 +131,7 @@ class ZeroConfig:
       its tier, RAM's or the drive's, and one pipeline updates them all (the
       RAM shards in place, the drive's streamed through its buffers); steps
       are then all or nothing over both stores as `nvme_atomic_steps` says
-      (its copies in RAM too, and every shard through the buffers).
+      (its copies in RAM too, and the RAM states through the buffers).
     host_atomic_steps: with host_optimizer="pipeline", steps are all or nothing
       in the RAM store as on NVMe (`nvme_atomic_steps`): each step writes new
       copies of the params and optimizer states it updates (twice their RAM, and
