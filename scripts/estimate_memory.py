@@ -158,18 +158,14 @@ def main(argv=None) -> int:
 
 def copies_note(args) -> str:
   """Which swap stores `per_param` counts twice (all-or-nothing steps), and how to say once."""
-  from zinfjax.config import host_pipeline_applies
-  tiers = (args.offload_param, args.offload_optimizer)
-  on_drive = "nvme" in tiers
-  in_ram = host_pipeline_applies(args.host_optimizer, tiers[:1], tiers[1:])
-  stores = (["in the RAM store"] if in_ram else []) + (["on NVMe"] if on_drive else [])
-  atomic = args.atomic_nvme if on_drive else args.host_atomic_steps
-  if not stores or not atomic:
+  from zinfjax.memory import copied_tiers
+  twice = copied_tiers(args.offload_param, args.offload_optimizer, atomic_nvme=args.atomic_nvme,
+                       host_optimizer=args.host_optimizer, atomic_host=args.host_atomic_steps)
+  if not twice:
     return ""
-  names = " and ".join(stores)
-  undo = "--no-atomic-nvme" if on_drive else "without --host-atomic-steps"
+  names = " and ".join({"pinned_host": "in the RAM store", "nvme": "on NVMe"}[t] for t in twice)
+  undo = "--no-atomic-nvme" if "nvme" in twice else "without --host-atomic-steps"
   return f"; params and optimizer states {names} twice (all-or-nothing steps; {undo}: once)"
-
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -42,15 +42,24 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
   out = dict.fromkeys(TIERS, 0.0)
   tiers = {"params": offload_param, "grads": offload_grad or offload_param,
            "optimizer": offload_optimizer}
-  stores = {Tier.NVME}
-  if host_pipeline_applies(host_optimizer, (offload_param,), (offload_optimizer,)):
-    stores.add(Tier.PINNED_HOST)
-  atomic = atomic_nvme if Tier.NVME in tiers.values() else atomic_host
+  twice = copied_tiers(offload_param, offload_optimizer, atomic_nvme=atomic_nvme,
+                       host_optimizer=host_optimizer, atomic_host=atomic_host)
   size = dict(STATE_BYTES, optimizer=BF16_MOMENTS_OPTIMIZER_BYTES) if bf16_moments else STATE_BYTES
   for state, tier in tiers.items():
-    copies = 2 if tier in stores and atomic and state != "grads" else 1
+    copies = 2 if tier in twice and state != "grads" else 1
     out[Tier(tier)] += size[state] * copies
   return out
+
+
+def copied_tiers(offload_param: str, offload_optimizer: str, *, atomic_nvme: bool = True,
+                 host_optimizer: str = "xla", atomic_host: bool = False) -> tuple[Tier, ...]:
+  """The tiers whose swap store keeps a second copy of the params and optimizer states it
+  holds (all-or-nothing steps; see `bytes_per_param`): NVMe, and pinned host under the host
+  pipeline, where a state is placed there."""
+  used = (offload_param, offload_optimizer)
+  stores = [Tier.PINNED_HOST] if host_pipeline_applies(host_optimizer, used[:1], used[1:]) else []
+  stores += [Tier.NVME] if Tier.NVME in used else []
+  return tuple(stores) if (atomic_nvme if Tier.NVME in used else atomic_host) else ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -287,11 +287,14 @@ class StreamAdam:
       return ([self.store.read_many(now)] if now else []) + [
           _Deferred(functools.partial(read_when_written, key, out)) for key, out in late]
 
-    def at(k: int, state: str, p: Part) -> np.ndarray:
-      """Where the update finds `state` of `p`: in the store, or in sub-group k's buffers."""
+    def at(k: int, state: str, p: Part, bufs: dict[str, np.ndarray]) -> np.ndarray:
+      """Where the update finds `state` of `p`: in the store, or in sub-group k's buffers
+      (`bufs`: their views for `p`, made on first need)."""
       key = self.key(state, p)
       if not lent(key):
-        return self._views(k, p)[state]
+        if not bufs:
+          bufs.update(self._views(k, p))
+        return bufs[state]
       if state == "grads" and gate is not None and not gate.ready(key):
         t0 = time.perf_counter()  # backward has not written it yet
         gate.wait(key)
@@ -300,12 +303,14 @@ class StreamAdam:
 
     def compute(k):
       for p in units[k].parts:
-        grad = at(k, "grads", p) if stored("grads", p) else _flat(grad_of(p))
+        bufs: dict[str, np.ndarray] = {}
+        grad = at(k, "grads", p, bufs) if stored("grads", p) else _flat(grad_of(p))
         if clip:
           grad = clipped(grad, norm(), clip)
-        param = at(k, "params", p) if stored("params", p) else out_of(p)
-        adamw_numpy(at(k, "master", p), at(k, "mu", p), at(k, "nu", p), grad, param.reshape(-1),
-                    lr, bc1, bc2, c, decays[p.leaf], self.threads, step)
+        param = at(k, "params", p, bufs) if stored("params", p) else out_of(p)
+        master, mu, nu = (at(k, s, p, bufs) for s in STATES)
+        adamw_numpy(master, mu, nu, grad, param.reshape(-1), lr, bc1, bc2, c, decays[p.leaf],
+                    self.threads, step)
 
     def start_write(k):
       items = views(k, reading=False)
