@@ -157,6 +157,35 @@ def test_kernel_matches_reference_math_with_threads_and_bf16():
   assert zinfjax.optim.isa() in ("avx512", "avx2", "generic")
 
 
+@pytest.mark.parametrize("moments", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("grads,params", [(np.float32, np.float32),
+                                          (ml_dtypes.bfloat16, ml_dtypes.bfloat16)])
+def test_kernel_reads_another_copy_bit_for_bit(moments, grads, params):
+  """With `sources`, the kernel reads master and moments from one copy and writes another
+  (an all-or-nothing step in RAM): bit for bit the in-place update, the sources untouched;
+  a source overlapping an output is refused."""
+  rng = np.random.default_rng(6)
+  n = 200_003
+  old = (rng.standard_normal(n).astype(np.float32), (rng.standard_normal(n) * 0.1).astype(moments),
+         (rng.random(n) * 0.01).astype(moments))
+  kept = [x.copy() for x in old]
+  grad = rng.standard_normal(n).astype(grads)
+  c = AdamConstants(0.9, 0.95, 1e-8)
+  run = lambda states, out, sources=None: adamw_numpy(*states, grad, out, 1e-3, 0.19, 0.0975, c,
+                                                      0.01, threads=3, step=4, sources=sources)
+  in_place, out = [x.copy() for x in old], np.empty(n, params)
+  run(in_place, out)
+  new, new_out = [np.full(n, np.nan, x.dtype) for x in old], np.empty(n, params)
+  run(new, new_out, old)
+  bits = lambda x: x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+  for got, want in zip(new + [new_out], in_place + [out]):
+    np.testing.assert_array_equal(bits(got), bits(want))
+  for got, want in zip(old, kept):
+    np.testing.assert_array_equal(bits(got), bits(want))
+  with pytest.raises(zinfjax.offload.EngineError, match="a source overlaps an output"):
+    run(new, new_out, (new[0], old[1], old[2]))
+
+
 # ------------------------------------------------------------------ bad input
 
 def test_mismatched_tree_structure():

@@ -141,6 +141,46 @@ def test_memory_store_lends_its_shards_in_place():
   np.testing.assert_array_equal(view, 2 * x)  # the mapping lives as long as the view
 
 
+def test_memory_store_stages_the_step_copy_in_a_transaction(tmp_path):
+  """`stage` outside a transaction is the shard itself; inside one that versions the key, the
+  committed copy to read and a fresh extent to write, nothing copied: readers see the new
+  copy, a second stage finds it, rollback brings back the committed bytes, commit keeps the
+  new ones, and steps reuse the extents they free. A drive's store does not stage."""
+  store = AioStore([], memory=True)
+  x = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
+  store.write("o/m/a", x).wait()
+  store.write("g/a", x + 1).wait()
+  src, dst = store.stage("o/m/a")
+  assert src is dst and np.shares_memory(dst, store.view("o/m/a"))
+  store.begin(["o/"])
+  src, dst = store.stage("o/m/a")
+  assert src is not dst and not np.shares_memory(src, dst)
+  np.testing.assert_array_equal(src, x)
+  dst[...] = 3 * x
+  np.testing.assert_array_equal(store.read("o/m/a").wait(), 3 * x)
+  again_src, again_dst = store.stage("o/m/a")
+  assert again_src is again_dst and np.shares_memory(again_dst, dst)
+  g_src, g_dst = store.stage("g/a")  # not versioned: in place
+  assert g_src is g_dst
+  store.rollback()
+  np.testing.assert_array_equal(store.read("o/m/a").wait(), x)
+  used = []
+  for step in range(4):
+    store.begin(["o/"])
+    src, dst = store.stage("o/m/a")
+    dst[...] = src * 2
+    store.commit()
+    np.testing.assert_array_equal(store.read("o/m/a").wait(), x * 2.0 ** (step + 1))
+    used.append(store.stats()["bytes_used"])
+  assert used[1:] == used[:-1]  # two extents for the key, reused step after step
+  store.close()
+  drive = AioStore(tmp_path, backend="threads", fresh=True)
+  drive.write("o/m/a", x).wait()
+  with pytest.raises(zinfjax.offload.EngineError, match="only a host-memory store stages"):
+    drive.stage("o/m/a")
+  drive.close()
+
+
 def test_host_pipeline_needs_zinfjax_adamw(mesh):
   """Another optax transformation is refused before anything is allocated, naming the tier as
   the user gave it (not the store the pipeline uses)."""

@@ -16,11 +16,13 @@ __attribute__((always_inline)) inline float FromBF16(uint16_t b) {
   return f;
 }
 
-template <Precision G, Precision P, Precision M>
+// One slice of the update. kFrom: read master and moments from `from` (another copy), write
+// them to master, m, v; else update those in place.
+template <Precision G, Precision P, Precision M, bool kFrom>
 __attribute__((always_inline)) inline void Body(float* __restrict master, void* __restrict m,
                                                 void* __restrict v, const void* grad,
                                                 void* params_out, size_t begin, size_t end,
-                                                const AdamHyper& h) {
+                                                const AdamHyper& h, const AdamSources& from) {
   const float* gf = static_cast<const float*>(grad);
   const uint16_t* gb = static_cast<const uint16_t*>(grad);
   float* pf = static_cast<float*>(params_out);
@@ -29,17 +31,23 @@ __attribute__((always_inline)) inline void Body(float* __restrict master, void* 
   float* vf = static_cast<float*>(v);
   uint16_t* mb = static_cast<uint16_t*>(m);
   uint16_t* vb = static_cast<uint16_t*>(v);
+  const float* xs = kFrom ? from.master : master;
+  const float* mfs = kFrom ? static_cast<const float*>(from.m) : mf;
+  const float* vfs = kFrom ? static_cast<const float*>(from.v) : vf;
+  const uint16_t* mbs = kFrom ? static_cast<const uint16_t*>(from.m) : mb;
+  const uint16_t* vbs = kFrom ? static_cast<const uint16_t*>(from.v) : vb;
   const float lr = -h.lr, b1 = h.b1, c1 = h.one_minus_b1, b2 = h.b2, c2 = h.one_minus_b2;
   const float eps = h.eps, wd = h.weight_decay, bc1 = h.bc1, bc2 = h.bc2;
   const uint32_t seed_m = MomentSeed(h.seed, 0), seed_v = MomentSeed(h.seed, 1);
   for (size_t i = begin; i < end; ++i) {
     const float g = G == Precision::kBF16 ? FromBF16(gb[i]) : gf[i];
-    const float m0 = M == Precision::kBF16 ? FromBF16(mb[i]) : mf[i];
-    const float v0 = M == Precision::kBF16 ? FromBF16(vb[i]) : vf[i];
+    const float m0 = M == Precision::kBF16 ? FromBF16(mbs[i]) : mfs[i];
+    const float v0 = M == Precision::kBF16 ? FromBF16(vbs[i]) : vfs[i];
+    const float x0 = xs[i];
     const float mi = c1 * g + b1 * m0;
     const float vi = c2 * (g * g) + b2 * v0;
-    const float update = (mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * master[i];
-    const float p = master[i] + update * lr;
+    const float update = (mi / bc1) / (std::sqrt(vi / bc2) + eps) + wd * x0;
+    const float p = x0 + update * lr;
     if constexpr (M == Precision::kBF16) {
       mb[i] = ToBF16Stochastic(mi, seed_m);
       vb[i] = ToBF16Stochastic(vi, seed_v);
@@ -53,13 +61,14 @@ __attribute__((always_inline)) inline void Body(float* __restrict master, void* 
   }
 }
 
-using Chunk = void (*)(float*, void*, void*, const void*, void*, size_t, size_t, const AdamHyper&);
+using Chunk = void (*)(float*, void*, void*, const void*, void*, size_t, size_t, const AdamHyper&,
+                       const AdamSources&);
 
 #define ZINFJAX_ADAM_ISA(SUFFIX, TARGET)                                                      \
-  template <Precision G, Precision P, Precision M>                                           \
+  template <Precision G, Precision P, Precision M, bool F>                                   \
   TARGET void Chunk##SUFFIX(float* master, void* m, void* v, const void* g, void* p,         \
-                            size_t b, size_t e, const AdamHyper& h) {                        \
-    Body<G, P, M>(master, m, v, g, p, b, e, h);                                              \
+                            size_t b, size_t e, const AdamHyper& h, const AdamSources& s) {  \
+    Body<G, P, M, F>(master, m, v, g, p, b, e, h, s);                                        \
   }
 
 ZINFJAX_ADAM_ISA(Avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
@@ -79,28 +88,34 @@ Isa Detect() {
 
 const Isa kIsa = Detect();
 
-template <Precision G, Precision P, Precision M>
+template <Precision G, Precision P, Precision M, bool F>
 Chunk Pick() {
   switch (kIsa) {
-    case Isa::kAvx512: return ChunkAvx512<G, P, M>;
-    case Isa::kAvx2: return ChunkAvx2<G, P, M>;
-    default: return ChunkGeneric<G, P, M>;
+    case Isa::kAvx512: return ChunkAvx512<G, P, M, F>;
+    case Isa::kAvx2: return ChunkAvx2<G, P, M, F>;
+    default: return ChunkGeneric<G, P, M, F>;
   }
 }
 
-template <Precision G, Precision M>
+template <Precision G, Precision M, bool F>
 Chunk PickParams(Precision p) {
   switch (p) {
-    case Precision::kBF16: return Pick<G, Precision::kBF16, M>();
-    case Precision::kF32: return Pick<G, Precision::kF32, M>();
-    default: return Pick<G, Precision::kNone, M>();
+    case Precision::kBF16: return Pick<G, Precision::kBF16, M, F>();
+    case Precision::kF32: return Pick<G, Precision::kF32, M, F>();
+    default: return Pick<G, Precision::kNone, M, F>();
   }
 }
 
-template <Precision M>
+template <Precision M, bool F>
 Chunk PickGrads(Precision g, Precision p) {
-  return g == Precision::kBF16 ? PickParams<Precision::kBF16, M>(p)
-                               : PickParams<Precision::kF32, M>(p);
+  return g == Precision::kBF16 ? PickParams<Precision::kBF16, M, F>(p)
+                               : PickParams<Precision::kF32, M, F>(p);
+}
+
+template <bool F>
+Chunk PickMoments(Precision moments, Precision g, Precision p) {
+  return moments == Precision::kBF16 ? PickGrads<Precision::kBF16, F>(g, p)
+                                     : PickGrads<Precision::kF32, F>(g, p);
 }
 
 }  // namespace
@@ -115,17 +130,17 @@ const char* AdamIsa() {
 
 void AdamW(float* master, void* m, void* v, Precision moment_type, const void* grad,
            Precision grad_type, void* params_out, Precision params_type, size_t n,
-           const AdamHyper& h, int threads) {
+           const AdamHyper& h, int threads, const AdamSources* from) {
   if (params_out == nullptr) params_type = Precision::kNone;
-  Chunk chunk = moment_type == Precision::kBF16
-                    ? PickGrads<Precision::kBF16>(grad_type, params_type)
-                    : PickGrads<Precision::kF32>(grad_type, params_type);
+  const AdamSources sources = from ? *from : AdamSources{master, m, v};
+  Chunk chunk = from ? PickMoments<true>(moment_type, grad_type, params_type)
+                     : PickMoments<false>(moment_type, grad_type, params_type);
   constexpr size_t kMinPerThread = 1 << 16;
   size_t workers = threads > 0 ? static_cast<size_t>(threads)
                                : std::max(1u, std::thread::hardware_concurrency());
   workers = std::max<size_t>(1, std::min(workers, n / kMinPerThread));
   if (workers == 1) {
-    chunk(master, m, v, grad, params_out, 0, n, h);
+    chunk(master, m, v, grad, params_out, 0, n, h, sources);
     return;
   }
   // Split on 64-element boundaries so every thread's slice stays vector-aligned.
@@ -133,9 +148,10 @@ void AdamW(float* master, void* m, void* v, Precision moment_type, const void* g
   std::vector<std::thread> pool;
   for (size_t w = 1; w < workers; ++w) {
     size_t b = std::min(n, w * per), e = std::min(n, b + per);
-    if (b < e) pool.emplace_back(chunk, master, m, v, grad, params_out, b, e, std::cref(h));
+    if (b < e) pool.emplace_back(chunk, master, m, v, grad, params_out, b, e, std::cref(h),
+                          std::cref(sources));
   }
-  chunk(master, m, v, grad, params_out, 0, std::min(n, per), h);
+  chunk(master, m, v, grad, params_out, 0, std::min(n, per), h, sources);
   for (auto& t : pool) t.join();
 }
 

@@ -26,12 +26,23 @@ struct AdamHyper {
   uint32_t seed = 0;   // bf16 moments: the step's stochastic-rounding seed (MomentSeed)
 };
 
+// The master params and moments an update reads, when they are another copy than the one it
+// writes: an all-or-nothing step in host RAM reads the committed copy and writes the step's
+// new one, so the old copy is kept without first being copied. Same dtypes as the outputs;
+// neither may overlap an output.
+struct AdamSources {
+  const float* master;
+  const void* m;
+  const void* v;
+};
+
 // grad: fp32 or bf16 (as uint16 bits); params_out may be null (kNone). The moments m and v
 // are fp32, or bf16 (moment_type kBF16: read exactly, updated in fp32, stored with
-// stochastic rounding, ToBF16Stochastic).
+// stochastic rounding, ToBF16Stochastic). `from` null: master, m and v are updated in place;
+// else they are written from `from`'s values (the same update, bit for bit).
 void AdamW(float* master, void* m, void* v, Precision moment_type, const void* grad,
            Precision grad_type, void* params_out, Precision params_type, size_t n,
-           const AdamHyper& h, int threads = 0);
+           const AdamHyper& h, int threads = 0, const AdamSources* from = nullptr);
 
 // The instruction set the kernel dispatches to on this CPU: avx512, avx2 or generic.
 const char* AdamIsa();

@@ -168,6 +168,12 @@ class SwapStore {
   // updating in place: valid while the store lives and the key is not written
   // again (a write in a transaction moves it to a fresh extent).
   uint8_t* View(const std::string& key, ShardEntry* entry) const;
+  // A memory store's shard `key` for an update that reads it and rewrites it whole: the bytes
+  // to write (returned) and the bytes to read (`*from`). Inside a transaction that versions
+  // the key, its first stage takes the step's fresh extent as its first write would (the new
+  // bytes are undefined: the update writes them all) and `*from` is the committed copy, kept
+  // for Rollback, so nothing is copied; otherwise both are the shard's current bytes.
+  uint8_t* Stage(const std::string& key, ShardEntry* entry, const uint8_t** from);
   std::vector<std::string> files() const;
   PoolStats pool_stats() const { return pool_->Stats(); }
   size_t spare_bytes() {

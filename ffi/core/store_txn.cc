@@ -43,6 +43,21 @@ void SwapStore::Rollback() {
   txn_ = false;
 }
 
+uint8_t* SwapStore::Stage(const std::string& key, ShardEntry* entry, const uint8_t** from) {
+  if (!config_.memory)
+    throw EngineError("only a host-memory store stages its shards in place (Stage of '" + key + "')");
+  const ShardEntry now = Entry(key);  // once its detached writes are done
+  *from = map_ + now.offset;
+  ShardEntry e = Allocate(key, now.nbytes, now.dtype, now.shape);
+  if (e.offset != now.offset) {  // versioned: the step's copy, read from the committed one
+    std::lock_guard<std::mutex> lock(mu_);
+    e.checksum = now.checksum;  // a memory store's reads skip it (updated in place)
+    manifest_[key] = e;
+  }
+  *entry = e;
+  return map_ + e.offset;
+}
+
 bool SwapStore::in_transaction() const {
   std::lock_guard<std::mutex> lock(mu_);
   return txn_;

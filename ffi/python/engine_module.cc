@@ -264,6 +264,22 @@ PYBIND11_MODULE(_engine, m) {
              py::array raw = py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1}, data, base);
              return py::make_tuple(raw, e.dtype, e.shape);
            }, py::arg("key"))
+      .def("stage", [](std::shared_ptr<SwapStore> s, const std::string& key) {
+             ShardEntry e;
+             uint8_t* data;
+             const uint8_t* from;
+             {
+               py::gil_scoped_release release;
+               data = s->Stage(key, &e, &from);
+             }
+             auto array = [&](const uint8_t* p) {
+               auto* keep = new std::shared_ptr<SwapStore>(s);
+               py::capsule base(keep, [](void* k) { delete static_cast<std::shared_ptr<SwapStore>*>(k); });
+               return py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1},
+                                           const_cast<uint8_t*>(p), base);
+             };
+             return py::make_tuple(array(from), array(data), e.dtype, e.shape);
+           }, py::arg("key"))
       .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
                              const std::string& dtype, std::vector<int64_t> shape) {
         py::buffer_info info = data.request();
@@ -337,7 +353,7 @@ PYBIND11_MODULE(_engine, m) {
   m.def("adamw", [](py::buffer master, py::buffer m, py::buffer v, py::buffer grad,
                     py::object params_out, float lr, float b1, float one_minus_b1, float b2,
                     float one_minus_b2, float eps, float weight_decay, float bc1, float bc2,
-                    int threads, uint32_t seed) {
+                    int threads, uint32_t seed, py::object sources) {
     py::buffer_info mi = master.request(true), mo = m.request(true), vo = v.request(true);
     py::buffer_info gi = grad.request();
     for (auto* info : {&mi, &mo, &vo, &gi}) RequireContiguous(*info);
@@ -360,17 +376,42 @@ PYBIND11_MODULE(_engine, m) {
       out = po.ptr;
       pt = po.itemsize == 4 ? Precision::kF32 : Precision::kBF16;
     }
+    // sources: (master, m, v) another copy to read from, each like its output, apart from all
+    std::vector<py::buffer_info> src;
+    AdamSources from{};
+    if (!sources.is_none()) {
+      auto items = sources.cast<std::vector<py::buffer>>();
+      if (items.size() != 3) throw EngineError("adamw: sources must be (master, m, v)");
+      std::vector<py::buffer_info*> outs{&mi, &mo, &vo, &po};
+      for (size_t i = 0; i < 3; ++i) {
+        src.push_back(items[i].request());
+        RequireContiguous(src[i]);
+        if (src[i].size != outs[i]->size || src[i].itemsize != outs[i]->itemsize)
+          throw EngineError("adamw: each source must have its output's dtype and elements");
+      }
+      auto end = [](const py::buffer_info& b) {
+        return static_cast<const uint8_t*>(b.ptr) + b.size * b.itemsize;
+      };
+      for (auto& s : src)
+        for (auto* o : outs)
+          if (o->ptr && static_cast<const uint8_t*>(s.ptr) < end(*o) &&
+              static_cast<const uint8_t*>(o->ptr) < end(s))
+            throw EngineError("adamw: a source overlaps an output (update in place: no sources)");
+      from = {static_cast<const float*>(src[0].ptr), src[1].ptr, src[2].ptr};
+    }
     AdamHyper h{lr, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, bc1, bc2, seed};
     py::gil_scoped_release release;
     AdamW(static_cast<float*>(mi.ptr), mo.ptr, vo.ptr,
           mo.itemsize == 4 ? Precision::kF32 : Precision::kBF16, gi.ptr,
-          gi.itemsize == 4 ? Precision::kF32 : Precision::kBF16, out, pt, n, h, threads);
+          gi.itemsize == 4 ? Precision::kF32 : Precision::kBF16, out, pt, n, h, threads,
+          src.empty() ? nullptr : &from);
   }, py::arg("master"), py::arg("m"), py::arg("v"), py::arg("grad"), py::arg("params_out"),
      py::arg("lr"), py::arg("b1"), py::arg("one_minus_b1"), py::arg("b2"), py::arg("one_minus_b2"),
      py::arg("eps"), py::arg("weight_decay"), py::arg("bc1"), py::arg("bc2"), py::arg("threads") = 0,
-     py::arg("seed") = 0,
+     py::arg("seed") = 0, py::arg("sources") = py::none(),
      "Fused AdamW over numpy buffers, in place (grad, params_out and the moments may be "
-     "bfloat16; bf16 moments are stored with stochastic rounding seeded by `seed`, the step).");
+     "bfloat16; bf16 moments are stored with stochastic rounding seeded by `seed`, the step); "
+     "with `sources` (master, m, v), the states are read from those and written to the outputs.");
 
   m.def("registrations", []() {
     py::dict d;

@@ -51,12 +51,14 @@ class MixedStore:
     return False
 
   def lends(self, key: str) -> bool:
-    """Whether `key`'s shard may be used in place: the RAM store's, where no transaction
-    versions it (`AioStore.lends`)."""
+    """Whether `key`'s shard is updated where it lies: the RAM store's (`AioStore.lends`)."""
     return self.of(key).lends(key)
 
   def view(self, key: str) -> np.ndarray:
     return self.of(key).view(key)
+
+  def stage(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+    return self.of(key).stage(key)
 
   def write(self, key: str, array: np.ndarray) -> Ticket:
     return self.of(key).write(key, array)

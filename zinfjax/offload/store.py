@@ -127,7 +127,6 @@ class AioStore:
                                     backend, direct, io_threads, pinned_budget, pool_timeout_s,
                                     io_nice, fresh, memory)
     self._handle: int | None = None
-    self._versioned: tuple[str, ...] = ()  # the open transaction's prefixes (`begin`)
 
   @property
   def folder(self) -> str:
@@ -155,15 +154,26 @@ class AioStore:
     return self._store.memory
 
   def lends(self, key: str) -> bool:
-    """Whether `key`'s shard may be used where it lies (`view`): in host RAM, unless an open
-    transaction versions it (its rewrite goes to a new copy; the grads it leaves alone)."""
-    return self.memory and not (self.in_transaction and key.startswith(self._versioned))
+    """Whether `key`'s shard is updated where it lies (`view`, `stage`), with no transfer: in
+    host RAM, always (an all-or-nothing step's update reads the committed copy and writes
+    its new one)."""
+    return self.memory
 
   def view(self, key: str) -> np.ndarray:
     """A memory store's shard `key` itself (its dtype and shape), for reading and updating in
     place; valid until the key is written again in a transaction (which moves it)."""
     raw, dtype, shape = self._store.view(key)
     return raw.view(dtype_of(dtype)).reshape(shape)
+
+  def stage(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """A memory store's shard `key` for an update that rewrites it whole: (the bytes to read,
+    the bytes to write). In a transaction that versions the key, the first is the committed
+    copy (kept for `rollback`) and the second the step's new one (its bytes undefined until
+    written), so nothing is copied; otherwise both are the shard itself (the same array)."""
+    src, dst, dtype, shape = self._store.stage(key)
+    to = lambda raw: raw.view(dtype_of(dtype)).reshape(shape)
+    dst = to(dst)
+    return (dst if src.ctypes.data == dst.ctypes.data else to(src)), dst
 
   def write(self, key: str, array: np.ndarray) -> Ticket:
     array = np.ascontiguousarray(array)
@@ -224,7 +234,6 @@ class AioStore:
     """Start an all-or-nothing update of the keys under `prefixes` (see `commit`, `rollback`):
     their first rewrite goes to a fresh extent, the committed one is kept."""
     self._store.begin(list(prefixes))
-    self._versioned = tuple(prefixes)
 
   def commit(self) -> None:
     """Keep the update's writes (all waited for) and free the extents they replaced."""

@@ -144,13 +144,16 @@ def adamw_ffi(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: 
 
 def adamw_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
                 params_out: np.ndarray | None, lr: float, bc1: float, bc2: float,
-                c: AdamConstants, weight_decay: float, threads: int = 0, step: int = 0) -> None:
+                c: AdamConstants, weight_decay: float, threads: int = 0, step: int = 0,
+                sources: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
   """The C++ kernel on host numpy buffers, in place (grad, params_out and both moments may be
-  bfloat16; `step` seeds bf16 moments' rounding)."""
+  bfloat16; `step` seeds bf16 moments' rounding). With `sources` (master, m, v: another copy,
+  apart from the outputs), the states are read from those and written to master, m, v."""
   _engine.adamw(master.reshape(-1), _flat(m), _flat(v), _flat(grad),
                 None if params_out is None else _flat(params_out), float(np.float32(lr)),
                 weight_decay=float(np.float32(weight_decay)), bc1=float(bc1), bc2=float(bc2),
                 threads=threads, seed=int(step) & 0xFFFFFFFF,
+                sources=None if sources is None else [_flat(x) for x in sources],
                 **{k: float(x) for k, x in c.attrs.items()})
 
 

@@ -6,7 +6,8 @@ which rotate through 3 to 8 pinned buffer sets: while sub-group k is updated
 by the C++ kernel, the next ones are being read and k-1 written, so reads,
 the CPU kernel and writes overlap (ZeRO-Infinity's pipeline). Shards in host
 RAM need none of it: each is used where the store keeps it (`lends`: the
-grads always, the states unless an all-or-nothing step versions them), while
+grads where backward wrote them, the states in place or, in an all-or-nothing
+step, read from the committed copy and written to the step's new one), while
 the drive's shards of the same step stream.
 
 `StreamAdam` is that driver; what differs per user is only the layout (which
@@ -287,30 +288,35 @@ class StreamAdam:
       return ([self.store.read_many(now)] if now else []) + [
           _Deferred(functools.partial(read_when_written, key, out)) for key, out in late]
 
-    def at(k: int, state: str, p: Part, bufs: dict[str, np.ndarray]) -> np.ndarray:
-      """Where the update finds `state` of `p`: in the store, or in sub-group k's buffers
-      (`bufs`: their views for `p`, made on first need)."""
+    def at(k: int, state: str, p: Part, bufs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+      """Where the update reads `state` of `p` and where it writes it: sub-group k's buffers
+      (`bufs`: their views for `p`, made on first need), or the store's shard (in an
+      all-or-nothing step, the committed copy and the step's new one)."""
       key = self.key(state, p)
       if not lent(key):
         if not bufs:
           bufs.update(self._views(k, p))
-        return bufs[state]
-      if state == "grads" and gate is not None and not gate.ready(key):
-        t0 = time.perf_counter()  # backward has not written it yet
-        gate.wait(key)
-        waited[0] += time.perf_counter() - t0
-      return self.store.view(key)
+        return bufs[state], bufs[state]
+      if state == "grads":
+        if gate is not None and not gate.ready(key):
+          t0 = time.perf_counter()  # backward has not written it yet
+          gate.wait(key)
+          waited[0] += time.perf_counter() - t0
+        grad = self.store.view(key)
+        return grad, grad
+      return self.store.stage(key)
 
     def compute(k):
       for p in units[k].parts:
         bufs: dict[str, np.ndarray] = {}
-        grad = at(k, "grads", p, bufs) if stored("grads", p) else _flat(grad_of(p))
+        grad = at(k, "grads", p, bufs)[0] if stored("grads", p) else _flat(grad_of(p))
         if clip:
           grad = clipped(grad, norm(), clip)
-        param = at(k, "params", p, bufs) if stored("params", p) else out_of(p)
-        master, mu, nu = (at(k, s, p, bufs) for s in STATES)
-        adamw_numpy(master, mu, nu, grad, param.reshape(-1), lr, bc1, bc2, c, decays[p.leaf],
-                    self.threads, step)
+        param = at(k, "params", p, bufs)[1] if stored("params", p) else out_of(p)
+        src, dst = zip(*(at(k, s, p, bufs) for s in STATES))
+        moved = any(a is not b for a, b in zip(src, dst))  # a new copy, read from the old
+        adamw_numpy(*dst, grad, param.reshape(-1), lr, bc1, bc2, c, decays[p.leaf],
+                    self.threads, step, src if moved else None)
 
     def start_write(k):
       items = views(k, reading=False)
