@@ -2,6 +2,7 @@
 
   python scripts/bench_adam.py --params 1e8 [--json]
   python scripts/bench_adam.py --params 1e8 --nvme-params 1e9 --nvme-path /mnt/nvme
+  python scripts/bench_adam.py --params 1e8 --host-params 1e8
 
 Table 1: parameters per second of one AdamW step over `--params` parameters
 (fp32 master and moments) for the zinfjax C++ kernel (bf16 grads in, bf16
@@ -11,7 +12,12 @@ bound is copy bandwidth measured in the same run divided by the bytes one
 update moves per parameter (28: read master, m, v, grad; write master, m, v,
 params; with bf16 moments 20). Table 2 (with --nvme-params): one NVMe-offloaded step over that many
 parameters against (bytes read / read bandwidth + bytes written / write
-bandwidth) of the disk, measured in the same run.
+bandwidth) of the disk, measured in the same run. Table 3 (with --host-params): one step of
+the host pipeline over that many parameters in the RAM store (host_optimizer="pipeline"):
+updated in place; all or nothing (the kernel reads the committed copy and writes the step's
+new one); and all or nothing through the pipeline's buffers, as a store that lends nothing
+is driven (read in, updated, written back: 48 more bytes per parameter), against the same
+bound as table 1.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=5, help="timed steps per row (best kept)")
   p.add_argument("--nvme-params", type=float, default=0, help="also time an NVMe step this large")
   p.add_argument("--nvme-path", default=None)
+  p.add_argument("--host-params", type=float, default=0, help="also time host-RAM steps this large")
   p.add_argument("--sub-group", type=float, default=5e7, help="NVMe sub-group size (elements)")
   p.add_argument("--json", action="store_true")
   return p.parse_args(argv)
@@ -151,6 +158,54 @@ def bench_nvme(n: int, path: str, sub_group: int) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+class _LendsNothing:
+  """`store` with no shard used where it lies: each read into the pipeline's buffers and
+  written back, as a drive's store is driven (the comparison row of table 3)."""
+
+  def __init__(self, store):
+    self._store = store
+
+  def lends(self, key: str) -> bool:
+    return False
+
+  def __getattr__(self, name: str):
+    return getattr(self._store, name)
+
+
+def bench_host(n: int, sub_group: int, repeats: int) -> dict[str, float]:
+  """Seconds of one host-pipeline step over `n` params in the RAM store (bf16 grads in, bf16
+  params out), best of `repeats`: in place, all or nothing, all or nothing through buffers."""
+  import ml_dtypes
+  import jax.numpy as jnp
+  from zinfjax.optim.kernel import AdamConstants
+  from zinfjax.optim.nvme import NvmeAdam
+  from zinfjax.placement import PREFIX
+  pipe = NvmeAdam("", sub_group_size=sub_group, constants=AdamConstants(0.9, 0.999, 1e-8),
+                  memory=True)
+  pipe.configure([(n,)])
+  params = np.random.default_rng(0).standard_normal(n, np.float32)
+  pipe.host_init(params)
+  grad = params.astype(ml_dtypes.bfloat16)
+  del params
+  store = pipe.store
+
+  def step(atomic: bool) -> None:
+    if atomic:
+      store.begin([PREFIX[s] for s in ("master", "mu", "nu")])
+    pipe.host_step([0.01], [jnp.bfloat16], 1e-3, 0.1, 0.001, 1, grad)
+    if atomic:
+      store.commit()
+
+  rows = {"in place": best_time(lambda: step(False), repeats),
+          "all or nothing (committed copy read, new copy written)": best_time(lambda: step(True), repeats)}
+  pipe.store = _LendsNothing(store)
+  rows["all or nothing through the buffers (read in, written back)"] = best_time(
+      lambda: step(True), repeats)
+  pipe.store = store
+  pipe.close()
+  return rows
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   import ml_dtypes
@@ -173,6 +228,8 @@ def main(argv=None) -> int:
   if args.nvme_params:
     report["nvme"] = bench_nvme(int(args.nvme_params), args.nvme_path or tempfile.gettempdir(),
                                 int(args.sub_group))
+  if args.host_params:
+    report["host"] = bench_host(int(args.host_params), int(args.sub_group), args.repeats)
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
@@ -197,6 +254,13 @@ def main(argv=None) -> int:
           f"ratio {r['ratio']:.2f}")
     print(f"  waits: read {b['read_wait_s']:.2f} s, write {b['write_wait_s']:.2f} s, "
           f"compute {b['compute_s']:.2f} s  (disk: {r['disk_tool']})")
+  if args.host_params:
+    h = int(args.host_params)
+    print(f"\nHost-pipeline step over {h:.2e} params in the RAM store (bound {bound:.3e} params/s):")
+    print(f"{'':60} {'seconds':>8} {'params/s':>10} {'vs bound':>9} {'vs in place':>12}")
+    rows = report["host"]
+    for name, t in rows.items():
+      print(f"{name:60} {t:8.3f} {h / t:10.3e} {h / t / bound:9.0%} {t / rows['in place']:11.2f}x")
   return 0
 
 

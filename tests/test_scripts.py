@@ -58,6 +58,15 @@ def test_estimate_memory_json():
   assert data["activation_checkpoints"] == 2 * 1024 * 4096 * 50
 
 
+def test_bench_adam_times_the_host_pipeline_in_ram():
+  """Table 3: a step over the RAM store in place, all or nothing, and through the buffers."""
+  data = json.loads(run([os.path.join(SCRIPTS, "bench_adam.py"), "--params", "1e5", "--repeats",
+                         "1", "--host-params", "3e5", "--sub-group", "1e5", "--json"]))
+  rows = data["host"]
+  assert len(rows) == 3 and "in place" in rows and all(t > 0 for t in rows.values())
+  assert any(name.startswith("all or nothing through the buffers") for name in rows)
+
+
 def test_estimate_memory_table_for_a_preset():
   stdout = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--preset", "1t", "--devices", "16"])
   assert "1,006.63B params" in stdout and "model-state working memory" in stdout

@@ -131,11 +131,11 @@ class ZeroConfig:
       its tier, RAM's or the drive's, and one pipeline updates them all (the
       RAM shards in place, the drive's streamed through its buffers); steps
       are then all or nothing over both stores as `nvme_atomic_steps` says
-      (its copies in RAM too, and the RAM states through the buffers).
+      (its copies in RAM too: read from the committed copy, written to the new).
     host_atomic_steps: with host_optimizer="pipeline", steps are all or nothing
       in the RAM store as on NVMe (`nvme_atomic_steps`): each step writes new
-      copies of the params and optimizer states it updates (twice their RAM, and
-      copies instead of updates in place), so the update runs under backward
+      copies of the params and optimizer states it updates (twice their RAM; the
+      update reads the old copy and writes the new, no copy made), so the update runs under backward
       with clipping and skip_nonfinite as well, rolled back and redone when the
       global norm turns out to need it.
     delay_tail_update: the host pipeline (optimizer states on NVMe, or in
