@@ -44,13 +44,15 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
                "params + optimizer on pinned_host, host pipeline under backward"),
               ("pipeline-delayed", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline under backward, delayed tail"),
+              ("pipeline-atomic", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, host pipeline under backward, all or nothing"),
               ("nvme", "nvme", "nvme", "params + optimizer on nvme"),
               ("mixed", "pinned_host", "nvme", "params on pinned_host, optimizer on nvme, host "
                "pipeline under backward (RAM + drive stores), rewritten in place"),
               ("ffi", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code")]
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
-OPT_IN = {"mixed"}
+OPT_IN = {"mixed", "pipeline-atomic"}
 
 
 def parse_args(argv=None):
@@ -265,11 +267,14 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                   and (p[0] != "ffi" or (tokens in nvme_tokens and args.host_adam_ffi))]
     for _, param, optimizer, name in placements:
       os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
+      atomic = "all or nothing" in name
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
                                 host_optimizer="pipeline" if "host pipeline" in name else "xla",
-                                # the update under backward: no skipping of non-finite steps
-                                skip_nonfinite="under backward" not in name,
+                                # the update under backward: no skipping of non-finite steps,
+                                # unless the steps are all or nothing (rolled back when skipped)
+                                skip_nonfinite="under backward" not in name or atomic,
+                                host_atomic_steps=atomic,
                                 delay_tail_update="delayed tail" in name,
                                 nvme_atomic_steps="rewritten in place" not in name,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}")
