@@ -122,6 +122,38 @@ def test_a_skipped_step_leaves_both_stores_as_they_were(mesh, batches, tmp_path)
   want.close()
 
 
+@pytest.mark.parametrize("fault_after", [20, 100])
+def test_a_failed_step_gives_back_the_staged_ram_copies(fault_after, mesh, batches, tmp_path):
+  """A write fault on the drive after the RAM layers' update (under backward: RAM holds the
+  last layers, which backward reaches first) fails the step with the engine's error, while
+  backward still writes grads (20) or while the drive's layers update (100); the RAM states
+  were already rewritten into the step's new copies (`stage`), and both stores then hold every
+  param and optimizer state as before the step."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme:2,pinned_host",
+                            offload_optimizer="nvme:2,pinned_host", host_optimizer="pipeline",
+                            nvme_path=str(tmp_path))
+  state = zinfjax.init(factory, tx(None), zero, mesh, 0)
+  state, _ = zinfjax.train_step(state, batches[0], lm_loss)
+  store = state.engine.store
+  ram, drive = store.stores[Tier.HOST_STORE], store.stores[Tier.NVME]
+  staged, stage = [], ram.stage
+  ram.stage = lambda key: (staged.append(key), stage(key))[1]
+  snapshot = lambda: {k: store.read(k).wait().tobytes() for k in store.keys()
+                      if k.startswith(("p/", "o/"))}
+  before = snapshot()
+  drive.engine.set_fault_after_writes(fault_after)
+  with pytest.raises(Exception, match="injected write fault"):
+    zinfjax.train_step(state, batches[1], lm_loss)
+  drive.engine.set_fault_after_writes(-1)
+  assert {k.split("/")[1] for k in staged} >= {"master", "m", "v"}  # RAM's new copies were made
+  after = snapshot()
+  assert before.keys() == after.keys()
+  changed = [k for k in before if after[k] != before[k]]
+  assert not changed, changed[:5]
+  assert not store.in_transaction
+  state.close()
+
+
 @pytest.mark.parametrize("target", ["device", "mixed"])
 def test_checkpoints_of_the_mixed_store_restore(target, mesh, batches, tmp_path):
   """Saved from both stores, restored with every state on the device or into another split of
