@@ -1,7 +1,7 @@
 """host_optimizer="pipeline" with states on NVMe as well: the pinned-host shards in the swap store
 in host RAM, the NVMe ones in the drive's, one host pipeline over both. It trains bit for bit
 like the same placement under the XLA host update, each shard is in the store of its tier, a
-skipped step leaves both stores as they were, and checkpoints restore from it."""
+skipped or failed step leaves both stores as they were, and checkpoints restore from it."""
 
 import numpy as np
 import pytest
