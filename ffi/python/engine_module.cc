@@ -51,6 +51,14 @@ py::dict PoolStatsDict(const PoolStats& s) {
 
 size_t Bytes(const py::buffer_info& info) { return static_cast<size_t>(info.size * info.itemsize); }
 
+// `nbytes` of a memory store's mapping at `data` as a uint8 array that keeps the store alive.
+py::array Lent(const std::shared_ptr<SwapStore>& s, const uint8_t* data, uint64_t nbytes) {
+  auto* keep = new std::shared_ptr<SwapStore>(s);
+  py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<SwapStore>*>(p); });
+  return py::array_t<uint8_t>({static_cast<py::ssize_t>(nbytes)}, {1}, const_cast<uint8_t*>(data),
+                              base);
+}
+
 void RequireContiguous(const py::buffer_info& info) {
   ssize_t stride = info.itemsize;
   for (ssize_t i = info.ndim - 1; i >= 0; --i) {
@@ -259,11 +267,9 @@ PYBIND11_MODULE(_engine, m) {
                py::gil_scoped_release release;
                data = s->View(key, &e);
              }
-             auto* keep = new std::shared_ptr<SwapStore>(s);
-             py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<SwapStore>*>(p); });
-             py::array raw = py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1}, data, base);
-             return py::make_tuple(raw, e.dtype, e.shape);
+             return py::make_tuple(Lent(s, data, e.nbytes), e.dtype, e.shape);
            }, py::arg("key"))
+      // (bytes to read, or None where they are the bytes to write; bytes to write, dtype, shape)
       .def("stage", [](std::shared_ptr<SwapStore> s, const std::string& key) {
              ShardEntry e;
              uint8_t* data;
@@ -272,13 +278,8 @@ PYBIND11_MODULE(_engine, m) {
                py::gil_scoped_release release;
                data = s->Stage(key, &e, &from);
              }
-             auto array = [&](const uint8_t* p) {
-               auto* keep = new std::shared_ptr<SwapStore>(s);
-               py::capsule base(keep, [](void* k) { delete static_cast<std::shared_ptr<SwapStore>*>(k); });
-               return py::array_t<uint8_t>({static_cast<py::ssize_t>(e.nbytes)}, {1},
-                                           const_cast<uint8_t*>(p), base);
-             };
-             return py::make_tuple(array(from), array(data), e.dtype, e.shape);
+             py::object src = from == data ? py::object(py::none()) : Lent(s, from, e.nbytes);
+             return py::make_tuple(src, Lent(s, data, e.nbytes), e.dtype, e.shape);
            }, py::arg("key"))
       .def("write_async", [](SwapStore& s, const std::string& key, py::buffer data,
                              const std::string& dtype, std::vector<int64_t> shape) {

@@ -38,6 +38,11 @@ def dtype_of(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name))
 
 
+def _typed(raw: np.ndarray, dtype: str, shape: Sequence[int]) -> np.ndarray:
+  """A store's uint8 bytes of a shard as the dtype and shape it was written as."""
+  return raw.view(dtype_of(dtype)).reshape(shape)
+
+
 def _as_bytes(array: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
@@ -163,7 +168,7 @@ class AioStore:
     """A memory store's shard `key` itself (its dtype and shape), for reading and updating in
     place; valid until the key is written again in a transaction (which moves it)."""
     raw, dtype, shape = self._store.view(key)
-    return raw.view(dtype_of(dtype)).reshape(shape)
+    return _typed(raw, dtype, shape)
 
   def stage(self, key: str) -> tuple[np.ndarray, np.ndarray]:
     """A memory store's shard `key` for an update that rewrites it whole: (the bytes to read,
@@ -171,9 +176,8 @@ class AioStore:
     copy (kept for `rollback`) and the second the step's new one (its bytes undefined until
     written), so nothing is copied; otherwise both are the shard itself (the same array)."""
     src, dst, dtype, shape = self._store.stage(key)
-    to = lambda raw: raw.view(dtype_of(dtype)).reshape(shape)
-    dst = to(dst)
-    return (dst if src.ctypes.data == dst.ctypes.data else to(src)), dst
+    dst = _typed(dst, dtype, shape)
+    return (dst if src is None else _typed(src, dtype, shape)), dst
 
   def write(self, key: str, array: np.ndarray) -> Ticket:
     array = np.ascontiguousarray(array)
