@@ -15,7 +15,10 @@ One table (also written as JSON under --out):
 * the GPT step (tokens/s, TFLOP/s, MFU) with states all on device (compute
   alone), params + optimizer on pinned host, and on NVMe, at each --tokens;
   the NVMe row also against max(compute alone, I/O alone), I/O alone being
-  the step's bytes moved through the store with nothing else running.
+  the step's bytes moved through the store with nothing else running; each
+  row's loss after its steps (every row starts from the same init and takes
+  the same batches, so the losses agree to bf16 rounding: a quick check that
+  a placement computes what the device does).
 """
 
 from __future__ import annotations
@@ -385,8 +388,8 @@ def table(r: dict) -> str:
                  f"{d['store_write']:.2f} / read {d['store_read']:.2f} GB/s")
   if r.get("steps"):
     lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
-              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device | vs max(compute, I/O alone) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device | vs max(compute, I/O alone) | loss |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
   for row in r.get("steps", []):
     if "error" in row:
       lines.append(f"| {row['tokens']} | {row['placement']} | failed: {row['error']} |")
@@ -396,7 +399,7 @@ def table(r: dict) -> str:
     vs = f"{row['vs_compute']:.2f}x" if "vs_compute" in row else ""
     spec = f"{row['mfu_spec']:.1%}" if "mfu_spec" in row else ""
     lines.append(f"| {row['tokens']} | {row['placement']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {spec} | {vs} | {bound} |")
+                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {spec} | {vs} | {bound} | {row['loss']:.4f} |")
   for name, tb in r.get("errors", {}).items():
     lines.append(f"\n{name} failed: {tb.strip().splitlines()[-1]}")
   return "\n".join(lines)

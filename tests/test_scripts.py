@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -180,10 +181,46 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
     assert rows and all(r["step_s"] > 0 and r["copy_stream"] == (mode == "1") for r in rows), rows
   if (out / "peer_deepspeed.json").exists():
     assert "| zinfjax / DeepSpeed |" in (out / "peer_table.txt").read_text()
+  # the speed stage: the issue's rows alone, each with the loss of the same batches as all-device
+  rows = json.loads((out / "speed" / "bench_gpu.json").read_text())["steps"]
+  assert {r["placement"] for r in rows} == {
+    "all on device (compute alone)", "params + optimizer on pinned_host",
+    "params + optimizer on pinned_host, host pipeline under backward", "params + optimizer on nvme"}
+  for r in rows:
+    base = next(b for b in rows if b["tokens"] == r["tokens"] and b["placement"].startswith("all"))
+    assert abs(r["loss"] - base["loss"]) < 1e-3 * base["loss"], (r, base)
+  assert "tests collected" in (out / "cpu_confirm.log").read_text()
   failed = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / "real"),
                            "gpu-tests"], capture_output=True, text=True, timeout=300, cwd=REPO)
   assert failed.returncode != 0
   assert 'FAILED in stage "gpu-tests"' in failed.stdout
+
+
+def test_gpu_check_keeps_to_its_deadline_and_packs_its_logs(tmp_path):
+  """gpu_check.sh for a short device budget: a misspelt stage stops it before anything runs; with
+  KEEP_GOING=1 a failed stage is reported and the next one runs; PACK=1 leaves a few files and
+  the rest in logs.tgz; a stage the deadline leaves too little time is not started (exit 3)."""
+  check = lambda out, stages, **env: subprocess.run(
+    ["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / out), stages],
+    capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **env})
+  typo = check("typo", "env,gpu-test")
+  assert typo.returncode == 2 and 'unknown stage "gpu-test"' in typo.stderr
+  assert not (tmp_path / "typo" / "progress.txt").exists()
+  # a real gpu-tests stage fails on a machine without a GPU; env still runs after it
+  done = check("going", "gpu-tests,env", KEEP_GOING="1", PACK="1")
+  assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+  progress = (tmp_path / "going" / "progress.txt").read_text()
+  assert 'FAILED in stage "gpu-tests" (exit 1' in progress and "env: " in progress
+  assert "summary: gpu-tests FAILED in" in progress and "env passed in" in progress
+  # the stage stopped before pytest (jax sees no GPU), so it left no gpu_tests.log
+  assert sorted(p.name for p in (tmp_path / "going").iterdir()) == ["logs.tgz", "progress.txt"]
+  with tarfile.open(tmp_path / "going" / "logs.tgz") as tar:
+    assert {"./env.txt", "./progress.txt"} <= set(tar.getnames())
+  late = check("late", "env,gpu-tests", DEADLINE="20")
+  assert late.returncode == 3
+  progress = (tmp_path / "late" / "progress.txt").read_text()
+  assert "not started before the deadline: env gpu-tests" in progress
+  assert not (tmp_path / "late" / "env.txt").exists()
 
 
 def largest_runs_are_the_largest_that_fit(result: dict) -> None:
