@@ -8,11 +8,21 @@ fp32 logits, a causal mask, softmax. It is kept rather than XLA's
 placement around them, which the exact-resume tests rely on (XLA's fused
 form differed by an ulp between two placements' programs). Grouped-query
 attention (fewer key/value heads than query heads) is the same call.
+
+Whether cuDNN takes a shape is asked once per shape by compiling its forward
+and backward alone: a cuDNN that refuses at compile time (an engine it lacks
+for a shape, a version older than the fused kernel needs) then costs a
+warning and the explicit form, not the whole training step.
+`ZINFJAX_ATTENTION=explicit` keeps the explicit form on a GPU too (a
+baseline to time against).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,22 +31,42 @@ import jax.numpy as jnp
 CUDNN_HEAD_DIMS = (64, 128)
 
 
-def use_cudnn(q_BxTxNxH: jax.Array) -> bool:
-  """Whether cuDNN's fused attention can run these queries: a GPU backend, a 16-bit dtype and a
-  head dim it takes (fp32 runs, the exact tests, stay on the explicit form)."""
+def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array) -> bool:
+  """Whether cuDNN's fused attention runs these queries: a GPU backend, a 16-bit dtype, a head
+  dim it takes (fp32 runs, the exact tests, stay on the explicit form), and it compiles."""
   return (jax.default_backend() == "gpu" and q_BxTxNxH.dtype in (jnp.bfloat16, jnp.float16)
-          and q_BxTxNxH.shape[-1] in CUDNN_HEAD_DIMS)
+          and q_BxTxNxH.shape[-1] in CUDNN_HEAD_DIMS
+          and os.environ.get("ZINFJAX_ATTENTION", "auto") != "explicit"
+          and cudnn_compiles(q_BxTxNxH.shape, k_BxTxKxH.shape, q_BxTxNxH.dtype))
+
+
+def cudnn_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:
+  return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                      implementation="cudnn")
+
+
+@functools.cache
+def cudnn_compiles(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -> bool:
+  """Whether cuDNN's fused attention and its gradient compile for these shapes (asked once per
+  shape; a refusal warns and the explicit form is used)."""
+  q, kv = jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(kv_shape, dtype)
+  loss = lambda q, k, v: cudnn_attention(q, k, v).astype(jnp.float32).sum()
+  try:
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    return True
+  except Exception as e:  # noqa: BLE001  (whatever cuDNN or XLA refuse with)
+    warnings.warn(f"cuDNN's fused attention does not compile for queries {q_shape} and keys "
+                  f"{kv_shape} in {jnp.dtype(dtype).name} ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}); using the explicit form "
+                  "([T, T] logits in HBM, slower)", stacklevel=2)
+    return False
 
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:
   """softmax(q k^T / sqrt(H) + causal mask) v, per head (N query heads over K <= N kv heads;
   query head j uses kv head j // (N // K))."""
-  if use_cudnn(q_BxTxNxH):
-    try:
-      return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
-                                          implementation="cudnn")
-    except (NotImplementedError, ValueError, RuntimeError):  # shapes or a cuDNN it refuses
-      pass
+  if use_cudnn(q_BxTxNxH, k_BxTxKxH):
+    return cudnn_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
   return explicit_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
 
 

@@ -1,5 +1,7 @@
 """The NNX GPT, the scanned `Stack`, and the data loaders."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,6 +136,32 @@ def test_causal_attention_equals_jax_dot_product_attention(heads, kv_heads):
   k2 = k.at[:, -1].set(5.0)  # the last position's keys change: earlier outputs do not
   np.testing.assert_array_equal(causal_attention(q, k2, v)[:, :-1],
                                 causal_attention(q, k, v)[:, :-1])
+
+
+def test_cudnn_that_does_not_compile_falls_back_to_the_explicit_form(monkeypatch):
+  """Where cuDNN's fused attention is chosen (a GPU, bf16, head dim 64) but does not compile for
+  the shape, the attention warns once per shape and computes the explicit form, not a failed
+  step; `ZINFJAX_ATTENTION=explicit` skips cuDNN without asking. Here the compile probe fails
+  for real: this jax has no cuDNN."""
+  from zinfjax.models import attention
+  monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+  attention.cudnn_compiles.cache_clear()
+  keys = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(keys[0], (2, 16, 4, 64), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (2, 16, 2, 64), jnp.bfloat16) for key in keys[1:])
+  with pytest.warns(UserWarning, match=r"does not compile for queries \(2, 16, 4, 64\)"):
+    got = jax.jit(attention.causal_attention)(q, k, v)
+  np.testing.assert_array_equal(got, attention.explicit_attention(q, k, v))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # asked once per shape
+    attention.causal_attention(q, k, v)
+  attention.cudnn_compiles.cache_clear()
+  monkeypatch.setenv("ZINFJAX_ATTENTION", "explicit")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    np.testing.assert_array_equal(attention.causal_attention(q, k, v), got)
+  assert attention.cudnn_compiles.cache_info().currsize == 0
+  attention.cudnn_compiles.cache_clear()
 
 
 @pytest.mark.parametrize("model,chunk", [("gpt", 7), ("gpt", 64), ("llama", 5), ("llama_tied", 1024)])
