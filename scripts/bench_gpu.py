@@ -24,9 +24,11 @@ One table (also written as JSON under --out):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -65,8 +67,10 @@ def parse_args(argv=None):
   p.add_argument("--hidden", type=int, default=2048)
   p.add_argument("--heads", type=int, default=16)
   p.add_argument("--seq-len", type=int, default=1024)
-  p.add_argument("--tokens", default="4096,16384,65536", help="tokens per step, comma-separated")
-  p.add_argument("--nvme-tokens", default="16384", help="token counts also run on NVMe")
+  p.add_argument("--tokens", default=None,
+                 help="tokens per step, comma-separated (default 4096,16384,65536; --tiny 64,128)")
+  p.add_argument("--nvme-tokens", default=None,
+                 help="token counts also run on NVMe (default 16384; --tiny 64)")
   p.add_argument("--nvme-path", default=None, help="swap store folder (default: a temp folder)")
   p.add_argument("--copy-mib", type=int, default=1024, help="bytes per host<->device copy")
   p.add_argument("--pinned-budget", type=int, default=8192,
@@ -81,6 +85,9 @@ def parse_args(argv=None):
                       f"{sorted(OPT_IN)}); peaks are the process's: one key per run gives each "
                       "its own")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
+  p.add_argument("--isolate", type=int, default=0, metavar="SECONDS",
+                 help="run each step row in a child process stopped after SECONDS: a crash or a "
+                      "hang costs that row alone, and each row's peaks are its own")
   p.add_argument("--host-adam-ffi", action="store_true",
                  help="also run the pinned-host row with ZINFJAX_HOST_ADAM=ffi (the C++ AdamW "
                       "registered for XLA:GPU's host computations)")
@@ -90,8 +97,9 @@ def parse_args(argv=None):
     p.error(f"unknown --placements {sorted(unknown)}; choose from {[k for k, *_ in PLACEMENTS]}")
   if args.tiny:
     args.layers, args.hidden, args.heads, args.seq_len = 2, 64, 4, 32
-    args.tokens, args.nvme_tokens, args.copy_mib, args.steps = "64,128", "64", 8, 2
-    args.pinned_budget = 64
+    args.copy_mib, args.steps, args.pinned_budget = 8, 2, 64
+  args.tokens = args.tokens or ("64,128" if args.tiny else "4096,16384,65536")
+  args.nvme_tokens = args.nvme_tokens or ("64" if args.tiny else "16384")
   return args
 
 
@@ -249,6 +257,47 @@ def peaks(jax) -> dict:
           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10}
 
 
+def row_specs(args) -> list[tuple[int, tuple]]:
+  """(tokens, PLACEMENTS entry) of every step row the arguments ask for, in run order."""
+  nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
+  wanted = set(args.placements.split(","))
+  return [(tokens, p) for tokens in [int(t) for t in args.tokens.split(",")] for p in PLACEMENTS
+          if p[0] in wanted and ("nvme" not in (p[1], p[2]) or tokens in nvme_tokens)
+          and (p[0] != "ffi" or (tokens in nvme_tokens and args.host_adam_ffi))]
+
+
+def isolated_steps(args, peak_tflops: float, root: str, rows: list[dict], saved) -> list[dict]:
+  """Each step row in a child process of this script (`--isolate` seconds at most): a row that
+  crashes, hangs or runs out of memory is recorded as failed and the next one runs."""
+  import subprocess
+  keep = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
+          "--seq-len", str(args.seq_len), "--pinned-budget", str(args.pinned_budget),
+          "--steps", str(args.steps)] + ["--tiny"] * args.tiny + ["--host-adam-ffi"] * args.host_adam_ffi
+  for tokens, (key, *_, name) in row_specs(args):
+    out = os.path.join(root, f"row-{tokens}-{key}")
+    command = [sys.executable, os.path.abspath(__file__), "--out", out, "--sections", "steps",
+               "--tokens", str(tokens), "--nvme-tokens", str(tokens), "--placements", key,
+               "--nvme-path", out, *keep]
+    t0 = time.perf_counter()
+    try:
+      done = subprocess.run(command, timeout=args.isolate, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+      why = None if done.returncode == 0 else f"exit {done.returncode}: {done.stdout[-300:]}"
+    except subprocess.TimeoutExpired:
+      why = f"stopped after {args.isolate} s (a hang, or a row longer than --isolate)"
+    found = os.path.join(out, "bench_gpu.json")
+    child = json.load(open(found))["steps"] if os.path.exists(found) else []
+    for row in child:
+      if "tflops" in row:
+        row["mfu"] = row["tflops"] / peak_tflops
+    rows.extend(child or [{"tokens": tokens, "placement": name, "error": why or "no row written"}])
+    print(f"  [{name} at {tokens} tokens, own process: {time.perf_counter() - t0:.0f} s"
+          f"{', ' + why.splitlines()[0] if why else ''}]", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    saved()
+  return ratios(rows)
+
+
 def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved) -> list[dict]:
   """GPT steps at each placement and token count; `rows` grows and `saved()` runs after each."""
   import numpy as np
@@ -257,18 +306,14 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
   config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
                       seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
   mesh = zinfjax.make_mesh(1)
-  nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
-  wanted = set(args.placements.split(","))
-  for tokens in [int(t) for t in args.tokens.split(",")]:
+  specs = row_specs(args)
+  for tokens in dict.fromkeys(t for t, _ in specs):
     batch_size = max(1, tokens // config.seq_len)
     rng = np.random.default_rng(tokens)
     batches = [{k: rng.integers(0, config.vocab_size, (batch_size, config.seq_len)).astype(np.int32)
                 for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
-    placements = [p for p in PLACEMENTS if p[0] in wanted
-                  and ("nvme" not in (p[1], p[2]) or tokens in nvme_tokens)
-                  and (p[0] != "ffi" or (tokens in nvme_tokens and args.host_adam_ffi))]
-    for _, param, optimizer, name in placements:
+    for _, param, optimizer, name in [p for t, p in specs if t == tokens]:
       os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
       atomic = "all or nothing" in name
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
@@ -305,6 +350,11 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
         state.engine.store.close()
       del state
       gc.collect()
+  return ratios(rows)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+  """Each row against the all-device row of its tokens, and the NVMe rows against I/O alone."""
   for row in rows:
     base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"].startswith("all")
             and "step_s" in r]
@@ -319,6 +369,8 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
 def main(argv=None) -> int:
   args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
+  if args.isolate:  # the rows' processes share the GPU with this one: none may take it all
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax
   import zinfjax  # noqa: F401  (registers the handlers)
   device = jax.devices()[0]
@@ -357,9 +409,13 @@ def main(argv=None) -> int:
   part("disk.disk", lambda: disk(root, 64 << 20 if args.tiny else 4 << 30))
 
   result["steps"] = []
-  part("steps.steps", lambda: gpt_steps(jax, args, result.get("matmul_tflops") or 1.0, root,
-                                         result["steps"], saved))
+  steps = isolated_steps if args.isolate else functools.partial(gpt_steps, jax)
+  part("steps.steps", lambda: steps(args, result.get("matmul_tflops") or 1.0, root,
+                                    result["steps"], saved))
   print(table(result))
+  shutil.rmtree(shm, ignore_errors=True)
+  if not args.nvme_path:
+    shutil.rmtree(root, ignore_errors=True)
   return 1 if result.get("errors") else 0
 
 

@@ -7,10 +7,11 @@
 #   env          the machine, the driver, the versions (env.txt)
 #   build        zinfjax with its CUDA handlers (build.log)
 #   gpu-tests    tests/gpu, the tests never yet passed on a GPU first (gpu_tests.log)
-#   speed        the numbers of the GPU speed issue alone: MFU, pinned host (XLA's host AdamW and
-#                the host pipeline under backward) and NVMe at 16k and 64k tokens (speed.log,
-#                speed/bench_gpu.json)
-#   bench        every row of bench_gpu.py: copies, disk, steps (bench_gpu.log, bench_gpu.json)
+#   speed        the numbers of the GPU speed issue that were not yet met: MFU and pinned host
+#                (XLA's host AdamW and the host pipeline under backward) at 16k and 64k tokens,
+#                each row in its own process (speed.log, speed/bench_gpu.json)
+#   bench        every row of bench_gpu.py: copies, disk, steps, NVMe's against I/O alone, each step
+#                row in its own process (bench_gpu.log, bench_gpu.json)
 #   copy-stream  the host-pipeline and NVMe steps with grads leaving the device on XLA's stream,
 #                then through the copy stream: ZINFJAX_COPY_STREAM=0/1 (copy_stream_*.log)
 #   profile      a jax.profiler trace of the bench GPT, all on device and on pinned host, and the
@@ -27,7 +28,7 @@
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
 #   first        the plan for one call of a 15-minute device budget:
-#                env,build,speed,gpu-tests,cpu-confirm,profile with DEADLINE=560, KEEP_GOING=1
+#                env,build,speed,gpu-tests,profile,cpu-confirm with DEADLINE=560, KEEP_GOING=1
 #                and PACK=1 (run it with the device tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
@@ -55,7 +56,7 @@ elif [[ "${3:-}" == "--dry-run" ]]; then
   DRY=1
 fi
 if [[ "$STAGES" == first ]]; then
-  STAGES=env,build,speed,gpu-tests,cpu-confirm,profile
+  STAGES=env,build,speed,gpu-tests,profile,cpu-confirm
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
@@ -132,18 +133,18 @@ stage_gpu_tests() {
 }
 
 stage_speed() {
-  local sizes=(--tokens 16384,65536 --nvme-tokens 16384)
+  local sizes=(--tokens 16384,65536)
   if [[ $DRY == 1 ]]; then sizes=(--tiny); fi
-  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --sections matmul,steps \
-    --placements device,pinned,pipeline-under,nvme "${sizes[@]}"
+  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --sections matmul,steps --isolate 150 \
+    --placements device,pinned,pipeline-under "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
 }
 
 stage_bench() {
   if [[ $DRY == 1 ]]; then
-    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --tiny
+    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --isolate 200 --tiny
   else
-    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT"
+    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --isolate 200
   fi
   note "bench: table in bench_gpu.log, numbers in bench_gpu.json"
 }
@@ -152,7 +153,7 @@ stage_copy_stream() {
   local mode sizes
   for mode in 0 1; do
     if [[ $DRY == 1 ]]; then sizes=(--tiny --nvme-tokens 64); else sizes=(--tokens 16384); fi
-    ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py \
+    ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py --isolate 200 \
       --out "$OUT/copy_stream_$mode" --sections steps --placements device,pipeline-under,nvme "${sizes[@]}"
   done
   note "copy-stream: copy_stream_0.log (XLA's stream), copy_stream_1.log (the copy stream)"

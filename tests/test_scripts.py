@@ -185,7 +185,7 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   rows = json.loads((out / "speed" / "bench_gpu.json").read_text())["steps"]
   assert {r["placement"] for r in rows} == {
     "all on device (compute alone)", "params + optimizer on pinned_host",
-    "params + optimizer on pinned_host, host pipeline under backward", "params + optimizer on nvme"}
+    "params + optimizer on pinned_host, host pipeline under backward"}
   for r in rows:
     base = next(b for b in rows if b["tokens"] == r["tokens"] and b["placement"].startswith("all"))
     assert abs(r["loss"] - base["loss"]) < 1e-3 * base["loss"], (r, base)
@@ -221,6 +221,22 @@ def test_gpu_check_keeps_to_its_deadline_and_packs_its_logs(tmp_path):
   progress = (tmp_path / "late" / "progress.txt").read_text()
   assert "not started before the deadline: env gpu-tests" in progress
   assert not (tmp_path / "late" / "env.txt").exists()
+
+
+def test_bench_gpu_runs_each_row_in_a_process_of_its_own(tmp_path):
+  """`bench_gpu.py --isolate S`: a step row whose process outlives S seconds (a hang) is recorded
+  as failed with the reason, and the rows after it still run; the table shows every row."""
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_gpu.py"), "--out", str(tmp_path),
+                        "--tiny", "--sections", "steps", "--placements", "device,pipeline-under",
+                        "--tokens", "64", "--isolate", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  rows = json.loads((tmp_path / "bench_gpu.json").read_text())["steps"]
+  assert [(r["tokens"], r["placement"]) for r in rows] == [
+    (64, "all on device (compute alone)"),
+    (64, "params + optimizer on pinned_host, host pipeline under backward")]
+  assert all(r["error"].startswith("stopped after 1 s") for r in rows), rows
+  assert "| 64 | all on device (compute alone) | failed: stopped after 1 s" in out.stdout
 
 
 def largest_runs_are_the_largest_that_fit(result: dict) -> None:
