@@ -120,6 +120,9 @@ stage_gpu_tests() {
   fi
   local per_test=()  # a hang fails its test, not the whole check
   if $PY -c "import pytest_timeout" 2>/dev/null; then per_test=(--timeout 240); fi
+  # one worker process: a test that crashes it (a segfault in a CUDA path) fails alone, and
+  # xdist starts another worker for the tests after it
+  if $PY -c "import xdist" 2>/dev/null; then per_test+=(-n 1); fi
   # -v: a line per test as it ends, so a run cut at its time limit still says which passed
   run gpu_tests.log 450 $PY -P -m pytest -v -p no:cacheprovider tests/gpu -ra "${per_test[@]}"
   if [[ $DRY == 0 ]] && grep -qE "[0-9]+ skipped" "$OUT/gpu_tests.log"; then
