@@ -19,7 +19,8 @@
 #   ckpt         checkpoint save/restore per tier on the GPU, about 3 minutes (bench_checkpoint.log)
 #   largest      the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
 #                placements (one per call fits); LARGEST_ARGS adds flags, e.g.
-#                "--bf16-moments --hidden 5120" (largest_gpt.log)
+#                "--bf16-moments --hidden 5120" (largest_gpt.log); under DEADLINE, one run per
+#                placement, stopped 30 s before it (the steps it finished are in the table)
 #   peer         DeepSpeed ZeRO-3 offload and zinfjax on the same GPT and shapes, one table
 #                (peer_table.txt); deepspeed comes from the bundle scripts/peer_bundle.sh makes in
 #                build/peer (carry it); PEER_SIDES="ours" or "deepspeed" runs one side per call,
@@ -192,6 +193,9 @@ stage_largest() {
   if [[ $DRY == 1 ]]; then
     size=(--hidden 128 --heads 4 --seq-len 64 --batch-size 4 --devices 2 --hbm-gib 0.02
           --ram-gib 0.03 --disk-gib 0.05 --pinned-budget 64)
+  fi
+  if (( DEADLINE > 0 )); then  # one run, stopped before the deadline with the steps it finished
+    size+=(--tries 1 --timeout $(( $(left) - 30 )))
   fi
   # LARGEST_ARGS: more largest_gpt.py flags, e.g. "--bf16-moments --hidden 5120 --heads 40"
   (cd /tmp && run largest_gpt.log 590 $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
