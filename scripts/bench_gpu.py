@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -87,7 +88,8 @@ def parse_args(argv=None):
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
   p.add_argument("--isolate", type=int, default=0, metavar="SECONDS",
                  help="run each step row in a child process stopped after SECONDS: a crash or a "
-                      "hang costs that row alone, and each row's peaks are its own")
+                      "hang costs that row alone, and each row's peaks are its own (their "
+                      "output: OUT/rows.log)")
   p.add_argument("--host-adam-ffi", action="store_true",
                  help="also run the pinned-host row with ZINFJAX_HOST_ADAM=ffi (the C++ AdamW "
                       "registered for XLA:GPU's host computations)")
@@ -278,13 +280,26 @@ def isolated_steps(args, peak_tflops: float, root: str, rows: list[dict], saved)
     command = [sys.executable, os.path.abspath(__file__), "--out", out, "--sections", "steps",
                "--tokens", str(tokens), "--nvme-tokens", str(tokens), "--placements", key,
                "--nvme-path", out, *keep]
-    t0 = time.perf_counter()
-    try:
-      done = subprocess.run(command, timeout=args.isolate, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-      why = None if done.returncode == 0 else f"exit {done.returncode}: {done.stdout[-300:]}"
-    except subprocess.TimeoutExpired:
-      why = f"stopped after {args.isolate} s (a hang, or a row longer than --isolate)"
+    t0, log = time.perf_counter(), os.path.join(args.out, "rows.log")
+    with open(log, "a") as f:  # every row's whole output, in one file beside the table
+      f.write(f"\n===== {name} at {tokens} tokens =====\n")
+      f.flush()
+      start = f.tell()
+      try:
+        done = subprocess.run(command, timeout=args.isolate, stdout=f, stderr=subprocess.STDOUT)
+        rc = done.returncode
+        why = (None if rc == 0 else f"exit {rc}" if rc > 0
+               else f"exit by {signal.Signals(-rc).name}")  # SIGSEGV: a crash in native code
+      except subprocess.TimeoutExpired:
+        why = f"stopped after {args.isolate} s (a hang, or a row longer than --isolate)"
+    with open(log, errors="replace") as f:
+      f.seek(start)
+      output = f.read()
+    for line in output.splitlines():  # what the row warned of (a fallback, say)
+      if "Warning" in line:
+        print("    " + line.strip()[:300], flush=True)
+    if why and why.startswith("exit"):
+      why += ": " + " ".join(output[-300:].split()).replace("|", "/")  # fit for a table cell
     found = os.path.join(out, "bench_gpu.json")
     child = json.load(open(found))["steps"] if os.path.exists(found) else []
     for row in child:
