@@ -89,7 +89,7 @@ run() {
     if (( limit <= 0 )); then echo "no time left before the deadline" | tee "$OUT/$log"; return 124; fi
   fi
   set -o pipefail
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$log"  # KILL 10 s after a TERM it ignores
 }
 
 stage_env() {
