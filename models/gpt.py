@@ -2,8 +2,9 @@
 
 Blocks are built by `zinfjax.layers.Stack` (parameters stacked on a layer axis,
 run with `nnx.scan`, each block remat-able), so the same model trains on one
-device or layer by layer under ZeRO-3. Matrix products run in the parameters'
-dtype (bf16 under mixed precision); layer norms, softmax and the loss in fp32. Attention is
+device or layer by layer under ZeRO-3. Activations and matrix products are in the
+parameters' dtype (bf16 under mixed precision: the lookups keep the table's dtype,
+`embedding.lookup`); layer norms, softmax and the loss in fp32. Attention is
 `attention.causal_attention` (cuDNN's fused attention on a GPU); `lm_loss` scores the output
 projection in chunks of tokens (`loss.py`).
 """
@@ -21,6 +22,7 @@ from flax import nnx
 from zinfjax.layers import Stack
 from .attention import causal_attention
 from .config import GPTConfig
+from .embedding import lookup
 from .loss import lm_loss, tied
 
 __all__ = ["Block", "GPT", "lm_loss"]
@@ -79,7 +81,7 @@ class GPT(nnx.Module):
     t = tokens_BxT.shape[1]
     if t > self.config.seq_len:
       raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}.")
-    x_BxTxD = self.wte(tokens_BxT) + self.wpe(jnp.arange(t))
+    x_BxTxD = lookup(self.wte, tokens_BxT) + lookup(self.wpe, jnp.arange(t))
     x_BxTxD = self.blocks(x_BxTxD)
     return self.ln_f(x_BxTxD).astype(x_BxTxD.dtype)
 

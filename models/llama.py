@@ -18,6 +18,7 @@ from flax import nnx
 
 from zinfjax.layers import Stack
 from .attention import causal_attention
+from .embedding import lookup
 from .loss import dense, tied
 
 
@@ -156,7 +157,7 @@ class Llama(nnx.Module):
     if tokens_BxT.shape[1] > self.config.seq_len:
       raise ValueError(f"sequence of {tokens_BxT.shape[1]} tokens is longer than "
                        f"seq_len={self.config.seq_len}.")
-    x_BxTxD = self.layers(self.embed(tokens_BxT))
+    x_BxTxD = self.layers(lookup(self.embed, tokens_BxT))
     return self.norm(x_BxTxD).astype(x_BxTxD.dtype)
 
   def head(self) -> tuple[jax.Array, Callable]:

@@ -193,6 +193,73 @@ def test_chunked_loss_equals_the_full_logits_loss(model, chunk):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_got, g_want)
 
 
+def dot_operands(jaxpr) -> list[tuple]:
+  """(dtype, shape) of both operands of every matrix product in a jaxpr, scan and remat bodies
+  included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(tuple((str(v.aval.dtype), v.aval.shape) for v in eqn.invars))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
+        if hasattr(sub, "eqns"):
+          found += dot_operands(sub)
+  return found
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_matrix_products_run_in_the_params_dtype(model, dtype):
+  """With its params cast to bf16 (as zinfjax hands them to the model under mixed precision),
+  every matrix product of forward and backward takes bf16 operands, the blocks' and the loss's,
+  and the logits come out in fp32; in fp32 everything stays fp32. (`nnx.Embed` alone would
+  promote the first activation to fp32.) The one exception is the explicit attention's backward
+  (the CPU's and cuDNN's fallback): its fp32 logits' gradient, [.., T, .., T, ..], meets bf16
+  q or k."""
+  from zinfjax.models import Llama, LlamaConfig, lm_loss
+  rngs = nnx.Rngs(5)
+  if model == "gpt":
+    net = GPT(get_config("tiny", num_layers=2), rngs=rngs)
+  else:
+    net = Llama(LlamaConfig(vocab_size=97, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                            intermediate=64, seq_len=16), rngs=rngs)
+  graph, params = nnx.split(net)
+  params = jax.tree.map(lambda a: a.astype(dtype), params)
+  # 12 tokens: no other dim of these models is 12, so [.., T, .., T, ..] names attention logits
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, net.config.vocab_size)
+  batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+  grads = jax.make_jaxpr(jax.grad(lambda p: lm_loss(nnx.merge(graph, p), batch)))(params)
+  products = dot_operands(grads.jaxpr)
+  assert len(products) >= 8 * net.config.num_layers, products  # the blocks' forward and backward
+  t = tokens.shape[1]
+  for (a, a_shape), (b, _) in products:
+    logits_grad = dtype == "bfloat16" and a == "float32" and a_shape.count(t) == 2
+    assert (a, b) == (dtype, dtype) or (logits_grad and b == dtype), products
+  assert sum((a, b) == (dtype, dtype) for (a, _), (b, _) in products) >= 6 * net.config.num_layers
+  assert nnx.merge(graph, params)(tokens).dtype == jnp.float32
+
+
+def test_mixed_precision_steps_feed_attention_bf16(monkeypatch):
+  """Through zinfjax's step under the default bf16 precision, the blocks' attention receives
+  bf16 queries, keys and values: the inputs cuDNN's fused attention takes on a GPU."""
+  import zinfjax
+  from zinfjax.models import gpt, lm_loss
+  seen = []
+  real = gpt.causal_attention
+  monkeypatch.setattr(gpt, "causal_attention",
+                      lambda q, k, v: seen.append((q.dtype, k.dtype, v.dtype)) or real(q, k, v))
+  config = get_config("tiny", num_layers=2)
+  state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zinfjax.ZeroConfig(),
+                       zinfjax.make_mesh(1), 0)
+  tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 33)).astype(np.int32)
+  state, metrics = zinfjax.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                                      lm_loss)
+  assert np.isfinite(float(metrics["loss"]))
+  assert seen and set(seen) == {(np.dtype(jnp.bfloat16),) * 3}, seen
+  state.close()
+
+
 def test_chunked_loss_holds_no_token_by_vocab_fp32_array():
   """bf16: the loss's program has no fp32 array of [tokens, vocab] (only chunk-sized ones)."""
   from zinfjax.models import chunked_cross_entropy
