@@ -43,6 +43,8 @@ from bench_step import io_alone, median_step  # noqa: E402
 SPEC_TFLOPS = 989.0
 # (key, params tier, optimizer tier, row name); the C++ AdamW row last: a crash keeps the rows before it
 PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
+              ("device-explicit", "device", "device",
+               "all on device, explicit attention (ZINFJAX_ATTENTION=explicit: no cuDNN)"),
               ("pinned", "pinned_host", "pinned_host", "params + optimizer on pinned_host"),
               ("pipeline", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline"),
@@ -58,7 +60,7 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("ffi", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code")]
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
-OPT_IN = {"mixed", "pipeline-atomic"}
+OPT_IN = {"mixed", "pipeline-atomic", "device-explicit"}
 
 
 def parse_args(argv=None):
@@ -330,6 +332,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
     for _, param, optimizer, name in [p for t, p in specs if t == tokens]:
       os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
+      os.environ["ZINFJAX_ATTENTION"] = "explicit" if "explicit attention" in name else "auto"
       atomic = "all or nothing" in name
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
@@ -371,7 +374,7 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
 def ratios(rows: list[dict]) -> list[dict]:
   """Each row against the all-device row of its tokens, and the NVMe rows against I/O alone."""
   for row in rows:
-    base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"].startswith("all")
+    base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"] == PLACEMENTS[0][3]
             and "step_s" in r]
     if "step_s" not in row or not base:
       continue
