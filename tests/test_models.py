@@ -260,6 +260,38 @@ def test_mixed_precision_steps_feed_attention_bf16(monkeypatch):
   state.close()
 
 
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_stack_fed_fp32_under_mixed_precision_warns(promote):
+  """A model whose embedding promotes its lookups to fp32 (`nnx.Embed` called as is) feeds its
+  Stack fp32 activations under bf16: zinfjax's step warns, naming the stack and the fix; the
+  bundled GPT (lookups in the table's dtype) trains without that warning."""
+  import zinfjax
+  from zinfjax.models import lm_loss
+
+  class Promoting(GPT):
+    def features(self, tokens_BxT):
+      x_BxTxD = self.wte(tokens_BxT) + self.wpe(jnp.arange(tokens_BxT.shape[1]))
+      return self.ln_f(self.blocks(x_BxTxD))
+
+  config = get_config("tiny", num_layers=2)
+  model = Promoting if promote else GPT
+  state = zinfjax.init(lambda r: model(config, rngs=r), zinfjax.optim.adamw(1e-3),
+                       zinfjax.ZeroConfig(), zinfjax.make_mesh(1), 0)
+  tokens = np.random.default_rng(1).integers(0, config.vocab_size, (2, 33)).astype(np.int32)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state, metrics = zinfjax.train_step(state, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                                        lm_loss)
+  state.close()
+  said = [str(w.message) for w in caught if "Stack #0 receives" in str(w.message)]
+  assert np.isfinite(float(metrics["loss"]))
+  if promote:
+    assert said and "float32 activations while its params are bfloat16" in said[0], said
+    assert "nnx.Embed" in said[0] and "embedding.lookup" in said[0]
+  else:
+    assert not said, said
+
+
 def test_chunked_loss_holds_no_token_by_vocab_fp32_array():
   """bf16: the loss's program has no fp32 array of [tokens, vocab] (only chunk-sized ones)."""
   from zinfjax.models import chunked_cross_entropy

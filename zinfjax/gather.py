@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -341,6 +342,24 @@ class ZeroStack:
   def __call__(self, x: jax.Array, *args) -> jax.Array:
     if self.on_call is not None:
       self.on_call(self.index)
+    check_input_dtype(x, [shards for _, shards in self.segments], self.index)
     for plan, shards in self.segments:
       x = layer_scan(plan, shards, x, tuple(args))
     return x
+
+
+def check_input_dtype(x: jax.Array, shards: Any, index: int) -> None:
+  """Warns (at trace time) when a stack of 16-bit params receives fp32 activations: its blocks'
+  matrix products then run in fp32, with twice the activation memory and no fused attention."""
+  dtypes = [getattr(a, "dtype", None) for a in jax.tree.leaves(shards)]  # arrays, or store keys
+  floats = [d for d in dtypes if d is not None and jnp.issubdtype(d, jnp.floating)]
+  if (jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > 2 and floats
+      and all(jnp.dtype(d).itemsize == 2 for d in floats)):
+    warnings.warn(
+        f"the model's Stack #{index} receives {jnp.dtype(x.dtype).name} activations while its "
+        f"params are {jnp.dtype(floats[0]).name}: every block's matrix products run in "
+        f"{jnp.dtype(x.dtype).name}, slower and with twice the activation memory. A layer before "
+        "the stack promotes them; nnx.Embed does (it returns the dtype it was built with): look "
+        "rows up in the table's own dtype, `jnp.take(embed.embedding[...], ids, axis=0)` as "
+        "zinfjax.models.embedding.lookup does, or cast the stack's input to the params' dtype. "
+        "Ignore this if the activations are fp32 on purpose.", stacklevel=2)
