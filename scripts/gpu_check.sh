@@ -75,7 +75,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if [[ -z "${CUDAToolkit_ROOT:-}" && -d /usr/local/cuda ]]; then export CUDAToolkit_ROOT=/usr/local/cuda; fi
 T0=$(date +%s)
-SUMMARY=() FAILED=()
+SUMMARY=() FAILED=() MISSED=()
 
 note() { echo "[gpu_check $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/progress.txt"; }
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
@@ -283,12 +283,11 @@ pack() {
 }
 
 finish() {
-  local rc=0 missed
+  local rc=0
   note "summary: ${SUMMARY[*]:-nothing ran}"
   if [[ -f "$OUT/speed.log" ]]; then sed -n '/^| tokens/,$p' "$OUT/speed.log"; fi
   if [[ -f "$OUT/gpu_tests.log" ]]; then sed -n '/short test summary/,$p' "$OUT/gpu_tests.log"; fi
-  missed=$(printf '%s\n' "${SUMMARY[@]}" | sed -n 's/ not started,$//p' | tr '\n' ' ')
-  if [[ -n "$missed" ]]; then note "gpu_check: not started before the deadline: $missed"; rc=3; fi
+  if (( ${#MISSED[@]} )); then note "gpu_check: not started before the deadline: ${MISSED[*]}"; rc=3; fi
   if (( ${#FAILED[@]} )); then note "gpu_check: FAILED stages: ${FAILED[*]}"; rc=1; fi
   if (( rc == 0 )); then note "gpu_check: all stages passed ($STAGES)"; fi
   if (( PACK )); then pack; fi
@@ -301,7 +300,7 @@ stage() {
   t=$(date +%s)
   if (( DEADLINE > 0 && $(left) < 30 )); then
     note "$name: not started, $(left) s left before the deadline"
-    SUMMARY+=("$name not started,")
+    SUMMARY+=("$name not started,") MISSED+=("$name")
     return 0
   fi
   set +e

@@ -196,15 +196,13 @@ def test_chunked_loss_equals_the_full_logits_loss(model, chunk):
 def dot_operands(jaxpr) -> list[tuple]:
   """(dtype, shape) of both operands of every matrix product in a jaxpr, scan and remat bodies
   included."""
+  from zinfjax.interpret import subjaxprs
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       found.append(tuple((str(v.aval.dtype), v.aval.shape) for v in eqn.invars))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-        if hasattr(sub, "eqns"):
-          found += dot_operands(sub)
+    for sub in subjaxprs(eqn):
+      found += dot_operands(sub)
   return found
 
 
