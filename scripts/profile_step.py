@@ -30,7 +30,7 @@ def parse_args(argv=None):
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
   p.add_argument("--offload", default="device", help="offload_param and offload_optimizer")
-  p.add_argument("--layer-residuals", default="auto", choices=("recompute", "save", "auto"))
+  p.add_argument("--layer-residuals", default="auto", choices=("recompute", "save", "dots", "auto"))
   p.add_argument("--steps", type=int, default=3, help="traced steps (after one warm-up)")
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")

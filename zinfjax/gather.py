@@ -127,7 +127,7 @@ class ScanPlan:
   first_layer: int = 0    # the stack's layer that is this scan's layer 0 (store keys)
   trainable: Any = None   # tree of bools: False for a frozen leaf (no grads); None: all trained
   micro_batches: int = 1  # > 1: each layer runs the batch as this many micro-batches in turn
-  residuals: str = "recompute"  # "save" / "auto": forward keeps what backward needs (residuals.py)
+  residuals: str = "recompute"  # "save"/"dots"/"auto": forward keeps what backward needs (residuals.py)
   residual_budget: int = 0      # "auto": bytes the stack's saved residuals may take
 
   @property
@@ -240,12 +240,13 @@ def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
     full, state = fetcher.next(state, i)
     if keep and plan.can_save_residuals:
       leaves = jax.tree.leaves(full)
-      y, pull = d.pull(plan, leaves, h)
-      res = R.split(pull, d.known(leaves, h))
-      # the policy, from the shapes of one layer's residuals (static: the body is traced once)
-      kept = res if R.keep(plan.residuals, res.nbytes, plan.num_layers,
-                           plan.residual_budget) else None
-      return (y, state), (plan.save_activation(h), kept)
+      # the policy, from the shapes of one layer's residuals (static: the body is traced once):
+      # the first saving mode whose residuals fit, else none (backward recomputes the layer)
+      for mode in R.ladder(plan.residuals):
+        y, pull = d.pull(plan, leaves, h, mode)
+        res = R.split(pull, d.known(leaves, h))
+        if R.keep(plan.residuals, res.nbytes, plan.num_layers, plan.residual_budget):
+          return (y, state), (plan.save_activation(h), res)
     y = micro.apply(lambda x, a: plan.apply(full, x, a), plan.micro_batches, h, args)
     return (y, state), (plan.save_activation(h), None)
 
