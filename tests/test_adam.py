@@ -14,6 +14,7 @@ from flax import nnx
 
 import zinfjax
 from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.optim.adam import OffloadedTransformation
 from zinfjax.optim.kernel import AdamConstants, adamw_jnp, adamw_numpy
 
 from helpers import text_batches
@@ -302,3 +303,62 @@ def test_sub_groups_pack_small_leaves_without_growing_the_buffers():
       assert p.offset % ALIGN == 0 and p.offset >= ends
       ends = p.offset + p.size
     assert ends == u.size
+
+
+@pytest.mark.parametrize("moments", [jnp.float32, jnp.bfloat16])
+def test_a_skipped_update_is_folded_into_the_pass(moments):
+  """`adamw_jnp(..., ok=)`: True is the plain update bit for bit; False gives back every state
+  bit for bit, even from a grad of NaN and inf (nothing of it reaches the states)."""
+  rng = np.random.default_rng(7)
+  n = 4099
+  master = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  m = jnp.asarray(rng.standard_normal(n) * 0.1, moments)
+  v = jnp.asarray(rng.random(n) * 0.01, moments)
+  grad = rng.standard_normal(n).astype(np.float32)
+  grad[::7], grad[3::11] = np.nan, np.inf
+  c = AdamConstants(0.9, 0.95, 1e-8)
+  run = jax.jit(lambda g, ok: adamw_jnp(master, m, v, g, 1e-3, 0.19, 0.0975, c, 0.01, 5, ok),
+                static_argnums=())
+  plain = jax.jit(lambda g: adamw_jnp(master, m, v, g, 1e-3, 0.19, 0.0975, c, 0.01, 5))
+  finite = jnp.asarray(np.nan_to_num(grad, nan=0.5, posinf=-2.0))
+  for got, want in zip(run(finite, jnp.bool_(True)), plain(finite)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+  assert not np.array_equal(np.asarray(plain(finite)[0]), np.asarray(master))
+  for got, old in zip(run(jnp.asarray(grad), jnp.bool_(False)), (master, m, v)):
+    assert got.dtype == old.dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(old).view(np.uint8))
+
+
+@pytest.mark.parametrize("make_tx", [lambda: zinfjax.optim.adamw(1e-3, weight_decay=0.1),
+                                     lambda: optax.adamw(1e-3, weight_decay=0.1)],
+                         ids=["zinfjax", "optax"])
+def test_skipping_nonfinite_steps_costs_no_memory(make_tx):
+  """With the optimizer on the device, a step that may skip its update compiles to no more
+  temporaries than one that may not (no old and new states alive together), and zinfjax's
+  AdamW needs no branch for it."""
+  config = get_config("tiny", num_layers=2, hidden=64, num_heads=4, seq_len=32, vocab_size=128)
+  mesh = zinfjax.make_mesh(1)
+  batch = {k: jax.ShapeDtypeStruct((4, 32), jnp.int32, sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data"))) for k in ("inputs", "targets")}
+  programs = {}
+  for skip in (True, False):
+    zero = zinfjax.ZeroConfig(offload_optimizer="device", skip_nonfinite=skip)
+    state = zinfjax.abstract_init(lambda r: GPT(config, rngs=r), make_tx(), zero, mesh)
+    programs[skip] = zinfjax.make_train_step(state, lm_loss).jitted.lower(state, batch).compile()
+  temps = {k: p.memory_analysis().temp_size_in_bytes for k, p in programs.items()}
+  assert temps[True] <= temps[False] + 1024, temps
+  if isinstance(make_tx(), OffloadedTransformation):
+    assert " conditional(" not in programs[True].as_text()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_unless_skipped_keeps_the_states_in_either_form(platform):
+  """The branch (XLA:CPU) and the selection (XLA:GPU) forms give the update, or the states
+  as they were."""
+  from zinfjax.update import unless_skipped
+  states = {"a": jnp.arange(5.0), "n": jnp.int32(3)}
+  update = lambda s: jax.tree.map(lambda x: x + 1, s)
+  for ok, want in ((True, update(states)), (False, states)):
+    got = jax.jit(lambda s, ok: unless_skipped(ok, update, (s,), lambda s: s, platform))(
+        states, jnp.bool_(ok))
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -72,13 +72,24 @@ def optax_update(engine, state: TrainState, grads: Any, norm, ok) -> tuple[Any, 
     return optax.apply_updates(master, updates), opt_state
 
   args = (g32, state.opt_state, untuple(plan, state.master))
-  # a skipped step does not run the update (a selection after it would keep old and new
-  # states alive together: more memory than the step's own temporaries)
-  master, opt_state = apply(*args) if ok is None else jax.lax.cond(
-      ok, apply, lambda g, o, m: (m, o), *args)
+  master, opt_state = unless_skipped(ok, apply, args, lambda g, o, m: (m, o),
+                                     plan.mesh.devices.flat[0].platform)
   new = [[(0, l.num_layers, m.astype(plan.compute_dtype))] if m is not None else []
          for l, m in zip(plan.leaves, plan.flatten(master))]
   return retuple(plan, master), opt_state, new
+
+
+def unless_skipped(ok, update, args: tuple, keep, platform: str) -> Any:
+  """`update(*args)`, or `keep(*args)` (the states as they were) where `ok` is False (None:
+  always the update), in the form each compiler keeps in place. XLA:CPU: a `lax.cond` (a
+  selection after the update keeps old and new states alive together). XLA:GPU: that
+  selection, which it fuses into the update (around a `lax.cond` it copies every state, each
+  step)."""
+  if ok is None:
+    return update(*args)
+  if platform == "cpu":
+    return jax.lax.cond(ok, update, keep, *args)
+  return jax.tree.map(lambda new, old: jnp.where(ok, new, old), update(*args), keep(*args))
 
 
 def adamw_update(engine, timeline: Timeline, state: TrainState, grads: Any, norm,

@@ -40,16 +40,10 @@ def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
   """AdamW on device-resident shards (jnp, bit-identical to optax.adamw). `scalars` are
   (lr, bc1, bc2, step) and optionally `ok`: False keeps every state as it was."""
   lr, bc1, bc2, step, *ok = scalars
-
-  def run(masters, mus, nus):
-    out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step)
-           for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
-    return tuple([x[i] for x in out] for i in range(3))
-
-  # a skipped step does not run the update (a selection after it would keep the old and new
-  # states alive together)
-  new_m, new_mu, new_nu = run(masters, mus, nus) if not ok else jax.lax.cond(
-      ok[0], run, lambda *states: states, masters, mus, nus)
+  # a skipped step is folded into the update (`adamw_jnp`'s `ok`): one in-place pass either way
+  out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step, ok[0] if ok else None)
+         for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
+  new_m, new_mu, new_nu = ([x[i] for x in out] for i in range(3))
   return new_m, new_mu, new_nu, [m.astype(params_dtype) for m in new_m]
 
 

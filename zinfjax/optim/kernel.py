@@ -88,19 +88,28 @@ def stochastic_bf16(x: jax.Array, seed: jax.Array) -> jax.Array:
 
 
 def adamw_jnp(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
-              step: Any = 0):
+              step: Any = 0, ok: Any = None):
   """Reference AdamW on one leaf; returns (master, m, v). bf16 moments are updated in fp32 and
-  stored with `stochastic_bf16` seeded by `step` (the count after this update)."""
+  stored with `stochastic_bf16` seeded by `step` (the count after this update).
+
+  `ok` (a scalar bool, optional): where False every state comes back exactly as it was. The
+  selections sit inside the update, so a skipped step stays one elementwise pass over the
+  states, in place: no branch (XLA:GPU copies every state around a `lax.cond`) and no
+  temporaries beyond those of the update alone, on XLA:CPU and XLA:GPU."""
   dtype = m.dtype
   g = grad.astype(jnp.float32)
-  m = (1 - c.b1) * g + c.b1 * m.astype(jnp.float32)
-  v = (1 - c.b2) * (g ** 2) + c.b2 * v.astype(jnp.float32)
+  old_m, old_v = m.astype(jnp.float32), v.astype(jnp.float32)
+  m = (1 - c.b1) * g + c.b1 * old_m
+  v = (1 - c.b2) * (g ** 2) + c.b2 * old_v
+  if ok is not None:  # the update below then stays finite (a skipped step's grad may not be)
+    m, v = jnp.where(ok, m, old_m), jnp.where(ok, v, old_v)
   update = (m / bc1) / (jnp.sqrt(v / bc2 + 0.0) + c.eps)
   if weight_decay:
     update = update + weight_decay * master
-  if dtype == jnp.bfloat16:
+  if dtype == jnp.bfloat16:  # a kept bf16 moment rounds back to itself (no bits dropped)
     m, v = stochastic_bf16(m, moment_seed(step, 0)), stochastic_bf16(v, moment_seed(step, 1))
-  return master + update * (-lr), m, v
+  new = master + update * (-lr)
+  return (new if ok is None else jnp.where(ok, new, master)), m, v
 
 
 def adamw_host(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay: float,
@@ -113,8 +122,8 @@ def adamw_host(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay:
   the default: it waits for a GPU run to show it computes the same)."""
   if platform == "cpu" or os.environ.get("ZINFJAX_HOST_ADAM") == "ffi":
     return adamw_ffi(master, m, v, grad, lr, bc1, bc2, c, weight_decay, params_dtype, apply, step)
-  new = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay, step)
-  master, m, v = (jnp.where(apply, a, b) for a, b in zip(new, (master, m, v)))
+  master, m, v = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay, step,
+                           None if apply is True else apply)
   return master, m, v, master.astype(params_dtype)
 
 
