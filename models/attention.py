@@ -14,7 +14,9 @@ and backward alone: a cuDNN that refuses at compile time (an engine it lacks
 for a shape, a version older than the fused kernel needs) then costs a
 warning and the explicit form, not the whole training step.
 `ZINFJAX_ATTENTION=explicit` keeps the explicit form on a GPU too (a
-baseline to time against).
+baseline to time against); `ZINFJAX_ATTENTION=cudnn` takes cuDNN's form
+wherever the dtype and head dim allow, unasked (a program compiled ahead of
+time for a GPU target on a machine without one: scripts/compile_gpu.py).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ CUDNN_HEAD_DIMS = (64, 128)
 
 
 def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array) -> bool:
-  """Whether cuDNN's fused attention runs these queries: a GPU backend, a 16-bit dtype, a head
-  dim it takes (fp32 runs, the exact tests, stay on the explicit form), and it compiles."""
-  return (jax.default_backend() == "gpu" and q_BxTxNxH.dtype in (jnp.bfloat16, jnp.float16)
-          and q_BxTxNxH.shape[-1] in CUDNN_HEAD_DIMS
-          and os.environ.get("ZINFJAX_ATTENTION", "auto") != "explicit"
-          and cudnn_compiles(q_BxTxNxH.shape, k_BxTxKxH.shape, q_BxTxNxH.dtype))
+  """Whether cuDNN's fused attention runs these queries: a 16-bit dtype, a head dim it takes
+  (fp32 runs, the exact tests, stay on the explicit form), and a GPU backend where it compiles
+  (or `ZINFJAX_ATTENTION=cudnn`)."""
+  mode = os.environ.get("ZINFJAX_ATTENTION", "auto")
+  if (mode == "explicit" or q_BxTxNxH.dtype not in (jnp.bfloat16, jnp.float16)
+      or q_BxTxNxH.shape[-1] not in CUDNN_HEAD_DIMS):
+    return False
+  return mode == "cudnn" or (jax.default_backend() == "gpu" and cudnn_compiles(
+      q_BxTxNxH.shape, k_BxTxKxH.shape, q_BxTxNxH.dtype))
 
 
 def cudnn_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:

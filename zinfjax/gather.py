@@ -240,13 +240,11 @@ def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
     full, state = fetcher.next(state, i)
     if keep and plan.can_save_residuals:
       leaves = jax.tree.leaves(full)
-      # the policy, from the shapes of one layer's residuals (static: the body is traced once):
-      # the first saving mode whose residuals fit, else none (backward recomputes the layer)
-      for mode in R.ladder(plan.residuals):
-        y, pull = d.pull(plan, leaves, h, mode)
-        res = R.split(pull, d.known(leaves, h))
-        if R.keep(plan.residuals, res.nbytes, plan.num_layers, plan.residual_budget):
-          return (y, state), (plan.save_activation(h), res)
+      y, pull = d.pull(plan, leaves, h, R.saving(plan.residuals))
+      res = R.split(pull, d.known(leaves, h))
+      # the policy, from the shapes of one layer's residuals (static: the body is traced once)
+      if R.keep(plan.residuals, res.nbytes, plan.num_layers, plan.residual_budget):
+        return (y, state), (plan.save_activation(h), res)
     y = micro.apply(lambda x, a: plan.apply(full, x, a), plan.micro_batches, h, args)
     return (y, state), (plan.save_activation(h), None)
 

@@ -25,6 +25,7 @@ from .layers import micro_batches
 from .offload import tiers
 from .partition import is_layout
 from .placement import LeafPlan, Plan
+from .tier import Tier
 
 LossFn = Callable[[nnx.Module, Any], jax.Array]
 is_parts = lambda x: isinstance(x, tuple)
@@ -56,7 +57,8 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
   leaves = [plan.leaves[i] for i in stack.leaves]
   treedef = jax.tree.structure(_get(plan.layouts, stack.path + ("block",)), is_leaf=is_layout)
   block = lambda xs: jax.tree.unflatten(treedef, xs)
-  budget = (R.device_budget() if config.residual_budget is None else config.residual_budget)
+  budget = (R.device_budget(plan.tier_bytes()[Tier.DEVICE]) if config.residual_budget is None
+            else config.residual_budget)
   segments = []
   for j, seg in enumerate(stack.params):
     scan = G.ScanPlan(

@@ -1,0 +1,193 @@
+"""The GPT training step compiled for an H100 or H200 on a machine without a GPU: what XLA:GPU
+makes of it, before any device time is spent.
+
+  pip install "jax[cuda13]"   # the CUDA plugin and its libraries: no GPU or driver needed
+  python scripts/compile_gpu.py --tokens 16384,65536
+  python scripts/compile_gpu.py --target h200 --layer-residuals recompute --json out.json
+
+XLA compiles for a GPU described in text (`--target`: its memory, bandwidth,
+SMs, compute capability) with no device present (jax's deviceless
+`topologies`). For each token count, the step with every state on the device
+(the row `bench_gpu.py` times first) is compiled, and one table row says:
+
+* residuals: what the layer scan keeps for backward ("save", "dots" or
+  recompute; `ZeroConfig.layer_residuals`) and its bytes per layer, under the
+  budget the GPU would give it (half of what the states leave of XLA's
+  allocator limit, 75% of the memory; or `--residual-budget`);
+* products run: the TFLOPs of the matrix products the program executes (every
+  dot, cuBLAS GEMM and cuDNN attention call, times the loops' trip counts:
+  `_hlo.py`), against the model's 6·N·T + causal attention: more than 1.0x is
+  recompute (the MFU the step can reach at best is model / run);
+* written: GiB the program's kernels write to HBM (`_hlo.written_bytes`:
+  outputs outside fusions, in-place updates by their size, loops applied),
+  a floor of its memory traffic;
+* not bf16: product TFLOPs with other than bf16 operands;
+* cuDNN: the fused attention's forward / backward calls in the program;
+* HBM: arguments + temporaries from `memory_analysis()`, against the target;
+* state copies: fp32 bytes the entry computation copies (states copied around
+  a branch, each step).
+
+Offloaded placements are not compiled here: a device-less target reports no
+host memory, so jax traces `pinned_host` arrays as device arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# XLA's GPU description (`stream_executor.GpuTargetConfigProto`) of each target
+_DEVICE = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: {bandwidth} l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: {memory} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 }}
+runtime_version {{ major: 13 minor: 0 }}
+device_description_str: "{name}"
+"""
+TARGETS = {"h100": dict(name="NVIDIA H100 80GB HBM3", memory=84929347584, bandwidth=3352320000000),
+           "h200": dict(name="NVIDIA H200", memory=150754820096, bandwidth=4800000000000)}
+ALLOCATOR_FRACTION = 0.75  # of the memory XLA:GPU's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", default="h100", choices=sorted(TARGETS))
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--hidden", type=int, default=2048)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--tokens", default="4096,16384,65536", help="tokens per step, comma-separated")
+  p.add_argument("--layer-residuals", default="auto", choices=("recompute", "save", "dots", "auto"))
+  p.add_argument("--residual-budget", type=float, default=None,
+                 help="GiB the saved residuals may take (default: what the target's GPU gives)")
+  p.add_argument("--attention", default="cudnn", choices=("cudnn", "explicit"))
+  p.add_argument("--hlo", default=None, help="folder to write each program's optimized HLO to")
+  p.add_argument("--json", default=None, help="write the rows to this file too")
+  return p.parse_args(argv)
+
+
+def gpu_mesh(target: str):
+  """A one-GPU mesh of the `target` description, with no device present."""
+  import jax
+  from jax.experimental import topologies
+  try:
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology="1x1x1", target_config=_DEVICE.format(**TARGETS[target]))
+  except Exception as e:  # noqa: BLE001  (no plugin: NotImplementedError or RuntimeError)
+    raise SystemExit(f"compile_gpu: XLA:GPU is not installed here ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:160]}). Install jax's CUDA plugin, which needs "
+                     "no GPU: pip install \"jax[cuda13]\"") from None
+  return topologies.make_mesh(topology, (1,), ("data",)), jax
+
+
+def compile_step(args, mesh, tokens: int) -> dict:
+  """Compile the all-device step for `tokens` tokens; its row of the table."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import _hlo
+  import zinfjax
+  from zinfjax import residuals as R
+  from zinfjax.models import GPT, get_config, lm_loss
+  from zinfjax.tier import Tier
+
+  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                      seq_len=args.seq_len, vocab_size=args.vocab)
+  target = TARGETS[args.target]
+  make = lambda zero: zinfjax.abstract_init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4),
+                                            zero, mesh)
+  zero = zinfjax.ZeroConfig(layer_residuals=args.layer_residuals)
+  budget = (int(args.residual_budget * 2**30) if args.residual_budget is not None else R.budget(
+      int(target["memory"] * ALLOCATOR_FRACTION),  # the allocator's limit, as the GPU reports it
+      make(zero).engine.plan.tier_bytes()[Tier.DEVICE]))
+  state = make(dataclasses.replace(zero, residual_budget=budget))
+  batch = {k: jax.ShapeDtypeStruct((max(1, tokens // config.seq_len), config.seq_len), jnp.int32,
+                                   sharding=NamedSharding(mesh, P("data")))
+           for k in ("inputs", "targets")}
+  tried = []  # the scan's residual choice as it traces: (bytes per layer, kept)
+  keep = R.keep
+
+  def watched(mode: str, nbytes: int, layers: int, budget: int) -> bool:
+    tried.append((nbytes, keep(mode, nbytes, layers, budget)))
+    return tried[-1][1]
+
+  R.keep = watched  # observed, not changed
+  try:
+    t0 = time.perf_counter()
+    program = zinfjax.make_train_step(state, lm_loss).jitted.lower(state, batch).compile()
+    seconds = time.perf_counter() - t0
+  finally:
+    R.keep = keep
+  hlo = program.as_text()
+  if args.hlo:
+    os.makedirs(args.hlo, exist_ok=True)
+    with open(os.path.join(args.hlo, f"step-{tokens}.hlo"), "w") as f:
+      f.write(hlo)
+  kept = [n for n, k in tried if k]
+  mode = R.saving(args.layer_residuals) if kept else "recompute"
+  flops = _hlo.matmul_flops(hlo)
+  model = config.train_flops(batch["inputs"].shape[0] * config.seq_len)
+  calls = _hlo.custom_calls(hlo)
+  memory = program.memory_analysis()
+  hbm = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+  return {"tokens": tokens, "residuals": mode, "residual_gib_per_layer": (kept[0] / 2**30 if kept
+                                                                          else 0.0),
+          "run_tflop": flops.total / 1e12, "model_tflop": model / 1e12,
+          "run_over_model": flops.total / model, "written_gib": _hlo.written_bytes(hlo) / 2**30,
+          "not_bf16_tflop": sum(v for k, v in flops.by_dtype.items() if k != "bf16") / 1e12,
+          "cudnn_forward": sum(n for t, n in calls.items() if t.startswith("__cudnn$fmha")
+                               and "Backward" not in t),
+          "cudnn_backward": sum(n for t, n in calls.items() if t.startswith("__cudnn$fmha")
+                                and "Backward" in t),
+          "hbm_gib": hbm / 2**30, "hbm_fraction": hbm / target["memory"],
+          "state_copies_gib": _hlo.entry_copies(hlo) / 2**30, "compile_s": seconds}
+
+
+def table(rows: list[dict], args) -> str:
+  head = (f"GPT {args.layers} x {args.hidden} ({args.heads} heads, seq {args.seq_len}, vocab "
+          f"{args.vocab}), all states on the device, compiled for {TARGETS[args.target]['name']} "
+          f"(no GPU present), layer_residuals={args.layer_residuals}, attention {args.attention}")
+  lines = [head, "", "| tokens | residuals (GiB/layer) | products run TFLOP | model TFLOP | run / model "
+           "| written GiB | not bf16 TFLOP | cuDNN fwd / bwd | HBM GiB (of target) | state copies GiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['tokens']} | {r['residuals']} ({r['residual_gib_per_layer']:.2f}) | "
+                 f"{r['run_tflop']:.2f} | {r['model_tflop']:.2f} | {r['run_over_model']:.3f}x | "
+                 f"{r['written_gib']:.1f} | "
+                 f"{r['not_bf16_tflop']:.2f} | {r['cudnn_forward']} / {r['cudnn_backward']} | "
+                 f"{r['hbm_gib']:.1f} ({r['hbm_fraction']:.0%}) | {r['state_copies_gib']:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  # before jax starts: compile for the target without asking a driver, and no device needed
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
+  os.environ["ZINFJAX_ATTENTION"] = args.attention  # the CPU is jax's backend here
+  mesh, _ = gpu_mesh(args.target)
+  rows = [compile_step(args, mesh, int(t)) for t in args.tokens.split(",")]
+  print(table(rows, args), flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"target": args.target, "args": vars(args), "rows": rows}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,114 @@
+"""scripts/_hlo.py: the matrix products a compiled program runs, read from its HLO (checked on
+XLA:CPU programs, and on XLA:GPU's custom calls as they print), and scripts/compile_gpu.py's
+refusal where XLA:GPU is not installed."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import REPO
+
+SCRIPTS = os.path.join(REPO, "scripts")
+sys.path.insert(0, SCRIPTS)
+import _hlo  # noqa: E402
+
+
+def test_products_are_counted_with_their_loops():
+  """A scan of 5 layers (a while loop, or unrolled), a product after it, and their gradient:
+  every product's 2·M·N·K, times the iterations that run it."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+  ws = jnp.asarray(rng.standard_normal((5, 16, 16)), jnp.float32)
+
+  def loss(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return (h @ h.T).sum()
+
+  layer, last = 2 * 8 * 16 * 16, 2 * 8 * 8 * 16
+  forward = _hlo.matmul_flops(jax.jit(loss).lower(ws, x).compile().as_text())
+  assert forward.by_dtype == {"f32": 5 * layer + last} and forward.total == 5 * layer + last
+  # with the gradient to the weights: each layer's product again (saved inputs, no recompute)
+  # and its two pullbacks (to h and to w); h h^T's forward and its pullback (one or two
+  # products, as XLA folds (g + g^T) h)
+  both = _hlo.matmul_flops(jax.jit(jax.value_and_grad(loss)).lower(ws, x).compile().as_text())
+  assert 15 * layer + 2 * last <= both.total <= 15 * layer + 3 * last, both
+  assert both.attention == 0
+
+
+GPU_HLO = """HloModule m
+
+%branch_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %d = f32[4]{0} add(%p, %p)
+}
+
+%branch_b (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %e = f32[4]{0} multiply(%q, %q)
+}
+
+%body (t: (s32[], bf16[64,32])) -> (s32[], bf16[64,32]) {
+  %t = (s32[], bf16[64,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %a = bf16[64,32]{1,0} get-tuple-element(%t), index=1
+  %w = bf16[32,32]{1,0} constant({...})
+  %g = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%a, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %o = bf16[64,32]{1,0} get-tuple-element(%g), index=0
+  ROOT %r = (s32[], bf16[64,32]{1,0}) tuple(%i, %o)
+}
+
+%cond (c: (s32[], bf16[64,32])) -> pred[] {
+  %c = (s32[], bf16[64,32]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (x: bf16[64,32], q: bf16[2,128,4,64], s: f32[4], b: pred[]) -> f32[4] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(1)
+  %s = f32[4]{0} parameter(2)
+  %b = pred[] parameter(3)
+  %z = s32[] constant(0)
+  %t0 = (s32[], bf16[64,32]{1,0}) tuple(%z, %x)
+  %loop = (s32[], bf16[64,32]{1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %f = (bf16[2,128,4,64]{3,2,1,0}, f32[2,4,128]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
+  %copy.1 = f32[4]{0} copy(%s)
+  %big = f32[64,4]{1,0} broadcast(%s), dimensions={1}
+  %row = f32[1,4]{1,0} reshape(%s)
+  %dus = f32[64,4]{1,0} dynamic-update-slice(%big, %row, %z, %z)
+  %br = f32[4]{0} conditional(%b, %copy.1, %copy.1), true_computation=%branch_a, false_computation=%branch_b
+  ROOT %out = f32[4]{0} add(%br, %br)
+}
+"""
+
+
+def test_gpu_custom_calls_are_counted():
+  """cuBLAS GEMMs by their dims (inside a loop of 3), cuDNN's causal attention, state copies,
+  the bytes kernels write."""
+  flops = _hlo.matmul_flops(GPU_HLO)
+  assert flops.by_dtype == {"bf16": 3 * 2 * 64 * 32 * 32}
+  assert flops.attention == 4 * 2 * 4 * 128 * 128 * 64 * 0.5
+  assert _hlo.custom_calls(GPU_HLO) == {"__cublas$gemm": 1, "__cudnn$fmhaSoftmax": 1}
+  assert _hlo.entry_copies(GPU_HLO) == 16
+  # the loop's GEMM output and workspace 3 times, the attention's outputs, the copy, the
+  # broadcast, the row (reshaped, then written in place by the update), the costlier branch,
+  # the sum
+  loop, attention = 3 * (64 * 32 * 2 + 1024), 2 * 128 * 4 * 64 * 2 + 2 * 4 * 128 * 4
+  assert _hlo.written_bytes(GPU_HLO) == loop + attention + 16 + 64 * 4 * 4 + 2 * 16 + 16 + 16
+
+
+def test_compile_gpu_says_what_to_install_without_xla_gpu():
+  """Where jax's CUDA plugin is missing, the script says how to get it (no GPU needed)."""
+  try:
+    import jax_plugins.xla_cuda13  # noqa: F401
+    pytest.skip("jax's CUDA plugin is installed here: the refusal cannot be shown")
+  except ImportError:
+    pass
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "compile_gpu.py"), "--tokens", "64"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert 'pip install "jax[cuda13]"' in out.stderr, out.stderr
