@@ -290,6 +290,37 @@ def test_a_stack_fed_fp32_under_mixed_precision_warns(promote):
     assert not said, said
 
 
+def _products(jaxpr) -> int:
+  """dot_generals in a jaxpr, inside scans and custom rules too (each body counted once)."""
+  from zinfjax.interpret import subjaxprs
+  return sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) + sum(
+      _products(inner) for e in jaxpr.eqns for inner in subjaxprs(e))
+
+
+@pytest.mark.parametrize("project", ["tied", "dense"])
+def test_chunked_loss_and_its_grads_equal_the_full_logits(project):
+  """fp32, ragged chunks, a cotangent other than 1: the loss and its grads to the rows and the
+  weight equal those of the whole [tokens, vocab] logits; the grads are taken as each chunk's
+  logits are made (one product for the logits, one per grad: none made again in backward),
+  and a weight that is not differentiated gets no product for its grad."""
+  from zinfjax.models import chunked_cross_entropy
+  from zinfjax.models import loss as L
+  fn = getattr(L, project)
+  n, d, v, chunk = 300, 16, 100, 64
+  x = jax.random.normal(jax.random.key(1), (n, d), jnp.float32)
+  w = jax.random.normal(jax.random.key(2), (v, d) if project == "tied" else (d, v), jnp.float32)
+  targets = jax.random.randint(jax.random.key(3), (n,), 0, v)
+  full = lambda x, w: 3.0 * jnp.mean(L._chunk_losses(fn(x, w), targets))
+  chunked = lambda x, w: 3.0 * chunked_cross_entropy(x, w, fn, targets, chunk)
+  np.testing.assert_allclose(chunked(x, w), full(x, w), rtol=1e-6)
+  for got, want in zip(jax.grad(chunked, (0, 1))(x, w), jax.grad(full, (0, 1))(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(jax.grad(chunked)(x, w), jax.grad(full)(x, w), rtol=1e-5, atol=1e-7)
+  assert _products(jax.make_jaxpr(jax.grad(chunked, (0, 1)))(x, w).jaxpr) == 3
+  assert _products(jax.make_jaxpr(jax.grad(chunked))(x, w).jaxpr) == 2
+  assert _products(jax.make_jaxpr(chunked)(x, w).jaxpr) == 1
+
+
 def test_chunked_loss_holds_no_token_by_vocab_fp32_array():
   """bf16: the loss's program has no fp32 array of [tokens, vocab] (only chunk-sized ones)."""
   from zinfjax.models import chunked_cross_entropy
