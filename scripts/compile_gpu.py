@@ -112,7 +112,7 @@ def compile_step(args, mesh, tokens: int) -> dict:
   make = lambda zero: zinfjax.abstract_init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4),
                                             zero, mesh)
   zero = zinfjax.ZeroConfig(layer_residuals=args.layer_residuals)
-  budget = (int(args.residual_budget * 2**30) if args.residual_budget is not None else R.budget(
+  budget = (int(args.residual_budget * 2**30) if args.residual_budget is not None else R.free_share(
       int(target["memory"] * ALLOCATOR_FRACTION),  # the allocator's limit, as the GPU reports it
       make(zero).engine.plan.tier_bytes()[Tier.DEVICE]))
   state = make(dataclasses.replace(zero, residual_budget=budget))

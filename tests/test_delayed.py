@@ -94,8 +94,11 @@ def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip,
   want_losses, want = delayed_reference(batches, clip)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   got = flat(state.full_params())
+  # 8 ranks against one device round differently; AdamW turns a rounding-level grad difference
+  # into up to a whole step (lr) for a param whose grad is near zero: params are held to 1% of
+  # one step's movement
   for name, expected in flat(want).items():
-    np.testing.assert_allclose(got[name], expected, atol=2e-5, rtol=1e-4, err_msg=name)
+    np.testing.assert_allclose(got[name], expected, atol=1e-2 * LR, rtol=1e-4, err_msg=name)
   # where the params are in the store, the tail's new ones were written there after the program
   in_store = any(pipeline.on_store("params", p) for u in pipeline.tail for p in u.parts)
   assert in_store == (param != "device")

@@ -112,8 +112,8 @@ def test_auto_saves_within_the_budget_only(mesh, batches, tmp_path):
 
 
 def test_the_default_budget_is_half_of_what_the_states_leave():
-  assert R.budget(60 << 30, 8 << 30) == 26 << 30
-  assert R.budget(60 << 30, 70 << 30) == 0
+  assert R.free_share(60 << 30, 8 << 30) == 26 << 30
+  assert R.free_share(60 << 30, 70 << 30) == 0
   assert R.device_budget(0) == 0  # XLA:CPU reports no limit: recompute
 
 
@@ -153,3 +153,19 @@ def test_bad_policy_is_refused():
     zinfjax.ZeroConfig(layer_residuals="sometimes")
   with pytest.raises(ValueError, match="residual_budget"):
     zinfjax.ZeroConfig(residual_budget=-1)
+
+
+def test_a_stack_split_over_tiers_shares_its_budget(mesh, batches, tmp_path):
+  """A stack whose layers are split over tiers runs a scan per tier; they share the stack's
+  budget as their layers are, so the stack keeps its residuals only where all of them fit."""
+  products = sum(math.prod(x.shape) * x.dtype.itemsize for x in kept_residuals(
+      run(mesh, [], tmp_path / "dots", "dots")[1], batches[0]))
+  split = "device:2,pinned_host"  # scans of 2 and 1 layers
+  counts = {}
+  for name, budget in (("all", TINY.num_layers * products), ("two", 2 * products)):
+    state = run(mesh, [], tmp_path / name, "auto", split, residual_budget=budget)[1]
+    counts[name] = dots(state, batches[0])
+    state.close()
+  ref = run(mesh, [], tmp_path / "rec", "recompute", split)[1]
+  assert counts["two"] == dots(ref, batches[0]) > counts["all"], counts
+  ref.close()

@@ -86,7 +86,9 @@ class ZeroConfig:
       products). "auto" (default): "dots" where one stack's fit
       `residual_budget`, else recompute. Saving needs tiles=1,
       micro_batches=1 and offload_activations=False; otherwise it recomputes.
-    residual_budget: bytes one stack's saved residuals may take under "auto";
+    residual_budget: bytes one stack's saved residuals may take under "auto"
+      (a stack split over tiers runs a scan per tier, each with its layers'
+      share);
       None: half of what the device's model states leave of its memory
       limit where the platform reports one, else 0 (recompute; XLA:CPU
       reports none).

@@ -59,6 +59,7 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
   block = lambda xs: jax.tree.unflatten(treedef, xs)
   budget = (R.device_budget(plan.tier_bytes()[Tier.DEVICE]) if config.residual_budget is None
             else config.residual_budget)
+  layers = sum(seg.layers for seg in stack.params)
   segments = []
   for j, seg in enumerate(stack.params):
     scan = G.ScanPlan(
@@ -68,7 +69,8 @@ def zero_stack(engine, stack, index: int, flat: list, block_graph, on_call) -> G
         offload_activations=config.offload_activations,
         first_layer=seg.start, trainable=block([l.trainable for l in leaves]),
         micro_batches=config.micro_batches, residuals=config.layer_residuals,
-        residual_budget=budget)
+        # the stack's budget shared by its scans as their layers are
+        residual_budget=budget * seg.layers // layers)
     segments.append((scan, block([flat[l.index][j] for l in leaves])))
   return G.ZeroStack(segments, index, on_call)
 
