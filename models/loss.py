@@ -3,7 +3,10 @@
 The output projection of a language model makes a [tokens, vocab] array of
 logits: 16k tokens of a 50k vocabulary are 3.3 GB in fp32, plus the same
 again for their gradient. `chunked_cross_entropy` runs the projection and the
-loss on `chunk` tokens at a time in a `lax.scan`: the logits stay in the
+loss on a chunk of tokens at a time in a `lax.scan` (by default 1024 tokens,
+or more where a chunk's fp32 logits stay within 512 MiB: each chunk adds its
+weight gradient into an fp32 [vocab, hidden] sum, so fewer chunks move fewer
+bytes; 4096 for a 32k vocabulary): the logits stay in the
 compute dtype (bf16 under mixed precision) and each chunk's log-sum-exp is
 taken in fp32. Where it is differentiated, each chunk's gradients (to its
 rows and to the projection's weight, summed over chunks in fp32) are taken in
@@ -22,7 +25,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-LOSS_CHUNK = 1024  # tokens per chunk: [1024, vocab] fp32 logits at a time
+LOSS_CHUNK = 1024  # tokens per chunk at least: [1024, vocab] fp32 logits at a time
+LOSS_CHUNK_BYTES = 512 << 20  # a larger chunk while its fp32 logits take no more
+
+
+def default_chunk(vocab: int) -> int:
+  """Tokens per chunk: `LOSS_CHUNK`, doubled while a chunk's fp32 logits fit `LOSS_CHUNK_BYTES`."""
+  chunk = LOSS_CHUNK
+  while 2 * chunk * vocab * 4 <= LOSS_CHUNK_BYTES:
+    chunk *= 2
+  return chunk
 
 
 def _chunk_losses(logits, targets):
@@ -37,14 +49,16 @@ def _chunk_losses(logits, targets):
 
 def chunked_cross_entropy(x_NxD: jax.Array, weight: jax.Array,
                           project: Callable[[jax.Array, jax.Array], jax.Array],
-                          targets_N: jax.Array, chunk: int = LOSS_CHUNK) -> jax.Array:
+                          targets_N: jax.Array, chunk: int | None = None) -> jax.Array:
   """Mean cross entropy of `project(x, weight)` (logits [n, vocab]) against `targets_N`.
 
   `weight` is the projection's matrix (its gradient is accumulated in fp32
-  across chunks); `project` is applied to `chunk` rows of `x_NxD` at a time,
-  in `x`'s dtype.
+  across chunks); `project` is applied to `chunk` rows of `x_NxD` at a time (None:
+  `default_chunk` of the vocabulary), in `x`'s dtype.
   """
   n, d = x_NxD.shape
+  if chunk is None:
+    chunk = default_chunk(jax.eval_shape(project, x_NxD[:1], weight).shape[-1])
   c = max(1, min(chunk, n))
   k = -(-n // c)
   pad = k * c - n
@@ -110,7 +124,7 @@ def dense(x: jax.Array, kernel_DxV: jax.Array) -> jax.Array:
   return jnp.dot(x.astype(dtype), kernel_DxV.astype(dtype))
 
 
-def lm_loss(model, batch: dict[str, jax.Array], chunk: int = LOSS_CHUNK) -> jax.Array:
+def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax.Array:
   """Mean next-token cross entropy of `batch["inputs"]` against `batch["targets"]`.
 
   A model with `features(tokens) -> [B, T, D]` and `head() -> (weight, project)`

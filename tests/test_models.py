@@ -321,6 +321,33 @@ def test_chunked_loss_and_its_grads_equal_the_full_logits(project):
   assert _products(jax.make_jaxpr(chunked)(x, w).jaxpr) == 1
 
 
+def test_the_default_chunk_is_the_largest_whose_fp32_logits_fit():
+  """1024 tokens at least, doubled while a chunk's fp32 logits fit LOSS_CHUNK_BYTES; the loss
+  scores a batch in chunks of it."""
+  from zinfjax.models.loss import LOSS_CHUNK_BYTES, default_chunk
+  assert default_chunk(32768) == 4096 and default_chunk(128256) == 1024
+  for vocab in (65, 50257, 151936):
+    chunk = default_chunk(vocab)
+    assert chunk == 1024 or chunk * vocab * 4 <= LOSS_CHUNK_BYTES < 2 * chunk * vocab * 4
+  config = get_config("tiny", num_layers=1, hidden=32, num_heads=2, seq_len=64,
+                      vocab_size=LOSS_CHUNK_BYTES // (4 * 2048))  # chunks of 2048 tokens
+  from zinfjax.interpret import subjaxprs
+  from zinfjax.models import lm_loss
+  graphdef, params = nnx.split(GPT(config, rngs=nnx.Rngs(0)))
+  tokens = jnp.zeros((64, 64), jnp.int32)  # 4096 tokens: two chunks
+  jaxpr = jax.make_jaxpr(lambda p: lm_loss(nnx.merge(graphdef, p),
+                                           {"inputs": tokens, "targets": tokens}))(params)
+
+  def lengths(jx):  # every scan's length, nested ones too
+    for e in jx.eqns:
+      if e.primitive.name == "scan":
+        yield e.params["length"]
+      for inner in subjaxprs(e):
+        yield from lengths(inner)
+
+  assert 2 in list(lengths(jaxpr.jaxpr)), list(lengths(jaxpr.jaxpr))
+
+
 def test_chunked_loss_holds_no_token_by_vocab_fp32_array():
   """bf16: the loss's program has no fp32 array of [tokens, vocab] (only chunk-sized ones)."""
   from zinfjax.models import chunked_cross_entropy
