@@ -102,7 +102,9 @@ def test_estimate_memory_plan_for_budgets(tmp_path):
 def test_train_gpt_nvme_keeps_host_memory_within_the_pinned_budget(tmp_path):
   """Params and optimizer on NVMe: peak RSS of a model whose states are over 10x the pinned
   budget exceeds that of a 2-layer model (the runtime's own memory: Python, JAX/XLA, compiled
-  programs, activations, which differ by machine) by less than the budget. With
+  programs, activations, which differ by machine) by less than the budget, give or take a
+  tenth of the states (RSS of two processes varies by tens of MiB from run to run: 30 MiB
+  apart alone, 160 MiB once inside the whole suite; the states, 1.5 GB, would not fit). With
   `--no-atomic-steps` the swap files hold one copy of the states (16 bytes a param), not the
   second copy of params and optimizer that atomic steps reserve (30)."""
   budget_mib = 128
@@ -126,7 +128,7 @@ def test_train_gpt_nvme_keeps_host_memory_within_the_pinned_budget(tmp_path):
   assert records[-1]["nvme_bytes_read"] >= 12 * params  # the optimizer states really streamed
   base, _, _ = train(2)
   peak, runtime = (max(r["peak_rss"] for r in rs) for rs in (records, base))
-  assert peak < runtime + (budget_mib << 20), (
+  assert peak < runtime + (budget_mib << 20) + states // 10, (
       f"peak RSS {peak / 2**30:.2f} GiB at 24 layers, {runtime / 2**30:.2f} GiB at 2\n{stdout}")
 
 
