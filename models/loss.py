@@ -89,13 +89,11 @@ def _loss_sum_fwd(project, xs, weight, ts, valid):
   def body(carry, c):
     total, g_w = carry
     x, t, v = c
+    loss, grads = jax.value_and_grad(lambda x, w: _chunk_sum(project, x, w, t, v),
+                                     (0, 1) if train_weight else (0,))(x, weight)
     if train_weight:
-      loss, (g_x, g_wc) = jax.value_and_grad(
-          lambda x, w: _chunk_sum(project, x, w, t, v), (0, 1))(x, weight)
-      g_w = g_w + g_wc.astype(jnp.float32)
-    else:
-      loss, g_x = jax.value_and_grad(lambda x: _chunk_sum(project, x, weight, t, v))(x)
-    return (total + loss, g_w), g_x
+      g_w = g_w + grads[1].astype(jnp.float32)
+    return (total + loss, g_w), grads[0]
 
   g_w = jnp.zeros(weight.shape if train_weight else (), jnp.float32)
   (total, g_w), g_xs = lax.scan(body, (jnp.zeros((), jnp.float32), g_w), (xs, ts, valid))

@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections import Counter
+from typing import Callable
 
 _BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
           "s8": 1, "u8": 1, "pred": 1, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -35,9 +36,10 @@ def shape(text: str) -> tuple[str, tuple[int, ...]]:
   return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
 
 
-def nbytes(text: str) -> int:
-  dtype, dims = shape(text)
-  return math.prod(dims) * _BYTES.get(dtype, 4)
+def array_bytes(text: str) -> int:
+  """Bytes of every array shape in `text` (one array, or a tuple's)."""
+  return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
+             for dtype, dims in _SHAPE.findall(text))
 
 
 @dataclasses.dataclass
@@ -73,37 +75,71 @@ def computations(hlo: str) -> tuple[dict[str, list[Instr]], str]:
   return comps, entry
 
 
-def _dot_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
-  lhs = shapes.get(ins.operands[0], "")
-  dims = shape(lhs)[1] if lhs else ()
-  contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
-  k = math.prod(dims[int(c)] for c in contracting.group(1).split(",") if c) if contracting else 1
-  return 2.0 * math.prod(shape(ins.type)[1]) * k, shape(lhs)[0] if lhs else "?"
+def _executed(hlo: str, cost: Callable[[Instr, dict[str, str], dict], Counter],
+              descend: Callable[[Instr], list[str]]) -> Counter:
+  """`cost` of every instruction the program runs, added up by key: the computations an
+  instruction calls (`descend` picks them) count once per call, a while body times its trip
+  count, a conditional's costliest branch once."""
+  comps, entry = computations(hlo)
+  memo: dict[str, Counter] = {}
+
+  def visit(name: str) -> Counter:
+    if name not in memo:
+      memo[name] = Counter()  # a cycle (none in HLO) counts once
+      instrs = comps.get(name, [])
+      types = {i.name: i.type for i in instrs}
+      out = Counter()
+      for ins in instrs:
+        out.update(cost(ins, types, comps))
+        if ins.opcode == "conditional":
+          branches = _BRANCHES.search(ins.rest)
+          names = re.findall(r"%[\w.\-]+", branches.group(1)) if branches else descend(ins)
+          out.update(max((visit(c) for c in names), key=lambda c: sum(c.values()),
+                         default=Counter()))
+          continue
+        trips = int((_TRIPS.search(ins.rest) or [None, 1])[1]) if ins.opcode == "while" else 1
+        for c in descend(ins):
+          out.update({k: v * trips for k, v in visit(c).items()})
+      memo[name] = out
+    return memo[name]
+
+  return visit(entry)
 
 
-def _gemm_flops(ins: Instr, shapes: dict[str, str]) -> tuple[float, str]:
-  """A cuBLAS GEMM custom call: its dims from the backend config."""
-  config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', ins.rest)
-  lhs = shapes.get(ins.operands[0], "")
-  dims = shape(lhs)[1] if lhs else ()
-  k = 1
-  if config:
-    for c in json.loads(config.group(1)).get("lhs_contracting_dimensions", []):
-      k *= dims[int(c)]
-  return 2.0 * math.prod(shape(ins.type)[1]) * k, shape(lhs)[0] if lhs else "?"
+def _product_flops(ins: Instr, types: dict[str, str], contracting: list[int]) -> Counter:
+  """2·(output elements)·(contracted size), keyed by the left operand's dtype."""
+  lhs = types.get(ins.operands[0], "")
+  dtype, dims = shape(lhs) if lhs else ("?", ())
+  k = math.prod(dims[c] for c in contracting)
+  return Counter({dtype: 2.0 * math.prod(shape(ins.type)[1]) * k})
 
 
-def _attention_flops(ins: Instr, shapes: dict[str, str], backward: bool) -> float:
+def _attention_flops(ins: Instr, types: dict[str, str], backward: bool) -> float:
   """cuDNN's fused attention: q k^T and p v forward (four with the backward's dq, dk, dv and
   the recomputed logits: 2.5x), halved under a causal mask. q is [B, T, N, H]."""
-  q = shape(shapes.get(ins.operands[0], ""))[1]
+  q = shape(types.get(ins.operands[0], ""))[1]
   if len(q) != 4:
     return 0.0
   b, t, n, h = q
-  kv = shape(shapes.get(ins.operands[1], ""))[1]
+  kv = shape(types.get(ins.operands[1], ""))[1]
   s = kv[1] if len(kv) == 4 else t
-  causal = 0.5 if '"mask_type":"CAUSAL"' in ins.rest or "CAUSAL" in ins.rest else 1.0
+  causal = 0.5 if "CAUSAL" in ins.rest else 1.0
   return 4.0 * b * n * t * s * h * causal * (2.5 if backward else 1.0)
+
+
+def _flops_of(ins: Instr, types: dict[str, str], comps) -> Counter:
+  if ins.opcode in ("dot", "convolution"):
+    dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.rest)
+    return _product_flops(ins, types, [int(c) for c in dims.group(1).split(",") if c]
+                          if dims else [])
+  target = (_TARGET.search(ins.rest) or [None, ""])[1] if ins.opcode == "custom-call" else ""
+  if target.startswith("__cublas"):  # dims from the backend config
+    config = re.search(r'"dot_dimension_numbers":(\{[^}]*\})', ins.rest)
+    dims = json.loads(config.group(1)).get("lhs_contracting_dimensions", []) if config else []
+    return _product_flops(ins, types, [int(c) for c in dims])
+  if target.startswith("__cudnn$fmha"):
+    return Counter({"attention": _attention_flops(ins, types, "Backward" in target)})
+  return Counter()
 
 
 @dataclasses.dataclass
@@ -120,45 +156,9 @@ class Flops:
 
 def matmul_flops(hlo: str) -> Flops:
   """The FLOPs of the products `hlo` (optimized HLO text) runs, loops' trip counts applied."""
-  comps, entry = computations(hlo)
-  memo: dict[str, Flops] = {}
-
-  def visit(name: str) -> Flops:
-    if name in memo:
-      return memo[name]
-    memo[name] = Flops(Counter())  # a cycle (none in HLO) counts once
-    out = Flops(Counter())
-    instrs = comps.get(name, [])
-    shapes = {i.name: i.type for i in instrs}
-    for ins in instrs:
-      if ins.opcode in ("dot", "convolution"):
-        flops, dtype = _dot_flops(ins, shapes)
-        out.by_dtype[dtype] += flops
-      elif ins.opcode == "custom-call":
-        target = (_TARGET.search(ins.rest) or [None, ""])[1]
-        if target.startswith("__cublas"):
-          flops, dtype = _gemm_flops(ins, shapes)
-          out.by_dtype[dtype] += flops
-        elif target.startswith("__cudnn$fmha"):
-          out.attention += _attention_flops(ins, shapes, "Backward" in target)
-      trips = int((_TRIPS.search(ins.rest) or [None, 1])[1]) if ins.opcode == "while" else 1
-      called = _CALLS.findall(ins.rest)
-      branches = _BRANCHES.search(ins.rest)
-      if ins.opcode == "conditional":  # the costliest branch
-        names = (re.findall(r"%[\w.\-]+", branches.group(1)) if branches else called)
-        parts = [visit(c) for c in names]
-        called, extra = [], max(parts, key=lambda f: f.total, default=Flops(Counter()))
-        out.by_dtype.update(extra.by_dtype)
-        out.attention += extra.attention
-      for c in called:
-        inner = visit(c)
-        for k, v in inner.by_dtype.items():
-          out.by_dtype[k] += v * trips
-        out.attention += inner.attention * trips
-    memo[name] = out
-    return out
-
-  return visit(entry)
+  counts = _executed(hlo, _flops_of, lambda ins: _CALLS.findall(ins.rest))
+  attention = counts.pop("attention", 0.0)
+  return Flops(Counter({k: v for k, v in counts.items() if v}), attention)
 
 
 def custom_calls(hlo: str) -> Counter:
@@ -169,7 +169,7 @@ def custom_calls(hlo: str) -> Counter:
 def entry_copies(hlo: str, dtype: str = "f32") -> int:
   """Bytes the entry computation copies as `dtype` arrays (e.g. states around a branch)."""
   comps, entry = computations(hlo)
-  return sum(nbytes(i.type) for i in comps.get(entry, [])
+  return sum(array_bytes(i.type) for i in comps.get(entry, [])
              if i.opcode == "copy" and i.type.startswith(dtype + "["))
 
 
@@ -179,49 +179,23 @@ _NO_WRITE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "
 _BODIES = re.compile(r"(?:body|true_computation|false_computation|to_apply)=(%[\w.\-]+)")
 
 
-def _array_bytes(text: str) -> int:
-  return sum(math.prod(int(d) for d in dims.split(",") if d) * _BYTES.get(dtype, 4)
-             for dtype, dims in _SHAPE.findall(text))
+def _written_by(ins: Instr, types: dict[str, str], comps) -> Counter:
+  """What one instruction writes: a dynamic-update-slice (alone or at a fusion's root) its
+  update, in place; any other its output, unless it writes nothing of its own."""
+  fused = re.search(r"calls=(%[\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
+  body = comps.get(fused.group(1), []) if fused else []
+  if ins.opcode == "dynamic-update-slice":
+    return Counter({"bytes": array_bytes(types.get(ins.operands[1], ""))})
+  if body and body[-1].opcode == "dynamic-update-slice":
+    inner = {i.name: i.type for i in body}
+    return Counter({"bytes": array_bytes(inner.get(body[-1].operands[1], ""))})
+  return Counter({"bytes": 0 if ins.opcode in _NO_WRITE else array_bytes(ins.type)})
 
 
 def written_bytes(hlo: str) -> int:
   """Bytes the program's kernels write, loops' trip counts applied: each instruction's output
   outside fusions, where a dynamic-update-slice (alone or at a fusion's root) writes its update
   in place. Reads come on top: a floor of its memory traffic."""
-  comps, entry = computations(hlo)
-  memo: dict[str, int] = {}
-
-  def update_bytes(ins: Instr, types: dict[str, str]) -> int | None:
-    if ins.opcode == "dynamic-update-slice":
-      return _array_bytes(types.get(ins.operands[1], ""))
-    fused = re.search(r"calls=(%[\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
-    body = comps.get(fused.group(1), []) if fused else []
-    if body and body[-1].opcode == "dynamic-update-slice":
-      return _array_bytes({i.name: i.type for i in body}.get(body[-1].operands[1], ""))
-    return None
-
-  def visit(name: str) -> int:
-    if name in memo:
-      return memo[name]
-    memo[name] = 0
-    instrs = comps.get(name, [])
-    types = {i.name: i.type for i in instrs}
-    total = 0
-    for ins in instrs:
-      in_place = update_bytes(ins, types)
-      if in_place is not None:
-        total += in_place
-      elif ins.opcode not in _NO_WRITE:
-        total += _array_bytes(ins.type)
-      bodies = [visit(c) for c in _BODIES.findall(ins.rest)] if ins.opcode in (
-          "while", "conditional", "call") else []
-      if ins.opcode == "conditional":  # one branch runs: the costliest
-        branches = _BRANCHES.search(ins.rest)
-        bodies = [max([visit(c) for c in re.findall(r"%[\w.\-]+", branches.group(1))]
-                      if branches else bodies, default=0)]
-      trips = int((_TRIPS.search(ins.rest) or [None, 1])[1]) if ins.opcode == "while" else 1
-      total += sum(bodies) * trips
-    memo[name] = total
-    return total
-
-  return visit(entry)
+  bodies = lambda ins: (_BODIES.findall(ins.rest) if ins.opcode in ("while", "conditional", "call")
+                        else [])
+  return int(_executed(hlo, _written_by, bodies)["bytes"])

@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +143,10 @@ def compile_step(args, mesh, tokens: int) -> dict:
   mode = R.saving(args.layer_residuals) if kept else "recompute"
   flops = _hlo.matmul_flops(hlo)
   model = config.train_flops(batch["inputs"].shape[0] * config.seq_len)
-  calls = _hlo.custom_calls(hlo)
+  attention = Counter()  # cuDNN fused attention calls: backward (True) or forward
+  for call, n in _hlo.custom_calls(hlo).items():
+    if call.startswith("__cudnn$fmha"):
+      attention["Backward" in call] += n
   memory = program.memory_analysis()
   hbm = memory.argument_size_in_bytes + memory.temp_size_in_bytes
   return {"tokens": tokens, "residuals": mode, "residual_gib_per_layer": (kept[0] / 2**30 if kept
@@ -150,10 +154,7 @@ def compile_step(args, mesh, tokens: int) -> dict:
           "run_tflop": flops.total / 1e12, "model_tflop": model / 1e12,
           "run_over_model": flops.total / model, "written_gib": _hlo.written_bytes(hlo) / 2**30,
           "not_bf16_tflop": sum(v for k, v in flops.by_dtype.items() if k != "bf16") / 1e12,
-          "cudnn_forward": sum(n for t, n in calls.items() if t.startswith("__cudnn$fmha")
-                               and "Backward" not in t),
-          "cudnn_backward": sum(n for t, n in calls.items() if t.startswith("__cudnn$fmha")
-                                and "Backward" in t),
+          "cudnn_forward": attention[False], "cudnn_backward": attention[True],
           "hbm_gib": hbm / 2**30, "hbm_fraction": hbm / target["memory"],
           "state_copies_gib": _hlo.entry_copies(hlo) / 2**30, "compile_s": seconds}
 
