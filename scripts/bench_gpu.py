@@ -37,11 +37,12 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_adam import bench_host, bench_zinfjax, copy_bandwidth  # noqa: E402
 from bench_step import io_alone, median_step  # noqa: E402
 
 # dense bf16 TFLOP/s of an H100 / H200 SXM (NVIDIA's datasheet): the second MFU denominator
 SPEC_TFLOPS = 989.0
-# (key, params tier, optimizer tier, row name); the C++ AdamW row last: a crash keeps the rows before it
+# (key, params tier, optimizer tier, row name)
 PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("device-explicit", "device", "device",
                "all on device, explicit attention (ZINFJAX_ATTENTION=explicit: no cuDNN)"),
@@ -56,9 +57,7 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
                "params + optimizer on pinned_host, host pipeline under backward, all or nothing"),
               ("nvme", "nvme", "nvme", "params + optimizer on nvme"),
               ("mixed", "pinned_host", "nvme", "params on pinned_host, optimizer on nvme, host "
-               "pipeline under backward (RAM + drive stores), rewritten in place"),
-              ("ffi", "pinned_host", "pinned_host",
-               "params + optimizer on pinned_host, C++ AdamW in XLA:GPU's host code")]
+               "pipeline under backward (RAM + drive stores), rewritten in place")]
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
 OPT_IN = {"mixed", "pipeline-atomic", "device-explicit"}
 
@@ -80,11 +79,11 @@ def parse_args(argv=None):
                  help="MiB of page-locked buffers the store keeps (hold a few layers: buffers it "
                       "cannot keep are unpinned and pinned again)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
-  p.add_argument("--sections", default="copies,matmul,disk,steps",
+  p.add_argument("--sections", default="copies,matmul,disk,host,steps",
                  help="comma-separated parts to run (a failing part is recorded and the rest run)")
   p.add_argument("--placements", default=",".join(p[0] for p in PLACEMENTS if p[0] not in OPT_IN),
                  help="comma-separated keys of the step rows to run (nvme and mixed only at "
-                      "--nvme-tokens, ffi only with --host-adam-ffi; default: all but "
+                      "--nvme-tokens; default: all but "
                       f"{sorted(OPT_IN)}); peaks are the process's: one key per run gives each "
                       "its own")
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
@@ -92,9 +91,6 @@ def parse_args(argv=None):
                  help="run each step row in a child process stopped after SECONDS: a crash or a "
                       "hang costs that row alone, and each row's peaks are its own (their "
                       "output: OUT/rows.log)")
-  p.add_argument("--host-adam-ffi", action="store_true",
-                 help="also run the pinned-host row with ZINFJAX_HOST_ADAM=ffi (the C++ AdamW "
-                      "registered for XLA:GPU's host computations)")
   args = p.parse_args(argv)
   unknown = set(args.placements.split(",")) - {k for k, *_ in PLACEMENTS}
   if unknown:
@@ -266,17 +262,16 @@ def row_specs(args) -> list[tuple[int, tuple]]:
   nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
   wanted = set(args.placements.split(","))
   return [(tokens, p) for tokens in [int(t) for t in args.tokens.split(",")] for p in PLACEMENTS
-          if p[0] in wanted and ("nvme" not in (p[1], p[2]) or tokens in nvme_tokens)
-          and (p[0] != "ffi" or (tokens in nvme_tokens and args.host_adam_ffi))]
+          if p[0] in wanted and ("nvme" not in (p[1], p[2]) or tokens in nvme_tokens)]
 
 
-def isolated_steps(args, peak_tflops: float, root: str, rows: list[dict], saved) -> list[dict]:
+def isolated_steps(args, peak_tflops: float | None, root: str, rows: list[dict], saved) -> list[dict]:
   """Each step row in a child process of this script (`--isolate` seconds at most): a row that
   crashes, hangs or runs out of memory is recorded as failed and the next one runs."""
   import subprocess
   keep = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
           "--seq-len", str(args.seq_len), "--pinned-budget", str(args.pinned_budget),
-          "--steps", str(args.steps)] + ["--tiny"] * args.tiny + ["--host-adam-ffi"] * args.host_adam_ffi
+          "--steps", str(args.steps)] + ["--tiny"] * args.tiny
   for tokens, (key, *_, name) in row_specs(args):
     out = os.path.join(root, f"row-{tokens}-{key}")
     command = [sys.executable, os.path.abspath(__file__), "--out", out, "--sections", "steps",
@@ -305,7 +300,7 @@ def isolated_steps(args, peak_tflops: float, root: str, rows: list[dict], saved)
     found = os.path.join(out, "bench_gpu.json")
     child = json.load(open(found))["steps"] if os.path.exists(found) else []
     for row in child:
-      if "tflops" in row:
+      if "tflops" in row and peak_tflops:
         row["mfu"] = row["tflops"] / peak_tflops
     rows.extend(child or [{"tokens": tokens, "placement": name, "error": why or "no row written"}])
     print(f"  [{name} at {tokens} tokens, own process: {time.perf_counter() - t0:.0f} s"
@@ -315,7 +310,7 @@ def isolated_steps(args, peak_tflops: float, root: str, rows: list[dict], saved)
   return ratios(rows)
 
 
-def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved) -> list[dict]:
+def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict], saved) -> list[dict]:
   """GPT steps at each placement and token count; `rows` grows and `saved()` runs after each."""
   import numpy as np
   import zinfjax
@@ -331,7 +326,6 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
                 for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
     for _, param, optimizer, name in [p for t, p in specs if t == tokens]:
-      os.environ["ZINFJAX_HOST_ADAM"] = "ffi" if "C++ AdamW" in name else "jnp"
       os.environ["ZINFJAX_ATTENTION"] = "explicit" if "explicit attention" in name else "auto"
       atomic = "all or nothing" in name
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
@@ -351,14 +345,17 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
         step, state, metrics = median_step(state, batches, lm_loss)
         rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
                      "tokens_per_s": batch_size * config.seq_len / step,
-                     "tflops": flops / step / 1e12, "mfu": flops / step / 1e12 / peak_tflops,
+                     # MFU needs the matmul rate: a row run in its own process gets it from its parent
+                     "tflops": flops / step / 1e12,
+                     "mfu": flops / step / 1e12 / peak_tflops if peak_tflops else None,
                      "mfu_spec": flops / step / 1e12 / SPEC_TFLOPS,
                      "loss": float(metrics["loss"]), **peaks(jax),
                      # write_many's grads through the copy stream (swap_cuda.cc), or XLA's stream
                      "copy_stream": os.environ.get("ZINFJAX_COPY_STREAM") == "1"})
+        rows[-1].update(where_it_went(state, metrics, args.steps + 1))
         if param == "nvme":  # the same bytes through the store with nothing else running
           rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
-        print(f"  {name} at {tokens} tokens: {step:.3f} s", flush=True)
+        print(f"  {name} at {tokens} tokens: {step:.3f} s{phase_line(rows[-1])}", flush=True)
       except Exception as e:  # noqa: BLE001  (the other rows still run)
         traceback.print_exc()
         rows.append({"tokens": batch_size * config.seq_len, "placement": name,
@@ -371,16 +368,59 @@ def gpt_steps(jax, args, peak_tflops: float, root: str, rows: list[dict], saved)
   return ratios(rows)
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-  """Each row against the all-device row of its tokens, and the NVMe rows against I/O alone."""
+def where_it_went(state, metrics: dict, steps: int) -> dict:
+  """The last step's phases as the step reports them (program, host optimizer, its waits), and
+  the lent buffers the store made over all `steps` (one per step or more: `pinned_budget` keeps
+  too few, so each is allocated and page-locked again)."""
+  out = {"phases": {k: float(v) for k, v in metrics.items() if k.endswith("_s")}}
+  store = state.engine.store
+  if store is not None:
+    stats = store.stats()
+    made = [s["buffers_made"] for s in (stats, *(v for v in stats.values() if isinstance(v, dict)))
+            if "buffers_made" in s]
+    if made:
+      out["buffers_made"] = {"count": int(made[-1][0]), "bytes": int(made[-1][1]), "steps": steps}
+  return out
+
+
+def phase_line(row: dict) -> str:
+  parts = [f"{k[:-2]} {v:.3f} s" for k, v in row.get("phases", {}).items()]
+  if "buffers_made" in row:
+    b = row["buffers_made"]
+    parts.append(f"lent buffers made {b['count']} ({b['bytes'] / 2**30:.2f} GiB) in {b['steps']} steps")
+  return f" ({', '.join(parts)})" if parts else ""
+
+
+def host_alone(args) -> dict:
+  """The host's side of a pinned-host step with nothing else running: copy bandwidth on every
+  core, the C++ AdamW kernel over the bench GPT's params, and one host-pipeline step over them
+  in the RAM store (bf16 grads in, bf16 params out, updated in place), best of 3. The pipeline
+  rows cannot beat max(compute, that step)."""
+  from zinfjax.models import get_config
+  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                      seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
+  n = config.num_params
+  layer = 12 * args.hidden ** 2  # one block's params: the pipeline's sub-groups are about this
+  return {"params": n, "threads": os.cpu_count(),
+          "copy_gbs": copy_bandwidth(min(n * 4, 1 << 30), 3) / 1e9,
+          "adam_s": bench_zinfjax(n, 3),
+          "pipeline_s": bench_host(n, layer, 3)["in place"]}
+
+
+def ratios(rows: list[dict], host: dict | None = None) -> list[dict]:
+  """Each row against the all-device row of its tokens, the NVMe rows against I/O alone and the
+  host-pipeline rows against the host's step alone (`host_alone`)."""
   for row in rows:
     base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"] == PLACEMENTS[0][3]
             and "step_s" in r]
     if "step_s" not in row or not base:
       continue
     row["vs_compute"] = row["step_s"] / base[0]["step_s"]
-    if "io_alone_s" in row:
-      row["vs_bound"] = row["step_s"] / max(base[0]["step_s"], row["io_alone_s"])
+    if host and "host pipeline" in row["placement"] and "nvme" not in row["placement"]:
+      row["host_alone_s"] = host["pipeline_s"]
+    alone = row.get("io_alone_s", row.get("host_alone_s"))
+    if alone is not None:
+      row["vs_bound"] = row["step_s"] / max(base[0]["step_s"], alone)
   return rows
 
 
@@ -425,11 +465,15 @@ def main(argv=None) -> int:
   result["matmul_n"] = 256 if args.tiny else 8192
   part("matmul.matmul_tflops", lambda: matmul_rate(jax, result["matmul_n"]))
   part("disk.disk", lambda: disk(root, 64 << 20 if args.tiny else 4 << 30))
+  part("host.host", lambda: host_alone(args))
 
   result["steps"] = []
   steps = isolated_steps if args.isolate else functools.partial(gpt_steps, jax)
-  part("steps.steps", lambda: steps(args, result.get("matmul_tflops") or 1.0, root,
+  part("steps.steps", lambda: steps(args, result.get("matmul_tflops"), root,
                                     result["steps"], saved))
+  if result.get("host") and result.get("steps"):
+    ratios(result["steps"], result["host"])
+    saved()
   print(table(result))
   shutil.rmtree(shm, ignore_errors=True)
   if not args.nvme_path:
@@ -439,7 +483,7 @@ def main(argv=None) -> int:
 
 def table(r: dict) -> str:
   """The run's table in Markdown; parts that failed or did not run are left out."""
-  c, k, s, d = (r.get(n, {}) for n in ("ceiling", "memory_kinds", "swap", "disk"))
+  c, k, s, d, h = (r.get(n, {}) for n in ("ceiling", "memory_kinds", "swap", "disk", "host"))
   ratio = lambda x, key: f"{x / c[key]:.2f}x" if key in c else "n/a"
   cell = lambda x, key: f"{x:.1f} ({ratio(x, key)})"
   lines = [f"\n{r['device']}: host <-> device GB/s (ratio to the pinned cudaMemcpyAsync ceiling)",
@@ -460,20 +504,29 @@ def table(r: dict) -> str:
     lines.append(f"\ndisk: {d['ceiling_tool']} write {d['ceiling_write']:.2f} / read "
                  f"{d['ceiling_read']:.2f} GB/s, zinfjax store ({d['store_backend']}) write "
                  f"{d['store_write']:.2f} / read {d['store_read']:.2f} GB/s")
+  if h:
+    lines.append(f"\nhost ({h['threads']} threads): copy {h['copy_gbs']:.1f} GB/s (read + write); over "
+                 f"the GPT's {h['params'] / 1e6:.0f}M params the C++ AdamW alone {h['adam_s']:.3f} s, "
+                 f"a host-pipeline step alone (RAM store, in place) {h['pipeline_s']:.3f} s")
   if r.get("steps"):
     lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
-              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device | vs max(compute, I/O alone) | loss |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device | vs max(compute, I/O or host alone) "
+              "| peak HBM GiB | peak RSS GiB | loss |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for row in r.get("steps", []):
     if "error" in row:
       lines.append(f"| {row['tokens']} | {row['placement']} | failed: {row['error']} |")
       continue
-    bound = (f"{row['vs_bound']:.2f}x (I/O alone {row['io_alone_s']:.2f} s)" if "vs_bound" in row
-             else "")
+    what = "I/O alone" if "io_alone_s" in row else "host alone"
+    bound = (f"{row['vs_bound']:.2f}x ({what} {row.get('io_alone_s', row.get('host_alone_s')):.2f} s)"
+             if "vs_bound" in row else "")
     vs = f"{row['vs_compute']:.2f}x" if "vs_compute" in row else ""
     spec = f"{row['mfu_spec']:.1%}" if "mfu_spec" in row else ""
+    mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else ""
+    gib = lambda key: f"{row[key] / 2**30:.1f}" if row.get(key) is not None else ""
     lines.append(f"| {row['tokens']} | {row['placement']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-                 f"| {row['tflops']:.1f} | {row['mfu']:.1%} | {spec} | {vs} | {bound} | {row['loss']:.4f} |")
+                 f"| {row['tflops']:.1f} | {mfu} | {spec} | {vs} | {bound} | {gib('peak_hbm')} "
+                 f"| {gib('peak_rss')} | {row['loss']:.4f} |")
   for name, tb in r.get("errors", {}).items():
     lines.append(f"\n{name} failed: {tb.strip().splitlines()[-1]}")
   return "\n".join(lines)

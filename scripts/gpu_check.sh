@@ -12,10 +12,12 @@
 #                each row in its own process (speed.log, speed/bench_gpu.json)
 #   bench        every row of bench_gpu.py: copies, disk, steps, NVMe's against I/O alone, each step
 #                row in its own process (bench_gpu.log, bench_gpu.json)
-#   copy-stream  the host-pipeline and NVMe steps with grads leaving the device on XLA's stream,
-#                then through the copy stream: ZINFJAX_COPY_STREAM=0/1 (copy_stream_*.log)
-#   profile      a jax.profiler trace of the bench GPT, all on device and on pinned host, and the
-#                top kernels by time as text (profile_device.txt, profile_pinned_host.txt)
+#   copy-stream  the host-pipeline step (and NVMe's with COPY_PLACEMENTS=device,pipeline-under,nvme)
+#                with grads leaving the device on XLA's stream, then through the copy stream:
+#                ZINFJAX_COPY_STREAM=0/1 (copy_stream_*.log)
+#   profile      a jax.profiler trace of the bench GPT, all on device and on pinned host under the
+#                host pipeline, and the top kernels by time as text (profile_device.txt,
+#                profile_pinned_host.txt)
 #   ckpt         checkpoint save/restore per tier on the GPU, about 3 minutes (bench_checkpoint.log)
 #   largest      the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
 #                placements (one per call fits); LARGEST_ARGS adds flags, e.g.
@@ -29,7 +31,7 @@
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
 #   first        the plan for one call of a 15-minute device budget:
-#                env,build,speed,gpu-tests,profile,cpu-confirm with DEADLINE=560, KEEP_GOING=1
+#                env,build,speed,gpu-tests,copy-stream,profile with DEADLINE=560, KEEP_GOING=1
 #                and PACK=1 (run it with the device tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
@@ -57,7 +59,7 @@ elif [[ "${3:-}" == "--dry-run" ]]; then
   DRY=1
 fi
 if [[ "$STAGES" == first ]]; then
-  STAGES=env,build,speed,gpu-tests,profile,cpu-confirm
+  STAGES=env,build,speed,gpu-tests,copy-stream,profile
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
@@ -140,7 +142,7 @@ stage_speed() {
   # the shape for the MFU target: hidden 2048, seq 2048 (--tiny shrinks both)
   local sizes=(--tokens 16384,65536 --seq-len 2048)
   if [[ $DRY == 1 ]]; then sizes=(--tiny); fi
-  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --sections matmul,steps --isolate 150 \
+  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --sections matmul,host,steps --isolate 150 \
     --placements device,pinned,pipeline-under "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
 }
@@ -155,11 +157,11 @@ stage_bench() {
 }
 
 stage_copy_stream() {
-  local mode sizes
+  local mode sizes placements=${COPY_PLACEMENTS:-device,pipeline-under}
   for mode in 0 1; do
     if [[ $DRY == 1 ]]; then sizes=(--tiny --nvme-tokens 64); else sizes=(--tokens 16384); fi
     ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py --isolate 200 \
-      --out "$OUT/copy_stream_$mode" --sections steps --placements device,pipeline-under,nvme "${sizes[@]}"
+      --out "$OUT/copy_stream_$mode" --sections steps --placements "$placements" "${sizes[@]}"
   done
   note "copy-stream: copy_stream_0.log (XLA's stream), copy_stream_1.log (the copy stream)"
 }
@@ -169,6 +171,7 @@ stage_profile() {
   for where in device pinned_host; do
     extra=()
     if [[ $DRY == 1 ]]; then extra=(--tiny); fi
+    if [[ $where == pinned_host ]]; then extra+=(--host-optimizer pipeline); fi
     (cd /tmp && run "profile_$where.txt" 280 $PY "$REPO/scripts/profile_step.py" \
        --out "$OUT/profile_$where" --offload "$where" "${extra[@]}")
     rm -rf "$OUT/profile_$where/nvme"

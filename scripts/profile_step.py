@@ -31,6 +31,10 @@ def parse_args(argv=None):
   p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
   p.add_argument("--offload", default="device", help="offload_param and offload_optimizer")
   p.add_argument("--layer-residuals", default="auto", choices=("recompute", "save", "dots", "auto"))
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline"),
+                 help="ZeroConfig.host_optimizer: pinned-host states updated in XLA's host code "
+                      "or by the C++ pipeline under backward (skip_nonfinite off, as bench_gpu's "
+                      "pipeline-under row)")
   p.add_argument("--steps", type=int, default=3, help="traced steps (after one warm-up)")
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")
@@ -88,8 +92,10 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(0)
   batches = [{k: rng.integers(0, config.vocab_size, (batch_size, config.seq_len)).astype(np.int32)
               for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
+  pipeline = args.host_optimizer == "pipeline"
   zero = zinfjax.ZeroConfig(offload_param=args.offload, offload_optimizer=args.offload,
                             layer_residuals=args.layer_residuals,
+                            host_optimizer=args.host_optimizer, skip_nonfinite=not pipeline,
                             nvme_path=os.path.join(args.out, "nvme"))
   state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero,
                        zinfjax.make_mesh(1), 0)
@@ -107,9 +113,12 @@ def main(argv=None) -> int:
   tokens = batch_size * config.seq_len
   flops = config.train_flops(tokens)
   lines = [f"GPT {config.num_layers} x {config.hidden}, {tokens} tokens/step, offload "
-           f"{args.offload}, layer_residuals {args.layer_residuals}, {jax.devices()[0].device_kind}",
+           f"{args.offload}, layer_residuals {args.layer_residuals}, host_optimizer "
+           f"{args.host_optimizer}, {jax.devices()[0].device_kind}",
            f"step {per_step:.3f} s (traced, so a little slower than untraced), "
            f"{flops / per_step / 1e12:.1f} TFLOP/s",
+           "last step's phases: " + (", ".join(f"{k[:-2]} {float(v):.3f} s" for k, v in metrics.items()
+                                               if k.endswith("_s")) or "none reported"),
            f"top {len(rows)} by total time over {args.steps} steps ({source}):",
            "| ms per step | share of step | calls per step | name |", "|---|---|---|---|"]
   for r in rows:

@@ -38,3 +38,19 @@ def test_cuda_module_when_the_toolkit_was_found():
   # every swap call the CPU handlers serve (the scan's prefetch uses read_start/read_wait)
   handlers = _engine_cuda.registrations(_engine.store_lookup())
   assert set(handlers) == set(_engine.registrations()) - {"zinfjax_adamw"}  # AdamW runs on host
+
+
+def test_handlers_built_for_a_newer_ffi_api_are_refused_before_jax_is_broken():
+  """A build isolated from the installed jax takes the newest jax's FFI headers; XLA refuses such
+  handlers when its backend starts (seen: API 0.5 handlers against jax 0.11's 0.4), and then no
+  array can be made. Importing zinfjax says so first, with the fix; this build passes the check."""
+  import pytest
+  from zinfjax import _engine, _ffi
+  built, installed = tuple(_engine.ffi_api_version()), _ffi.installed_ffi_api()
+  assert installed is not None and built[1] <= installed[1]
+  _ffi.check_ffi_api(built, installed)
+  _ffi.check_ffi_api((0, 1), (0, 4))  # older handlers: the framework takes them
+  with pytest.raises(ImportError, match=r"API 0\.5 .*runs API 0\.4.*--no-build-isolation"):
+    _ffi.check_ffi_api((0, 5), (0, 4))
+  with pytest.raises(ImportError, match="Rebuild zinfjax"):
+    _ffi.check_ffi_api((1, 0), (0, 4))

@@ -221,3 +221,42 @@ def test_all_or_nothing_host_steps_update_under_backward_with_clipping_and_skips
     zinfjax.ZeroConfig(host_atomic_steps="yes")
   state.close()
   xla.close()
+
+
+def test_memory_store_moves_shards_by_copy_and_keeps_its_lent_buffers():
+  """A memory store's reads and writes copy between the mapping and the caller's buffer (no
+  blocks, no checksum: four times as fast as through its file on a 2-core VM), on random data
+  of sizes not a multiple of the alignment, into given and own buffers, inside transactions.
+  And the RAM store a plan opens keeps the buffers it lends a step's transfers whatever
+  `pinned_budget` says: with 1 MiB, a 2 x 256 GPT made 10 more every step (each allocated,
+  and page-locked on a GPU, again), and now makes none after the second step."""
+  rng = np.random.default_rng(5)
+  store = AioStore([], memory=True)
+  xs = {f"p/{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate((1, 1027, 300_001))}
+  for key, x in xs.items():
+    store.write(key, x).wait()
+  for key, x in xs.items():
+    out = np.full_like(x, np.nan)
+    store.read(key, out).wait()
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(store.read(key).wait(), x)
+  store.begin(["p/"])
+  store.write("p/1", -xs["p/1"]).wait()
+  np.testing.assert_array_equal(store.read("p/1").wait(), -xs["p/1"])
+  store.rollback()
+  np.testing.assert_array_equal(store.read("p/1").wait(), xs["p/1"])
+  store.close()
+
+  config = get_config("tiny", num_layers=2, hidden=256, num_heads=4, seq_len=32)
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
+                            offload_optimizer="pinned_host", host_optimizer="pipeline",
+                            pinned_budget=1 << 20, skip_nonfinite=False)
+  state = zinfjax.init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
+                       zinfjax.make_mesh(1), 0)
+  assert state.engine.plan.lent_bytes(Tier.HOST_STORE) > 8 << 20  # the test needs layers > 1 MiB
+  made = []
+  for batch in text_batches(4, batch=2, seq=32, seed=6):
+    state, _ = zinfjax.train_step(state, batch, lm_loss)
+    made.append(state.engine.store.stats()["buffers_made"][0])
+  state.close()
+  assert made[0] > 0 and made[2:] == [made[1]] * 2, made  # the first steps may add a size

@@ -170,11 +170,14 @@ def open_store(config: ZeroConfig, plan: Plan) -> AioStore | MixedStore:
 
 
 def _open_one(config: ZeroConfig, plan: Plan, tier: Tier) -> AioStore:
-  """The store of `tier`: on the drive (nvme) or in host RAM (host_store)."""
+  """The store of `tier`: on the drive (nvme) or in host RAM (host_store). The RAM store keeps
+  the buffers it lends a step's transfers (`Plan.lent_bytes`) whatever `pinned_budget` says:
+  made again, each would be allocated and page-locked per layer and step."""
   memory = tier is Tier.HOST_STORE
+  share = config.pinned_budget // 4 // len(plan.store_tiers)
   store = AioStore([] if memory else config.nvme_paths, jax.process_index(),
                    io_threads=config.nvme_io_threads,
-                   pinned_budget=max(1 << 20, config.pinned_budget // 4 // len(plan.store_tiers)),
+                   pinned_budget=max(1 << 20, share, plan.lent_bytes(tier) if memory else 0),
                    io_nice=config.host_nice, fresh=True, memory=memory)
   store.defer_errors()  # raised after each step (see runner.checked)
   # all-or-nothing steps write the params and optimizer states to fresh extents: a second copy

@@ -239,6 +239,19 @@ class Plan:
       out["optimizer"] += n("master") * (disk(leaf.local_size * 4) + moments) * ranks
     return out
 
+  def lent_bytes(self, tier: Tier, in_flight: int = 3) -> int:
+    """Bytes of the buffers the store of `tier` lends one step's transfers at once: a layer's
+    params (read in forward and backward) and grads (written in backward) of this process's
+    ranks move through buffers of one stack layer, `in_flight` layers at a time, and each leaf
+    outside the stacks through its own. Kept as the store's spares (its `pinned_budget`), they
+    are made and page-locked once, not every step."""
+    item = jnp.dtype(self.compute_dtype).itemsize * len(self.ranks)
+    held = lambda i: (any(s.tier == tier for s in self.leaves[i].params)
+                      * self.leaves[i].local_size * item * (1 + self.leaves[i].trainable))
+    layer = max((sum(held(i) for i in s.leaves) for s in self.stacks), default=0)
+    in_stacks = {i for s in self.stacks for i in s.leaves}
+    return in_flight * layer + sum(held(i) for i in range(len(self.leaves)) if i not in in_stacks)
+
   def nvme_disk_bytes(self, atomic: bool, ranks: int | None = None,
                       tier: Tier = Tier.NVME) -> dict[str, int]:
     """`nvme_bytes` plus "copies": what all-or-nothing steps (`atomic`) write besides, a second

@@ -21,6 +21,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <utility>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -180,6 +181,13 @@ class SwapStore {
     std::lock_guard<std::mutex> lock(spare_mu_);
     return spare_bytes_;
   }
+  // Lent buffers made so far (no spare of their size was kept), and their bytes: each one is
+  // allocated and, with pin hooks, page-locked, then unlocked and freed if no spare room is left
+  // when it comes back. Growing every step means `pinned_budget` holds too few of them.
+  std::pair<uint64_t, uint64_t> buffers_made() {
+    std::lock_guard<std::mutex> lock(spare_mu_);
+    return {buffers_made_, buffer_bytes_made_};
+  }
   uint64_t bytes_used() const;
   // Bytes the store has read and written (shard payloads, all jobs), since it opened.
   uint64_t bytes_read() const { return bytes_read_.load(); }
@@ -268,6 +276,7 @@ class SwapStore {
   std::mutex spare_mu_;
   std::multimap<size_t, std::unique_ptr<AlignedBuffer>> spare_;  // by size
   size_t spare_bytes_ = 0;
+  uint64_t buffers_made_ = 0, buffer_bytes_made_ = 0;
   void (*pin_)(void*, size_t) = nullptr;
   AlignedBuffer::FreeHook unpin_ = nullptr;
   uint64_t next_offset_ = 0;

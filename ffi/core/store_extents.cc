@@ -162,6 +162,8 @@ std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
   }
   auto b = std::make_unique<AlignedBuffer>(bytes);
   std::lock_guard<std::mutex> lock(spare_mu_);
+  ++buffers_made_;
+  buffer_bytes_made_ += b->capacity();
   if (pin_) {
     pin_(b->data(), b->capacity());
     b->set_on_free(unpin_);

@@ -40,10 +40,16 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
       if (fault_writes_ >= 0 && fault_writes_-- == 0)
         throw EngineError("injected write fault (test switch) writing '" + keys[0] + "'");
     }
-    std::vector<Extent> extents;
-    for (size_t i = 0; i < keys.size(); ++i)
-      extents.push_back({BlocksFor(entries[i]), const_cast<uint8_t*>(srcs[i]), entries[i].nbytes, ""});
-    std::vector<uint64_t> sums = WriteExtents(*current_backend_, *pool_, extents, options);
+    std::vector<uint64_t> sums(keys.size(), 0);
+    if (config_.memory) {  // host RAM: into the mapping; no checksum (its reads check none)
+      for (size_t i = 0; i < keys.size(); ++i)
+        std::memcpy(map_ + entries[i].offset, srcs[i], entries[i].nbytes);
+    } else {
+      std::vector<Extent> extents;
+      for (size_t i = 0; i < keys.size(); ++i)
+        extents.push_back({BlocksFor(entries[i]), const_cast<uint8_t*>(srcs[i]), entries[i].nbytes, ""});
+      sums = WriteExtents(*current_backend_, *pool_, extents, options);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < keys.size(); ++i) {
       bytes_written_ += entries[i].nbytes;
@@ -153,6 +159,13 @@ std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string
       std::vector<size_t> at = Offsets(entries, &total);
       job.result = TakeBuffer(total);
       for (size_t offset : at) dsts.push_back(job.result->data() + offset);
+    }
+    if (config_.memory) {  // host RAM: out of the mapping (updated in place by View: no checksum)
+      for (size_t i = 0; i < keys.size(); ++i) {
+        std::memcpy(dsts[i], map_ + entries[i].offset, entries[i].nbytes);
+        bytes_read_ += entries[i].nbytes;
+      }
+      return;
     }
     for (size_t i = 0; i < keys.size(); ++i) {
       uint8_t* out = dsts[i];

@@ -22,6 +22,7 @@
 #include "core/pool.h"
 #include "core/store.h"
 #include "xla/adam_ffi.h"
+#include "xla/ffi/api/c_api.h"
 #include "xla/order_ffi.h"
 #include "xla/swap_ffi.h"
 
@@ -335,6 +336,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("bytes_written", &SwapStore::bytes_written)
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
       .def_property_readonly("spare_bytes", &SwapStore::spare_bytes)
+      .def_property_readonly("buffers_made", &SwapStore::buffers_made)
       .def("set_fault_after_writes", &SwapStore::SetFaultAfterWrites, py::arg("writes"))
       .def("begin", &SwapStore::Begin, py::arg("prefixes"))
       .def("commit", &SwapStore::Commit)
@@ -423,6 +425,8 @@ PYBIND11_MODULE(_engine, m) {
     d["zinfjax_after"] = EncapsulateFfiHandler(ZinfjaxAfter);
     return d;
   }, "XLA FFI handler capsules (CPU platform), by target name.");
+  m.def("ffi_api_version", []() { return py::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "The XLA FFI API version of the headers the handlers were built with (major, minor).");
   m.def("store_lookup", []() { return py::capsule(reinterpret_cast<void*>(&LookupStore)); },
         "The store table's lookup function, for handler modules that link their own core.");
 }

@@ -6,8 +6,16 @@ with the all-device run to 1e-5.
 
 import os
 
-import jax
-import pytest
+# XLA:GPU adds with atomics where it may (the embedding's gradient is a scatter-add; cuDNN's
+# attention backward in 16 bits), so two runs of one step can differ in the last bits: seen on
+# an H200, 1.6e-6 relative in a loss and 6e-8 in a restored run's third step. Some tests here
+# compare two paths bit for bit: deterministic ops make that a check of the paths alone. Set
+# before the GPU backend starts; the child processes the tests start inherit it.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_gpu_deterministic_ops=true").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 def gpus() -> list:
@@ -23,7 +31,7 @@ def gpus() -> list:
 # limit (scripts/gpu_check.sh's deadline) has run them; the others keep their file order
 FIRST = ("test_cuda_handlers_are_registered", "test_cuda_swap_handlers_are_bit_exact",
          "test_host_pipeline_trains_like_all_device", "test_grads_through_the_copy_stream",
-         "test_mixed_store_trains_like_all_device", "test_host_adam_through_the_cuda_registry")
+         "test_mixed_store_trains_like_all_device")
 
 
 def priority(item) -> int:

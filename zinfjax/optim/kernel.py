@@ -14,7 +14,6 @@ so the jnp and C++ versions round every value the same way.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -116,11 +115,12 @@ def adamw_host(master, m, v, grad, lr, bc1, bc2, c: AdamConstants, weight_decay:
                params_dtype, platform: str, apply=True,
                step: Any = 0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """AdamW on one leaf in host memory, inside `on_host`: the fused C++ kernel on CPU
-  platforms; elsewhere the same math in jnp (XLA:GPU compiles host code in its own
-  plugin, whose FFI registry takes handlers for the CUDA platform alone), or, with
-  ZINFJAX_HOST_ADAM=ffi, the C++ kernel registered there too (`_ffi.HOST_ON_CUDA`; not yet
-  the default: it waits for a GPU run to show it computes the same)."""
-  if platform == "cpu" or os.environ.get("ZINFJAX_HOST_ADAM") == "ffi":
+  platforms; elsewhere the same math in jnp. XLA:GPU compiles host code in its own plugin,
+  which looks handlers up for its "Host" platform, and jax registers a plugin's handlers for
+  its device platform alone (seen on an H200 with jax 0.11.2: the compile stops the process,
+  "No FFI handler registered for zinfjax_adamw"). The C++ kernel reaches a GPU run's host
+  states through `host_optimizer="pipeline"` instead."""
+  if platform == "cpu":
     return adamw_ffi(master, m, v, grad, lr, bc1, bc2, c, weight_decay, params_dtype, apply, step)
   master, m, v = adamw_jnp(master, m, v, grad, lr, bc1, bc2, c, weight_decay, step,
                            None if apply is True else apply)
