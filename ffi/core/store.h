@@ -98,7 +98,10 @@ class SwapStore {
   // Reads whole shards (as written) into one buffer the ticket owns; TakeResults
   // checks each against what the caller expects and copies it out. One XLA
   // custom call starts a layer's reads with this and another takes them.
-  uint64_t ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent = false);
+  // With `in_place`, a store that lends its mapping (LendsMapping) copies nothing: the read
+  // taken is the shards where they lie, valid until the keys are written again.
+  uint64_t ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent = false,
+                          bool in_place = false);
   void TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs);
   void Wait(uint64_t ticket);
 
@@ -119,20 +122,24 @@ class SwapStore {
   void WriteDetached(const std::string& key, const void* src, size_t nbytes,
                      const std::string& dtype, const std::vector<int64_t>& shape);
   // WriteDetached for several shards as one job (a layer's grads).
-  void WriteDetachedMany(const std::vector<ShardIo>& shards);
+  void WriteDetachedMany(const std::vector<ShardIo>& shards, bool in_place = false);
   // A detached write in two steps, for data that arrives later (a device-to-host
   // copy in flight). BeginDetached waits for room as WriteDetached does,
   // allocates the shards (NoSpace is thrown here), makes reads of the keys wait
   // from now on, and lends the buffer to fill: shard i goes at `at[i]`.
   // FinishDetached queues the write; it never throws and makes no blocking
   // call (it may run in a CUDA host function): an error becomes the deferred error.
+  // With `in_place`, a store that lends its mapping lends the shards' own extents
+  // instead of a buffer (no room to wait for, nothing left to copy): FinishDetached
+  // then only publishes them.
   struct DetachedWrite {
     std::vector<std::string> keys;
     std::vector<ShardEntry> entries;
-    std::vector<size_t> at;
-    std::unique_ptr<AlignedBuffer> buffer;
+    std::vector<size_t> at;                  // shard i is filled at base + at[i]
+    std::unique_ptr<AlignedBuffer> buffer;   // none when the mapping is lent
+    uint8_t* base = nullptr;
   };
-  DetachedWrite BeginDetached(const std::vector<ShardIo>& shards);
+  DetachedWrite BeginDetached(const std::vector<ShardIo>& shards, bool in_place = false);
   void FinishDetached(DetachedWrite write) noexcept;
   // An owned read handed on without the copy (the CUDA handlers copy it to the
   // device): TakeRead waits for the read and hands over its buffer, shard
@@ -141,8 +148,9 @@ class SwapStore {
   struct OwnedRead {
     std::vector<std::string> keys;
     std::vector<ShardEntry> entries;
-    std::vector<size_t> at;
-    std::unique_ptr<AlignedBuffer> buffer;
+    std::vector<size_t> at;                  // shard i lies at base + at[i]
+    std::unique_ptr<AlignedBuffer> buffer;   // none when the mapping is lent
+    const uint8_t* base = nullptr;
   };
   OwnedRead TakeRead(uint64_t ticket);
   static void CheckRead(const OwnedRead& read, const std::vector<ShardIo>& outs);
@@ -152,7 +160,16 @@ class SwapStore {
   // Buffers the store lends (owned reads, detached writes) are passed to `pin`
   // when made and to `unpin` before they are freed: the CUDA handlers page-lock
   // them so device copies from and to them run asynchronously.
-  void SetPinHooks(void (*pin)(void*, size_t), AlignedBuffer::FreeHook unpin);
+  // A memory store's mapping is page-locked with them too, as it grows (`pin` says whether
+  // it could be).
+  using PinHook = bool (*)(void*, size_t);
+  void SetPinHooks(PinHook pin, AlignedBuffer::FreeHook unpin);
+  // Whether in-place reads and detached writes lend the memory store's mapping: a memory
+  // store, and its mapping page-locked wherever pin hooks are set (device copies from and to
+  // pageable memory would block the caller).
+  bool LendsMapping() const {
+    return config_.memory && (pin_ == nullptr || map_pinned_.load());
+  }
   // Completed writes of `key` so far: a reader on another thread (the host
   // optimizer) waits for the write a running XLA program makes (the grads).
   uint64_t Generation(const std::string& key) const;
@@ -277,8 +294,13 @@ class SwapStore {
   std::multimap<size_t, std::unique_ptr<AlignedBuffer>> spare_;  // by size
   size_t spare_bytes_ = 0;
   uint64_t buffers_made_ = 0, buffer_bytes_made_ = 0;
-  void (*pin_)(void*, size_t) = nullptr;
+  std::atomic<PinHook> pin_{nullptr};
   AlignedBuffer::FreeHook unpin_ = nullptr;
+  // A memory store's page-locked ranges of its mapping (for unpin_ at close) and whether
+  // all of it is; grown with the file, under mu_.
+  std::vector<uint8_t*> map_pins_;
+  std::atomic<bool> map_pinned_{false};
+  bool PinMappingLocked(uint64_t from, uint64_t to);
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
   int64_t fault_writes_ = -1;

@@ -64,6 +64,7 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
       throw EngineError(SysError("cannot allocate " + std::to_string(grow) + " bytes in " + file, err));
     }
     if (fault_free_bytes_ >= 0) fault_free_bytes_ -= static_cast<int64_t>(grow);
+    if (config_.memory) PinMappingLocked(file_sizes_[i], need[i]);
     file_sizes_[i] = need[i];
   }
 }
@@ -138,15 +139,32 @@ uint64_t SwapStore::TakeExtent(uint64_t capacity) {
   return offset;
 }
 
-void SwapStore::SetPinHooks(void (*pin)(void*, size_t), AlignedBuffer::FreeHook unpin) {
-  std::lock_guard<std::mutex> lock(spare_mu_);
-  if (pin_ == pin) return;
-  pin_ = pin;
-  unpin_ = unpin;
-  for (auto& [size, b] : spare_) {  // the spares made before: pinned now
-    pin_(b->data(), b->capacity());
-    b->set_on_free(unpin_);
+void SwapStore::SetPinHooks(PinHook pin, AlignedBuffer::FreeHook unpin) {
+  {
+    std::lock_guard<std::mutex> lock(spare_mu_);
+    if (pin_.load() == pin) return;
+    unpin_ = unpin;
+    pin_ = pin;
+    for (auto& [size, b] : spare_) {  // the spares made before: pinned now
+      pin(b->data(), b->capacity());
+      b->set_on_free(unpin_);
+    }
   }
+  if (config_.memory) {  // the mapping so far; EnsureAllocated pins what it grows by
+    std::lock_guard<std::mutex> lock(mu_);
+    map_pinned_ = PinMappingLocked(0, file_sizes_[0]);  // lent only once all of it is
+  }
+}
+
+bool SwapStore::PinMappingLocked(uint64_t from, uint64_t to) {
+  PinHook pin = pin_.load();
+  if (pin == nullptr || to <= from) return true;
+  if (pin(map_ + from, to - from)) {
+    map_pins_.push_back(map_ + from);
+    return true;
+  }
+  map_pinned_ = false;  // copies go through lent buffers from now on
+  return false;
 }
 
 std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
@@ -164,8 +182,8 @@ std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
   std::lock_guard<std::mutex> lock(spare_mu_);
   ++buffers_made_;
   buffer_bytes_made_ += b->capacity();
-  if (pin_) {
-    pin_(b->data(), b->capacity());
+  if (PinHook pin = pin_.load()) {
+    pin(b->data(), b->capacity());
     b->set_on_free(unpin_);
   }
   return b;

@@ -25,6 +25,7 @@ struct SwapStore::Job {
   std::unique_ptr<AlignedBuffer> result;  // a read's own buffer, or a detached write's copy
   bool detached = false;                  // nobody waits: the store finishes it itself
   bool write = false;                     // completing it bumps a generation
+  bool lent = false;                      // an in-place read: its shards lie in the mapping
   std::condition_variable cv;             // its own waiter: a read wakes only its caller
   uint64_t ticket = 0;
   std::vector<std::string> keys;

@@ -65,17 +65,19 @@ void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nb
   WriteDetachedMany({{key, const_cast<void*>(src), nbytes, dtype, shape}});
 }
 
-void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards) {
-  DetachedWrite write = BeginDetached(shards);
+void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards, bool in_place) {
+  DetachedWrite write = BeginDetached(shards, in_place);
   for (size_t i = 0; i < shards.size(); ++i)
-    std::memcpy(write.buffer->data() + write.at[i], shards[i].data, shards[i].nbytes);
+    std::memcpy(write.base + write.at[i], shards[i].data, shards[i].nbytes);
   FinishDetached(std::move(write));
 }
 
-SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& shards) {
+SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& shards,
+                                                  bool in_place) {
   if (shards.empty()) throw EngineError("a detached write needs at least one shard");
-  size_t nbytes = 0;
-  for (const ShardIo& s : shards) nbytes += AlignUp(s.nbytes);
+  const bool lent = in_place && LendsMapping();
+  size_t nbytes = 0;  // of a buffer: the mapping takes no room
+  for (const ShardIo& s : shards) nbytes += lent ? 0 : AlignUp(s.nbytes);
   auto pending = [&] {
     for (const ShardIo& s : shards)
       if (detached_.count(s.key)) return true;
@@ -91,12 +93,17 @@ SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& sh
   }
   DetachedWrite write;
   try {
-    write.buffer = TakeBuffer(nbytes);
+    if (!lent) {
+      write.buffer = TakeBuffer(nbytes);
+      write.base = write.buffer->data();
+    } else {
+      write.base = map_;
+    }
     size_t at = 0;
     for (const ShardIo& s : shards) {
       write.keys.push_back(s.key);
       write.entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
-      write.at.push_back(at);
+      write.at.push_back(lent ? write.entries.back().offset : at);
       at += AlignUp(s.nbytes);
     }
   } catch (...) {
@@ -113,8 +120,22 @@ SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& sh
 }
 
 void SwapStore::FinishDetached(DetachedWrite write) noexcept {
+  if (!write.buffer) {  // the mapping was lent: the shards are in place, published here
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < write.keys.size(); ++i) {
+        bytes_written_ += write.entries[i].nbytes;
+        write.entries[i].checksum = 0;  // a memory store checks none
+        manifest_[write.keys[i]] = write.entries[i];
+        ++generations_[write.keys[i]];
+        if (--detached_[write.keys[i]] == 0) detached_.erase(write.keys[i]);
+      }
+    }
+    done_cv_.notify_all();
+    return;
+  }
   std::vector<const uint8_t*> srcs;
-  for (size_t offset : write.at) srcs.push_back(write.buffer->data() + offset);
+  for (size_t offset : write.at) srcs.push_back(write.base + offset);
   const size_t nbytes = write.buffer->size();
   try {
     Enqueue(WriteWork(write.keys, write.entries, std::move(srcs)), write.keys, write.entries,
@@ -195,7 +216,8 @@ uint64_t SwapStore::ReadAsync(const std::string& key, void* dst, size_t nbytes,
                  nullptr, urgent);
 }
 
-uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent) {
+uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool urgent,
+                                   bool in_place) {
   if (keys.empty()) throw EngineError("ReadOwnedAsync needs at least one shard");
   std::vector<ShardEntry> entries;
   for (const std::string& key : keys) {
@@ -203,7 +225,17 @@ uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool ur
     CheckReadable(key, e, e.dtype, e.shape, e.nbytes);
     entries.push_back(e);
   }
-  return Enqueue(ReadWork(keys, entries, {}), keys, entries, /*write=*/false, nullptr, urgent);
+  if (!(in_place && LendsMapping()))
+    return Enqueue(ReadWork(keys, entries, {}), keys, entries, /*write=*/false, nullptr, urgent);
+  auto job = std::make_shared<Job>();  // nothing to move: a finished job that lends the mapping
+  job->keys = keys;
+  job->entries = std::move(entries);
+  job->lent = job->done = true;
+  for (const ShardEntry& e : job->entries) bytes_read_ += e.nbytes;
+  std::lock_guard<std::mutex> lock(mu_);
+  job->ticket = next_ticket_++;
+  jobs_[job->ticket] = job;
+  return job->ticket;
 }
 
 uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent) {
@@ -224,8 +256,14 @@ uint64_t SwapStore::ReadManyAsync(const std::vector<ShardIo>& shards, bool urgen
 SwapStore::OwnedRead SwapStore::TakeRead(uint64_t ticket) {
   std::shared_ptr<Job> job = FindJob(ticket);
   Wait(ticket);
-  if (!job->result) throw EngineError("ticket " + std::to_string(ticket) + " holds no owned read");
   OwnedRead read{job->keys, job->entries, {}, std::move(job->result)};
+  if (job->lent) {
+    read.base = map_;
+    for (const ShardEntry& e : read.entries) read.at.push_back(e.offset);
+    return read;
+  }
+  if (!read.buffer) throw EngineError("ticket " + std::to_string(ticket) + " holds no owned read");
+  read.base = read.buffer->data();
   size_t total = 0;
   read.at = Offsets(read.entries, &total);
   return read;
@@ -258,7 +296,7 @@ void SwapStore::TakeResults(uint64_t ticket, const std::vector<ShardIo>& outs) {
     throw;
   }
   for (size_t i = 0; i < outs.size(); ++i)
-    std::memcpy(outs[i].data, read.buffer->data() + read.at[i], outs[i].nbytes);
+    std::memcpy(outs[i].data, read.base + read.at[i], outs[i].nbytes);
   GiveBuffer(std::move(read.buffer));
 }
 

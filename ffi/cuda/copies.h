@@ -81,6 +81,7 @@ inline void CUDART_CB ReturnBuffer(void* data) {
 // Enqueues the host function that returns `buffer` to `store` after the copies on `stream`.
 inline cudaError_t ReturnAfter(cudaStream_t stream, std::shared_ptr<SwapStore> store,
                                std::unique_ptr<AlignedBuffer> buffer) {
+  if (!buffer) return cudaSuccess;  // a lent mapping: nothing to hand back
   auto back = std::make_unique<Returned>(Returned{std::move(store), std::move(buffer)});
   cudaError_t err = cudaLaunchHostFunc(stream, ReturnBuffer, back.get());
   if (err == cudaSuccess) back.release();  // owned by ReturnBuffer now
@@ -246,7 +247,7 @@ class CopyLane {
     Slot* slot = nullptr;
     cudaError_t err = reads_ring_.Acquire(stream_, span, &slot);
     if (err != cudaSuccess || slot == nullptr) return err;
-    err = cudaMemcpyAsync(slot->data, read.buffer->data(), span, cudaMemcpyHostToDevice, stream_);
+    err = cudaMemcpyAsync(slot->data, read.base, span, cudaMemcpyHostToDevice, stream_);
     if (err == cudaSuccess) err = cudaEventRecord(slot->filled, stream_);
     if (err == cudaSuccess) err = ReturnAfter(stream_, r.store, std::move(r.read->buffer));
     if (err != cudaSuccess) return err;
@@ -298,7 +299,7 @@ inline cudaError_t CopyIn(cudaStream_t stream, StartedRead& r, const std::vector
   cudaError_t err = cudaSuccess;
   if (r.slot == nullptr) {
     for (size_t i = 0; i < ys.size() && err == cudaSuccess; ++i)
-      err = cudaMemcpyAsync(ys[i].data, read.buffer->data() + read.at[i], ys[i].bytes,
+      err = cudaMemcpyAsync(ys[i].data, read.base + read.at[i], ys[i].bytes,
                             cudaMemcpyHostToDevice, stream);
     if (err == cudaSuccess) err = ReturnAfter(stream, r.store, std::move(r.read->buffer));
     return err;

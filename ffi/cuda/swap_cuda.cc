@@ -50,9 +50,11 @@ namespace py = pybind11;
 namespace zinfjax {
 namespace {
 
-void Pin(void* p, size_t bytes) {
-  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) != cudaSuccess)  // every device's context
-    cudaGetLastError();  // unpinned still works, as a staged (slower) copy
+bool Pin(void* p, size_t bytes) {
+  // portable: every device context sees it page-locked
+  if (cudaHostRegister(p, bytes, cudaHostRegisterPortable) == cudaSuccess) return true;
+  cudaGetLastError();  // unpinned still works, as a staged (slower) copy
+  return false;
 }
 
 void Unpin(void* p) {
@@ -90,7 +92,7 @@ cudaError_t EnqueueWrite(cudaStream_t stream, int32_t ordinal, ffi::RemainingArg
   if (!CopyLane::Enabled()) {
     for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i) {
       ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
-      err = cudaMemcpyAsync(w.buffer->data() + w.at[i], x.untyped_data(), x.size_bytes(),
+      err = cudaMemcpyAsync(w.base + w.at[i], x.untyped_data(), x.size_bytes(),
                             cudaMemcpyDeviceToHost, stream);
     }
     return err == cudaSuccess ? cudaLaunchHostFunc(stream, CommitWrite, pending) : err;
@@ -104,7 +106,7 @@ cudaError_t EnqueueWrite(cudaStream_t stream, int32_t ordinal, ffi::RemainingArg
     ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
     spans.push_back({x.untyped_data(), x.size_bytes()});
   }
-  return CopyOut(*lane, stream, spans, w.buffer->data(), w.at, CommitWrite, pending);
+  return CopyOut(*lane, stream, spans, w.base, w.at, CommitWrite, pending);
 }
 
 ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
@@ -114,7 +116,10 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
     std::vector<std::string> keys = ScheduledKeys("write", at, ordinal, run.run_id);
     std::vector<ShardIo> shards = WriteShards(keys, xs, /*with_data=*/false);
-    auto pending = std::make_unique<PendingWrite>(PendingWrite{store, s.BeginDetached(shards)});
+    // on XLA's stream straight into a memory store's (page-locked) mapping where it lends it;
+    // the copy stream stages one contiguous span, so it takes a buffer
+    auto pending = std::make_unique<PendingWrite>(
+        PendingWrite{store, s.BeginDetached(shards, /*in_place=*/!CopyLane::Enabled())});
     cudaError_t err = EnqueueWrite(stream, ordinal, xs, pending.get());
     if (err != cudaSuccess) {  // release the keys (the step fails with this error)
       store->FinishDetached(std::move(pending->write));
@@ -131,7 +136,7 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId ru
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
     std::vector<std::string> keys = ScheduledKeys("start", at, ordinal, run.run_id);
-    uint64_t read = s.ReadOwnedAsync(keys, /*urgent=*/true);
+    uint64_t read = s.ReadOwnedAsync(keys, /*urgent=*/true, /*in_place=*/!CopyLane::Enabled());
     if (!CopyLane::Enabled()) {
       ProcessOwnedReads().Put(at.store, keys.front(), read);
     } else {

@@ -52,7 +52,9 @@ ffi::Error WriteManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S32> 
                          ffi::ResultBuffer<ffi::S32> token, SwapSite at) {
   return WithStore(at.store, [&](SwapStore& s) {
     std::vector<std::string> names = Keys("zinfjax_swap_write_many", at, ordinal, run, rank, layer);
-    s.WriteDetachedMany(WriteShards(names, xs, /*with_data=*/true));  // returns once copied: the disk write overlaps the program
+    // returns once copied (into a memory store's mapping, or a buffer the disk write drains
+    // while the program goes on)
+    s.WriteDetachedMany(WriteShards(names, xs, /*with_data=*/true), /*in_place=*/true);
     token->typed_data()[0] = write_tokens.fetch_add(1);
   });
 }
@@ -63,7 +65,7 @@ ffi::Error ReadStartManyImpl(int32_t ordinal, ffi::RunId run, ffi::Buffer<ffi::S
   (void)token;  // only orders this read after its write
   return WithStore(at.store, [&](SwapStore& s) {
     std::vector<std::string> names = Keys("zinfjax_swap_read_start_many", at, ordinal, run, rank, layer);
-    uint64_t t = s.ReadOwnedAsync(names, /*urgent=*/true);
+    uint64_t t = s.ReadOwnedAsync(names, /*urgent=*/true, /*in_place=*/true);
     ProcessOwnedReads().Put(at.store, names.front(), t);
     ticket->typed_data()[0] = static_cast<int32_t>(t);
   });
