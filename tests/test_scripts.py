@@ -183,14 +183,22 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
     assert rows and all(r["step_s"] > 0 and r["copy_stream"] == (mode == "1") for r in rows), rows
   if (out / "peer_deepspeed.json").exists():
     assert "| zinfjax / DeepSpeed |" in (out / "peer_table.txt").read_text()
-  # the speed stage: the rows alone, each with the loss of the same batches as all-device
-  rows = json.loads((out / "speed" / "bench_gpu.json").read_text())["steps"]
+  # the speed stage: the rows alone, each with the loss of the same batches as all-device,
+  # its phases, and the host pipeline's rows against the host's side alone
+  speed = json.loads((out / "speed" / "bench_gpu.json").read_text())
+  rows = speed["steps"]
   assert {r["placement"] for r in rows} == {
     "all on device (compute alone)", "params + optimizer on pinned_host",
+    "params + optimizer on pinned_host, host pipeline",
     "params + optimizer on pinned_host, host pipeline under backward"}
+  assert speed["host"]["pipeline_s"] > 0 and speed["host"]["adam_s"] > 0
   for r in rows:
     base = next(b for b in rows if b["tokens"] == r["tokens"] and b["placement"].startswith("all"))
     assert abs(r["loss"] - base["loss"]) < 1e-3 * base["loss"], (r, base)
+    assert "phases" in r
+    if "host pipeline" in r["placement"]:
+      assert r["host_alone_s"] == speed["host"]["pipeline_s"] and r["vs_bound"] > 0
+      assert r["phases"]["optimizer_s"] > 0
   assert "tests collected" in (out / "cpu_confirm.log").read_text()
   failed = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / "real"),
                            "gpu-tests"], capture_output=True, text=True, timeout=300, cwd=REPO)

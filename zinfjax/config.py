@@ -71,8 +71,9 @@ class ZeroConfig:
       missing. Each process keeps its files in `nvme_path/rank{process}/`.
     pinned_budget: bytes of pinned host buffers for NVMe transfers (staging
       pool and the optimizer's rotating sub-group buffers). The host pipeline's
-      RAM store keeps the buffers a step's transfers borrow (about three layers
-      of params and grads, `Plan.lent_bytes`) even beyond it.
+      RAM store keeps the buffers a step's transfers borrow where they borrow
+      any (about three layers of params and grads, `Plan.lent_bytes`) even
+      beyond it.
     nvme_prefetch_depth: layers read from NVMe ahead of the device prefetch:
       while layer i computes, layer i+prefetch_depth is copied to the device and
       layers up to i+prefetch_depth+nvme_prefetch_depth are being read.

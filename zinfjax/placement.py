@@ -240,11 +240,13 @@ class Plan:
     return out
 
   def lent_bytes(self, tier: Tier, in_flight: int = 3) -> int:
-    """Bytes of the buffers the store of `tier` lends one step's transfers at once: a layer's
-    params (read in forward and backward) and grads (written in backward) of this process's
-    ranks move through buffers of one stack layer, `in_flight` layers at a time, and each leaf
-    outside the stacks through its own. Kept as the store's spares (its `pinned_budget`), they
-    are made and page-locked once, not every step."""
+    """Bytes of the buffers the store of `tier` lends one step's transfers at once, where the
+    swap calls do not copy straight from and into a RAM store's mapping (the copy stream, or a
+    mapping that could not be page-locked): a layer's params (read in forward and backward) and
+    grads (written in backward) of this process's ranks move through buffers of one stack
+    layer, `in_flight` layers at a time, and each leaf outside the stacks through its own. Kept
+    as the store's spares (its `pinned_budget`), they are made and page-locked once, not every
+    step."""
     item = jnp.dtype(self.compute_dtype).itemsize * len(self.ranks)
     held = lambda i: (any(s.tier == tier for s in self.leaves[i].params)
                       * self.leaves[i].local_size * item * (1 + self.leaves[i].trainable))
