@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/errors.h"
@@ -72,6 +73,8 @@ void SwapStore::OpenFiles() {
 }
 
 SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
+  const char* lend = std::getenv("ZINFJAX_LEND_MAPPING");
+  lend_mapping_ = lend == nullptr || std::string(lend) != "0";
   if (config_.memory) config_.paths.clear();  // no folders: see OpenFiles
   if (config_.paths.empty() && !config_.memory)
     throw EngineError("the swap store needs at least one nvme_path");

@@ -166,9 +166,10 @@ class SwapStore {
   void SetPinHooks(PinHook pin, AlignedBuffer::FreeHook unpin);
   // Whether in-place reads and detached writes lend the memory store's mapping: a memory
   // store, and its mapping page-locked wherever pin hooks are set (device copies from and to
-  // pageable memory would block the caller).
+  // pageable memory would block the caller). ZINFJAX_LEND_MAPPING=0 when the store opens
+  // turns it off (buffers are borrowed as for a drive), to time both ways or rule it out.
   bool LendsMapping() const {
-    return config_.memory && (pin_ == nullptr || map_pinned_.load());
+    return config_.memory && lend_mapping_ && (pin_ == nullptr || map_pinned_.load());
   }
   // Completed writes of `key` so far: a reader on another thread (the host
   // optimizer) waits for the write a running XLA program makes (the grads).
@@ -300,6 +301,7 @@ class SwapStore {
   // all of it is; grown with the file, under mu_.
   std::vector<uint8_t*> map_pins_;
   std::atomic<bool> map_pinned_{false};
+  bool lend_mapping_ = true;
   bool PinMappingLocked(uint64_t from, uint64_t to);
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
