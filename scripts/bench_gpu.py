@@ -307,16 +307,22 @@ def isolated_steps(args, peak_tflops: float | None, root: str, rows: list[dict],
           f"{', ' + why.splitlines()[0] if why else ''}]", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     saved()
-  return ratios(rows)
+  return rows
+
+
+def bench_config(args):
+  """The bench GPT's config: the step rows' model and the one `host_alone` sizes itself by."""
+  from zinfjax.models import get_config
+  return get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                    seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
 
 
 def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict], saved) -> list[dict]:
   """GPT steps at each placement and token count; `rows` grows and `saved()` runs after each."""
   import numpy as np
   import zinfjax
-  from zinfjax.models import GPT, get_config, lm_loss
-  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                      seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
+  from zinfjax.models import GPT, lm_loss
+  config = bench_config(args)
   mesh = zinfjax.make_mesh(1)
   specs = row_specs(args)
   for tokens in dict.fromkeys(t for t, _ in specs):
@@ -365,7 +371,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
         state.engine.store.close()
       del state
       gc.collect()
-  return ratios(rows)
+  return rows
 
 
 def where_it_went(state, metrics: dict, steps: int) -> dict:
@@ -373,13 +379,11 @@ def where_it_went(state, metrics: dict, steps: int) -> dict:
   the lent buffers the store made over all `steps` (one per step or more: `pinned_budget` keeps
   too few, so each is allocated and page-locked again)."""
   out = {"phases": {k: float(v) for k, v in metrics.items() if k.endswith("_s")}}
-  store = state.engine.store
-  if store is not None:
-    stats = store.stats()
-    made = [s["buffers_made"] for s in (stats, *(v for v in stats.values() if isinstance(v, dict)))
-            if "buffers_made" in s]
-    if made:
-      out["buffers_made"] = {"count": int(made[-1][0]), "bytes": int(made[-1][1]), "steps": steps}
+  if state.engine.store is not None:
+    stats = state.engine.store.stats()  # a mixed store's: each tier's under its name
+    stores = [v for v in stats.values() if isinstance(v, dict) and "buffers_made" in v] or [stats]
+    out["buffers_made"] = {"count": sum(s["buffers_made"][0] for s in stores),
+                           "bytes": sum(s["buffers_made"][1] for s in stores), "steps": steps}
   return out
 
 
@@ -396,10 +400,7 @@ def host_alone(args) -> dict:
   core, the C++ AdamW kernel over the bench GPT's params, and one host-pipeline step over them
   in the RAM store (bf16 grads in, bf16 params out, updated in place), best of 3. The pipeline
   rows cannot beat max(compute, that step)."""
-  from zinfjax.models import get_config
-  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                      seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
-  n = config.num_params
+  n = bench_config(args).num_params
   layer = 12 * args.hidden ** 2  # one block's params: the pipeline's sub-groups are about this
   return {"params": n, "threads": os.cpu_count(),
           "copy_gbs": copy_bandwidth(min(n * 4, 1 << 30), 3) / 1e9,
@@ -469,11 +470,8 @@ def main(argv=None) -> int:
 
   result["steps"] = []
   steps = isolated_steps if args.isolate else functools.partial(gpt_steps, jax)
-  part("steps.steps", lambda: steps(args, result.get("matmul_tflops"), root,
-                                    result["steps"], saved))
-  if result.get("host") and result.get("steps"):
-    ratios(result["steps"], result["host"])
-    saved()
+  part("steps.steps", lambda: ratios(steps(args, result.get("matmul_tflops"), root,
+                                           result["steps"], saved), result.get("host")))
   print(table(result))
   shutil.rmtree(shm, ignore_errors=True)
   if not args.nvme_path:

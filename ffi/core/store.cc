@@ -171,9 +171,7 @@ SwapStore::SwapStore(StoreConfig config) : config_(std::move(config)) {
           job->done = true;
           if (job->detached) {
             if (job->error && !deferred_) deferred_ = job->error;
-            for (const std::string& key : job->keys)
-              if (--detached_[key] == 0) detached_.erase(key);
-            detached_bytes_ -= job->result ? job->result->size() : 0;
+            ReleaseDetachedLocked(job->keys, job->result ? job->result->size() : 0);
             GiveBuffer(std::move(job->result));
             jobs_.erase(job->ticket);
           }

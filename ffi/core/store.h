@@ -244,6 +244,11 @@ class SwapStore {
                    std::vector<ShardEntry> entries, bool write,
                    std::unique_ptr<AlignedBuffer> owned = nullptr, bool urgent = false);
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
+  // A write's shards made current (manifest, checksums, generations) and a detached write's
+  // keys and bytes released; both under mu_.
+  void PublishLocked(const std::vector<std::string>& keys, std::vector<ShardEntry>& entries,
+                     const std::vector<uint64_t>& sums);
+  void ReleaseDetachedLocked(const std::vector<std::string>& keys, size_t nbytes);
   // The store's own buffers (engine-owned reads, detached-write copies) come
   // from and go back to a cache of spare ones: the same sizes recur every
   // layer and step, and buffers handed back to malloc stay in its arenas
@@ -302,7 +307,7 @@ class SwapStore {
   std::vector<uint8_t*> map_pins_;
   std::atomic<bool> map_pinned_{false};
   bool lend_mapping_ = true;
-  bool PinMappingLocked(uint64_t from, uint64_t to);
+  bool PinMappingLocked(uint64_t from, uint64_t to);  // [from, to) of it; false if refused
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
   int64_t fault_writes_ = -1;

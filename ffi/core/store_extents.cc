@@ -64,7 +64,8 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
       throw EngineError(SysError("cannot allocate " + std::to_string(grow) + " bytes in " + file, err));
     }
     if (fault_free_bytes_ >= 0) fault_free_bytes_ -= static_cast<int64_t>(grow);
-    if (config_.memory) PinMappingLocked(file_sizes_[i], need[i]);
+    // a part left unpinned: copies go through lent buffers from now on
+    if (config_.memory && !PinMappingLocked(file_sizes_[i], need[i])) map_pinned_ = false;
     file_sizes_[i] = need[i];
   }
 }
@@ -159,12 +160,9 @@ void SwapStore::SetPinHooks(PinHook pin, AlignedBuffer::FreeHook unpin) {
 bool SwapStore::PinMappingLocked(uint64_t from, uint64_t to) {
   PinHook pin = pin_.load();
   if (pin == nullptr || to <= from) return true;
-  if (pin(map_ + from, to - from)) {
-    map_pins_.push_back(map_ + from);
-    return true;
-  }
-  map_pinned_ = false;  // copies go through lent buffers from now on
-  return false;
+  if (!pin(map_ + from, to - from)) return false;
+  map_pins_.push_back(map_ + from);
+  return true;
 }
 
 std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {

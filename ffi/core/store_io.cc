@@ -51,13 +51,24 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
       sums = WriteExtents(*current_backend_, *pool_, extents, options);
     }
     std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      bytes_written_ += entries[i].nbytes;
-      entries[i].checksum = sums[i];
-      manifest_[keys[i]] = entries[i];
-      ++generations_[keys[i]];  // waiters are woken when the job is marked done
-    }
+    PublishLocked(keys, entries, sums);  // waiters are woken when the job is marked done
   };
+}
+
+void SwapStore::PublishLocked(const std::vector<std::string>& keys, std::vector<ShardEntry>& entries,
+                              const std::vector<uint64_t>& sums) {
+  for (size_t i = 0; i < keys.size(); ++i) {
+    bytes_written_ += entries[i].nbytes;
+    entries[i].checksum = sums[i];
+    manifest_[keys[i]] = entries[i];
+    ++generations_[keys[i]];
+  }
+}
+
+void SwapStore::ReleaseDetachedLocked(const std::vector<std::string>& keys, size_t nbytes) {
+  for (const std::string& key : keys)
+    if (--detached_[key] == 0) detached_.erase(key);
+  detached_bytes_ -= nbytes;
 }
 
 void SwapStore::WriteDetached(const std::string& key, const void* src, size_t nbytes,
@@ -123,13 +134,8 @@ void SwapStore::FinishDetached(DetachedWrite write) noexcept {
   if (!write.buffer) {  // the mapping was lent: the shards are in place, published here
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < write.keys.size(); ++i) {
-        bytes_written_ += write.entries[i].nbytes;
-        write.entries[i].checksum = 0;  // a memory store checks none
-        manifest_[write.keys[i]] = write.entries[i];
-        ++generations_[write.keys[i]];
-        if (--detached_[write.keys[i]] == 0) detached_.erase(write.keys[i]);
-      }
+      PublishLocked(write.keys, write.entries, std::vector<uint64_t>(write.keys.size(), 0));
+      ReleaseDetachedLocked(write.keys, 0);
     }
     done_cv_.notify_all();
     return;
@@ -143,9 +149,7 @@ void SwapStore::FinishDetached(DetachedWrite write) noexcept {
   } catch (...) {  // only allocation can fail here: release the keys, keep the error
     std::lock_guard<std::mutex> lock(mu_);
     if (!deferred_) deferred_ = std::current_exception();
-    for (const std::string& key : write.keys)
-      if (--detached_[key] == 0) detached_.erase(key);
-    detached_bytes_ -= nbytes;
+    ReleaseDetachedLocked(write.keys, nbytes);
   }
   done_cv_.notify_all();
 }
