@@ -19,6 +19,13 @@ room x `--fill` as its budget (the device's less the activations' estimate). The
 the placement plan alone (no state, in a CPU child process) for each layer count and keeps the
 largest that fits; NVMe steps rewrite in place (`--no-atomic-steps`: all-or-nothing steps would
 need the drive twice over).
+
+Each run trains one batch `--steps` times with no warm-up, so its first AdamW step moves every
+weight by about the learning rate, all in the direction that lowers the loss: the blocks'
+outputs move by about lr x hidden x layers together, and past a point the loss rises instead
+(measured on CPU from hidden 512 to 4096 and 3 to 80 layers: BENCHMARKS.md, "The largest
+model's learning rate"). The default learning rate is therefore `LR_WIDTH_DEPTH / (hidden x
+layers)`, and the table says whether the loss fell at every step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,20 @@ import time
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
 SPEC_TFLOPS = 989.0  # dense bf16 TFLOP/s of an H100 / H200 SXM, as in bench_gpu.py
+LR_WIDTH_DEPTH = 0.02  # lr x hidden x layers of the default learning rate (see above)
+
+
+def default_lr(hidden: int, layers: int) -> float:
+  """The learning rate whose first step (no warm-up, AdamW's first update about lr per weight)
+  lowers the loss at `hidden` x `layers`: the loss rose at lr x hidden x layers = 0.12 and
+  above, barely moved at 0.06 and fell at 0.05 and below; this keeps a margin of 2.5x."""
+  return LR_WIDTH_DEPTH / (hidden * layers)
+
+
+def loss_falls(records: list[dict]) -> bool:
+  """Whether a run's loss fell at every step it logged (and it logged two or more)."""
+  losses = [r["loss"] for r in records]
+  return len(losses) > 1 and all(b < a for a, b in zip(losses, losses[1:]))
 
 
 def devices_here(devices: int | None) -> tuple[str, int, int | None]:
@@ -184,7 +205,7 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
          "--layers", str(layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
          "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
          "--steps", str(args.steps), "--log-every", "1", "--same-batch", "--warmup-steps", "0",
-         "--lr", str(args.lr),
+         "--lr", str(args.lr if args.lr is not None else default_lr(args.hidden, layers)),
          "--metrics-jsonl", metrics] + (["--bf16-moments"] if args.bf16_moments else [])
   if tier == "mixed":
     cmd += ["--offload", "auto"] + [f"--budget={t}={b}" for t, b in budgets.items()]
@@ -227,8 +248,8 @@ def main(argv=None) -> int:
                  help="who updates the optimizer states in pinned host (train_gpt.py's flag): "
                       "with 'pipeline', the C++ AdamW on host threads, the pinned-host states in "
                       "a store in RAM beside the drive's")
-  p.add_argument("--lr", type=float, default=1e-4,
-                 help="no warm-up: deep stacks (50+ layers) overshoot at 3e-4 by the third step")
+  p.add_argument("--lr", type=float, default=None,
+                 help=f"learning rate (default: {LR_WIDTH_DEPTH} / (hidden x layers), see above)")
   p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")
   p.add_argument("--fill", type=float, default=0.85, help="share of each tier's room the states may take")
   p.add_argument("--host-reserve-gib", type=float, default=8.0,
@@ -286,14 +307,15 @@ def main(argv=None) -> int:
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
         f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "
-        f"tokens/s | TFLOP/s | MFU ({SPEC_TFLOPS:.0f} spec) | loss first -> last | peak HBM GiB | "
+        f"tokens/s | TFLOP/s | MFU ({SPEC_TFLOPS:.0f} spec) | lr | loss first -> last | peak HBM GiB | "
         "peak RSS GiB | disk used GB | wall s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for run in runs:
     config, rs = gpt_config(run["layers"], args), run["records"]
     n = config.num_params
     states = ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
-    trained = ["-"] * 8  # a run that wrote no step
+    lr = args.lr if args.lr is not None else default_lr(args.hidden, run["layers"])
+    trained = ["-"] * 4 + [f"{lr:.2g}"] + ["-"] * 4  # a run that wrote no step
     if rs:
       last = rs[-1]
       # 6·N·T plus causal attention, the standard count (GPTConfig.train_flops)
@@ -302,15 +324,17 @@ def main(argv=None) -> int:
       disk = last.get("tiers", {}).get("nvme", 0) * args.devices
       trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}", f"{tflops:.1f}",
                  f"{tflops / SPEC_TFLOPS:.1%}" if platform == "gpu" else "-",
-                 f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}",
+                 f"{lr:.2g}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}"
+                 + (" (falls at every step)" if loss_falls(rs) else " (**not falling**)"),
                  f"{max(hbm) / GIB:.2f}" if hbm else "-",
                  f"{max(r['peak_rss'] for r in rs) / GIB:.2f}", f"{disk / 1e9:.1f}"]
     where = run["tier"] + (" (params {offload_param}; optimizer {offload_optimizer})".format(
         **run["placement"]) if "placement" in run else "")
     print("| " + " | ".join([where, str(run["layers"]), f"{n / 1e9:.2f}", states,
                              str(run["returncode"]), *trained, f"{run['wall_s']:.0f}"]) + " |")
-  last = {run["tier"]: run["returncode"] for run in runs}  # each placement's last run
-  return 0 if len(last) == len(args.placements) and not any(last.values()) else 1
+  # each placement's last run: it ran, and its loss fell
+  last = {run["tier"]: run["returncode"] == 0 and loss_falls(run["records"]) for run in runs}
+  return 0 if len(last) == len(args.placements) and all(last.values()) else 1
 
 
 if __name__ == "__main__":
