@@ -302,6 +302,27 @@ def test_largest_gpt_mixed_fills_every_tier(host_optimizer, tmp_path):
   assert mod.search_mixed(result["room"], args, str(tmp_path / "nvme"), mixed["layers"] + 1)[1] is None
 
 
+def test_largest_gpt_sizes_for_the_host_optimizer_and_steps_below_overshoot(tmp_path):
+  """largest_gpt.py's room in RAM: under XLA's host update on a GPU, what its copies leave
+  (`XLA_HOST_PEAK`), else all of it; its default lr keeps lr x hidden x layers at 0.02 (the
+  first AdamW step overshot from 0.12 up); a run counts only when its loss fell at every step."""
+  import importlib.util
+  import types
+  spec = importlib.util.spec_from_file_location("largest_gpt", os.path.join(SCRIPTS, "largest_gpt.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  gib = 1 << 30
+  args = lambda host: types.SimpleNamespace(hbm_gib=80.0, ram_gib=115.0, disk_gib=60.0,
+                                           devices=1, host_optimizer=host)
+  assert mod.rooms(args("xla"), str(tmp_path), None, "gpu")["pinned_host"] == int(115 * gib / 2.3)
+  assert mod.rooms(args("pipeline"), str(tmp_path), None, "gpu")["pinned_host"] == 115 * gib
+  assert mod.rooms(args("xla"), str(tmp_path), None, "cpu")["pinned_host"] == 115 * gib
+  assert mod.default_lr(5120, 55) * 5120 * 55 == pytest.approx(0.02)
+  loss = lambda *xs: [{"loss": x} for x in xs]
+  assert mod.loss_falls(loss(4.2, 3.9, 3.7))
+  assert not mod.loss_falls(loss(4.2, 5.9, 3.9)) and not mod.loss_falls(loss(4.2))
+
+
 def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
   """A Latin-1 text file stops the CLI before any compute with the file and the problem named,
   not a UnicodeDecodeError traceback."""
