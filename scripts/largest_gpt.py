@@ -42,11 +42,6 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
 SPEC_TFLOPS = 989.0  # dense bf16 TFLOP/s of an H100 / H200 SXM, as in bench_gpu.py
 LR_WIDTH_DEPTH = 0.02  # lr x hidden x layers of the default learning rate (see above)
-# XLA:GPU's host update (host_optimizer="xla") held 2.3x its pinned-host states at its peak on an
-# H200: host RSS 19.2 GB against 9.7 GB under the host pipeline, whose RAM store updates the same
-# 7.6 GB of states in place (BENCHMARKS.md). So under it a GPU run's RAM holds states of its room
-# over that; XLA:CPU's update makes no such copies.
-XLA_HOST_PEAK = 2.3
 
 
 def default_lr(hidden: int, layers: int) -> float:
@@ -75,7 +70,7 @@ def devices_here(devices: int | None) -> tuple[str, int, int | None]:
 
 def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, int]:
   """Bytes of states each tier may hold per device (before `--fill`): measured unless given; RAM's
-  less what XLA's host update copies on a GPU (`XLA_HOST_PEAK`)."""
+  less what XLA's host update copies on a GPU (`zinfjax.hostlimit.host_room`)."""
   out = {}
   if args.hbm_gib is not None:
     out["device"] = int(args.hbm_gib * GIB)
@@ -89,8 +84,8 @@ def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, i
     with open("/proc/meminfo") as f:
       avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     out["pinned_host"] = max(0, avail - int(args.host_reserve_gib * GIB)) // args.devices
-  if platform == "gpu" and args.host_optimizer == "xla":
-    out["pinned_host"] = int(out["pinned_host"] / XLA_HOST_PEAK)
+  from zinfjax.hostlimit import host_room
+  out["pinned_host"] = host_room(out["pinned_host"], platform, args.host_optimizer)
   if args.disk_gib is not None:
     out["nvme"] = int(args.disk_gib * GIB)
   else:
@@ -256,8 +251,7 @@ def main(argv=None) -> int:
                  help="who updates the optimizer states in pinned host (train_gpt.py's flag): "
                       "'pipeline' (the default), the C++ AdamW on host threads, the pinned-host "
                       "states in a store in RAM beside the drive's, updated in place; 'xla', the "
-                      f"step's program, whose copies on a GPU leave RAM's room / {XLA_HOST_PEAK} "
-                      "for states")
+                      "step's program, whose copies on a GPU leave RAM's room / 2.3 for states")
   p.add_argument("--lr", type=float, default=None,
                  help=f"learning rate (default: {LR_WIDTH_DEPTH} / (hidden x layers), see above)")
   p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")

@@ -147,3 +147,23 @@ def test_xla_gpu_pinned_host_limit_is_raised_and_checked():
     hostlimit.check((100 << 30) + 1, "gpu", {hostlimit.ENV: "64"})
   hostlimit.check((100 << 30) + 1, "cpu", {hostlimit.ENV: "64"})  # XLA:CPU has no such cap
   hostlimit.check(64 << 30, "gpu", {hostlimit.ENV: "64"})
+
+
+def test_host_room_leaves_xla_gpu_host_update_its_copies(monkeypatch):
+  """XLA:GPU's host update holds 2.3x its pinned-host states (measured on an H200): under it the
+  RAM a plan may fill is that share, under the host pipeline or on XLA:CPU all of it; and
+  offload="auto"'s default host budget follows."""
+  from zinfjax import autoplace, hostlimit
+  ram = 115 << 30
+  assert hostlimit.host_room(ram, "gpu", "xla") == int(ram / 2.3) < ram // 2
+  assert hostlimit.host_room(ram, "gpu", "pipeline") == ram
+  assert hostlimit.host_room(ram, "cpu", "xla") == ram
+  monkeypatch.setattr(autoplace, "_available_ram", lambda: 2 * ram)
+  config = zinfjax.ZeroConfig(offload="auto")
+  want = (int(autoplace.HOST_SHARE * 2 * ram) - config.pinned_budget) // len(jax.local_devices())
+  assert autoplace.default_budgets(config)["pinned_host"] == want  # CPU: no copies to leave room for
+  monkeypatch.setattr(autoplace, "host_room", lambda r, platform, h: hostlimit.host_room(r, "gpu", h))
+  got = autoplace.default_budgets(config)["pinned_host"]
+  assert got == (int(int(autoplace.HOST_SHARE * 2 * ram) / 2.3) - config.pinned_budget) // len(jax.local_devices())
+  pipeline = autoplace.default_budgets(config.replace(host_optimizer="pipeline"))["pinned_host"]
+  assert pipeline == want > got

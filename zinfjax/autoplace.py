@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 import jax
 
 from .config import ZeroConfig
+from .hostlimit import host_room
 from .optim.stream import SLOTS
 from .placement import TIERS, Plan, Tier
 from .progress import human_bytes
@@ -46,14 +47,16 @@ def _gb(n: float) -> str:
 
 def default_budgets(config: ZeroConfig) -> dict[str, int]:
   """Bytes per device for each tier: a share of the device's free memory (none on a CPU
-  platform, whose device memory is the host's), a share of the host's available memory, and
+  platform, whose device memory is the host's), a share of the host's available memory (less
+  what XLA:GPU's host update copies, `hostlimit.host_room`), and
   the free space under `nvme_path` (none without one), each split over the local devices."""
   devices = jax.local_devices()
   stats = devices[0].memory_stats() if devices[0].platform != "cpu" else None
   device = 0
   if stats and "bytes_limit" in stats:
     device = int(DEVICE_SHARE * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-  host = int(HOST_SHARE * _available_ram() - config.pinned_budget) // len(devices)
+  ram = host_room(int(HOST_SHARE * _available_ram()), devices[0].platform, config.host_optimizer)
+  host = (ram - config.pinned_budget) // len(devices)
   nvme = 0
   for path in config.nvme_paths:
     probe = path
