@@ -24,8 +24,8 @@ Each run trains one batch `--steps` times with no warm-up, so its first AdamW st
 weight by about the learning rate, all in the direction that lowers the loss: the blocks'
 outputs move by about lr x hidden x layers together, and past a point the loss rises instead
 (measured on CPU from hidden 512 to 4096 and 3 to 80 layers: BENCHMARKS.md, "The largest
-model's learning rate"). The default learning rate is therefore `LR_WIDTH_DEPTH / (hidden x
-layers)`, and the table says whether the loss fell at every step.
+model's learning rate and host optimizer"). The default learning rate is therefore
+`LR_WIDTH_DEPTH / (hidden x layers)`, and the table says whether the loss fell at every step.
 """
 
 from __future__ import annotations

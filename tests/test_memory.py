@@ -167,3 +167,20 @@ def test_host_room_leaves_xla_gpu_host_update_its_copies(monkeypatch):
   assert got == (int(int(autoplace.HOST_SHARE * 2 * ram) / 2.3) - config.pinned_budget) // len(jax.local_devices())
   pipeline = autoplace.default_budgets(config.replace(host_optimizer="pipeline"))["pinned_host"]
   assert pipeline == want > got
+
+
+def test_xla_gpu_host_update_that_would_run_out_of_ram_is_warned_before_compiling():
+  """A plan whose pinned-host states, under XLA:GPU's host update (2.3x at its peak), would need
+  more than 90% of the machine's RAM is warned of with the fix; the host pipeline, XLA:CPU and
+  a plan that fits are not."""
+  import warnings
+  from zinfjax import hostlimit
+  ram = 128 << 30
+  with pytest.warns(UserWarning, match="host_optimizer='pipeline'") as caught:
+    hostlimit.warn_copies(60 << 30, "gpu", "xla", ram)
+  assert "about 138 GiB here" in str(caught[0].message)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    hostlimit.warn_copies(60 << 30, "gpu", "pipeline", ram)
+    hostlimit.warn_copies(60 << 30, "cpu", "xla", ram)
+    hostlimit.warn_copies(40 << 30, "gpu", "xla", ram)  # 92 GiB at its peak: fits in 115

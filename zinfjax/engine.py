@@ -235,8 +235,10 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
     config = auto.resolve(config)
   given, config = config, config.with_host_pipeline()  # errors speak of the tiers as given
   plan = make_plan(config, layouts, stack_paths, mesh, frozen, moments)
-  hostlimit.check(plan.tier_bytes(by_medium=False)[Tier.PINNED_HOST] * len(mesh.local_devices),
-                  mesh.devices.flat[0].platform)
+  pinned, platform = (plan.tier_bytes(by_medium=False)[Tier.PINNED_HOST] * len(mesh.local_devices),
+                      mesh.devices.flat[0].platform)
+  hostlimit.check(pinned, platform)
+  hostlimit.warn_copies(pinned, platform, config.host_optimizer)
   try:
     hyper = _engine_adamw(tx, plan, given)
   except ValueError as e:

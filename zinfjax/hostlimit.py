@@ -13,6 +13,7 @@ share of RAM a plan may fill under it.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import MutableMapping
 
 ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -25,12 +26,32 @@ SHARE = 0.9  # of the machine's RAM: the rest for the runtime, data and the NVMe
 XLA_HOST_PEAK = 2.3
 
 
+def _copied(platform: str, host_optimizer: str) -> bool:
+  """Whether the pinned-host states are updated by XLA:GPU's host computation (and copied)."""
+  return platform in ("gpu", "cuda") and host_optimizer == "xla"
+
+
 def host_room(ram: int, platform: str, host_optimizer: str) -> int:
   """Bytes of states `ram` bytes of RAM hold: all of it, but under XLA:GPU's host update a
   share (`XLA_HOST_PEAK`), so a plan sized to it is not killed for memory at its first update."""
-  if platform in ("gpu", "cuda") and host_optimizer == "xla":
-    return int(ram / XLA_HOST_PEAK)
-  return int(ram)
+  return int(ram / XLA_HOST_PEAK) if _copied(platform, host_optimizer) else int(ram)
+
+
+def warn_copies(pinned_bytes: int, platform: str, host_optimizer: str,
+                ram: int | None = None) -> None:
+  """Warn, before anything is compiled, where XLA:GPU's host update of a plan's `pinned_bytes`
+  of pinned-host states would need more than `SHARE` of the machine's RAM at its peak."""
+  ram = ram or machine_ram()
+  if not _copied(platform, host_optimizer) or host_room(int(SHARE * ram), platform,
+                                                        host_optimizer) >= pinned_bytes:
+    return
+  warnings.warn(
+      f"the plan keeps {pinned_bytes / 2**30:.1f} GiB of states in pinned host memory, updated in "
+      f"XLA's host computation (host_optimizer='xla'), which held {XLA_HOST_PEAK}x its states in "
+      f"RAM at its peak on an H200: about {XLA_HOST_PEAK * pinned_bytes / 2**30:.0f} GiB here, "
+      f"more than {SHARE:.0%} of this machine's {ram / 2**30:.0f} GiB, so the first update may "
+      "be killed for memory. Use host_optimizer='pipeline' (the C++ AdamW updates the states in "
+      "place in a RAM store, about 1x) or place fewer states on 'pinned_host'.", stacklevel=4)
 
 
 def machine_ram() -> int:
