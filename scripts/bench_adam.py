@@ -17,12 +17,14 @@ the host pipeline over that many parameters in the RAM store (host_optimizer="pi
 updated in place; all or nothing (the kernel reads the committed copy and writes the step's
 new one); and all or nothing through the pipeline's buffers, as a store that lends nothing
 is driven (read in, updated, written back: 48 more bytes per parameter), against the same
-bound as table 1.
+bound as table 1. Table 4 (with --call-sizes): one kernel call's time over tensors of those
+sizes as the slices (threads) grow: what splitting one tensor over the cores costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -46,6 +48,8 @@ def parse_args(argv=None):
   p.add_argument("--nvme-path", default=None)
   p.add_argument("--host-params", type=float, default=0, help="also time host-RAM steps this large")
   p.add_argument("--sub-group", type=float, default=5e7, help="NVMe sub-group size (elements)")
+  p.add_argument("--call-sizes", default="", help="e.g. 1e6,1.6e7: also time one call per size")
+  p.add_argument("--call-threads", default="1,2,16", help="slices per call in table 4")
   p.add_argument("--json", action="store_true")
   return p.parse_args(argv)
 
@@ -84,6 +88,26 @@ def bench_zinfjax(n: int, repeats: int, moments=np.float32) -> float:
   out = np.empty(n, ml_dtypes.bfloat16)
   c = AdamConstants(0.9, 0.999, 1e-8)
   return best_time(lambda: adamw_numpy(master, m, v, grad, out, 1e-3, 0.1, 0.001, c, 0.01), repeats)
+
+
+def bench_calls(sizes: list[int], threads: list[int], repeats: int) -> dict[int, dict[int, float]]:
+  """Seconds of one kernel call (bf16 grads and params, fp32 moments) per size and slice count,
+  the best of `repeats` averages over calls that move about 2 GB."""
+  import ml_dtypes
+  from zinfjax.optim.kernel import AdamConstants, adamw_numpy
+  rng, c, out = np.random.default_rng(0), AdamConstants(0.9, 0.999, 1e-8), {}
+  for n in sizes:
+    master, m, v = rng.standard_normal(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    grad = rng.standard_normal(n, np.float32).astype(ml_dtypes.bfloat16)
+    params = np.empty(n, ml_dtypes.bfloat16)
+    calls = max(3, int(2e9 // (n * BYTES_PER_PARAM)))
+
+    def run(t):
+      for _ in range(calls):
+        adamw_numpy(master, m, v, grad, params, 1e-3, 0.1, 0.001, c, 0.01, threads=t)
+
+    out[n] = {t: best_time(functools.partial(run, t), repeats) / calls for t in threads}
+  return out
 
 
 def bench_optax(n: int, repeats: int) -> float:
@@ -230,6 +254,10 @@ def main(argv=None) -> int:
                                 int(args.sub_group))
   if args.host_params:
     report["host"] = bench_host(int(args.host_params), int(args.sub_group), args.repeats)
+  sizes = [int(float(x)) for x in args.call_sizes.split(",") if x]
+  threads = [int(x) for x in args.call_threads.split(",")]
+  if sizes:
+    report["calls"] = bench_calls(sizes, threads, args.repeats)
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
@@ -261,6 +289,11 @@ def main(argv=None) -> int:
     rows = report["host"]
     for name, t in rows.items():
       print(f"{name:60} {t:8.3f} {h / t:10.3e} {h / t / bound:9.0%} {t / rows['in place']:11.2f}x")
+  if sizes:
+    print(f"\nOne call's ms by slices ({os.cpu_count()} cores here):")
+    print(f"{'elements':>12} " + " ".join(f"{f'{t} slices':>10}" for t in threads))
+    for n, by in report["calls"].items():
+      print(f"{n:12.3g} " + " ".join(f"{by[t] * 1e3:10.3f}" for t in threads))
   return 0
 
 

@@ -187,6 +187,72 @@ def test_kernel_reads_another_copy_bit_for_bit(moments, grads, params):
     run(new, new_out, (new[0], old[1], old[2]))
 
 
+def test_kernel_slices_run_on_kept_workers_per_nice_value():
+  """The kernel's slices run on workers kept between calls (no threads started per tensor),
+  bit for bit the single-threaded update with bf16 moments too, from several threads at once;
+  a caller of another nice value (the host pipeline's thread) gets workers of its own; a forked
+  child starts its own instead of waiting on its parent's."""
+  import concurrent.futures
+  import subprocess
+  import sys
+  import textwrap
+  import threading
+  from zinfjax import _engine
+  rng = np.random.default_rng(7)
+  n, c = 1_000_003, AdamConstants(0.9, 0.95, 1e-8)
+
+  def update(threads: int, moments=np.float32) -> list[np.ndarray]:
+    r = np.random.default_rng(8)
+    states = [r.standard_normal(n).astype(np.float32), (r.standard_normal(n) * 0.1).astype(moments),
+              (r.random(n) * 0.01).astype(moments)]
+    out = np.empty(n, ml_dtypes.bfloat16)
+    adamw_numpy(*states, grad, out, 1e-3, 0.19, 0.0975, c, 0.01, threads=threads, step=3)
+    return [x.view(np.uint8) for x in states + [out]]
+
+  grad = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+  for moments in (ml_dtypes.bfloat16, np.float32):
+    want = update(1, moments)  # the fp32 moments' last: compared with below
+    for got, ref in zip(update(6, moments), want):
+      np.testing.assert_array_equal(got, ref)
+  made = _engine.worker_count()
+  assert made >= 5
+  for _ in range(20):
+    update(6)
+  assert _engine.worker_count() == made  # kept, not started again
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    for got in pool.map(lambda _: update(6), range(8)):
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+  assert _engine.worker_count() == made
+
+  def lowered():
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 3))
+    return update(6)
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    for a, b in zip(pool.submit(lowered).result(), want):
+      np.testing.assert_array_equal(a, b)
+  assert _engine.worker_count() == made + 5  # the lowered caller's own
+  child = textwrap.dedent("""
+      import os, sys
+      import numpy as np
+      from zinfjax.optim.kernel import AdamConstants, adamw_numpy
+      x = [np.ones(1 << 20, np.float32) for _ in range(5)]
+      run = lambda: adamw_numpy(*x, 1e-3, 0.1, 0.0975, AdamConstants(0.9, 0.95, 1e-8), 0.0, 4)
+      run()
+      pid = os.fork()
+      if pid == 0:
+        run()  # would wait forever on workers the child does not have
+        os._exit(0)
+      _, status = os.waitpid(pid, 0)
+      sys.exit(os.waitstatus_to_exitcode(status))
+      """)
+  done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                        cwd="/")  # the installed zinfjax, not the source tree
+  assert done.returncode == 0, done.stderr[-2000:]
+
+
 # ------------------------------------------------------------------ bad input
 
 def test_mismatched_tree_structure():
