@@ -37,7 +37,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adam import bench_host, bench_zinfjax, copy_bandwidth  # noqa: E402
+from bench_adam import bench_calls, bench_host, bench_zinfjax, copy_bandwidth  # noqa: E402
 from bench_step import io_alone, median_step  # noqa: E402
 
 # dense bf16 TFLOP/s of an H100 / H200 SXM (NVIDIA's datasheet): the second MFU denominator
@@ -402,10 +402,15 @@ def host_alone(args) -> dict:
   rows cannot beat max(compute, that step)."""
   n = bench_config(args).num_params
   layer = 12 * args.hidden ** 2  # one block's params: the pipeline's sub-groups are about this
-  return {"params": n, "threads": os.cpu_count(),
+  cores = os.cpu_count() or 1
+  # one kernel call over a block's largest tensor by the threads it is split over (the kernel
+  # starts them per call): what that start costs on this host's cores
+  calls = bench_calls([4 * args.hidden ** 2], sorted({1, max(1, cores // 4), cores}), 3)
+  return {"params": n, "threads": cores,
           "copy_gbs": copy_bandwidth(min(n * 4, 1 << 30), 3) / 1e9,
           "adam_s": bench_zinfjax(n, 3),
-          "pipeline_s": bench_host(n, layer, 3)["in place"]}
+          "pipeline_s": bench_host(n, layer, 3)["in place"],
+          "call_ms_by_threads": {t: s * 1e3 for t, s in next(iter(calls.values())).items()}}
 
 
 def ratios(rows: list[dict], host: dict | None = None) -> list[dict]:
@@ -505,7 +510,10 @@ def table(r: dict) -> str:
   if h:
     lines.append(f"\nhost ({h['threads']} threads): copy {h['copy_gbs']:.1f} GB/s (read + write); over "
                  f"the GPT's {h['params'] / 1e6:.0f}M params the C++ AdamW alone {h['adam_s']:.3f} s, "
-                 f"a host-pipeline step alone (RAM store, in place) {h['pipeline_s']:.3f} s")
+                 f"a host-pipeline step alone (RAM store, in place) {h['pipeline_s']:.3f} s"
+                 + ("; one AdamW call over a block's largest tensor, ms by threads: " + ", ".join(
+                     f"{t}: {ms:.2f}" for t, ms in h["call_ms_by_threads"].items())
+                    if h.get("call_ms_by_threads") else ""))
   if r.get("steps"):
     lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
               f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device | vs max(compute, I/O or host alone) "

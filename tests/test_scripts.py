@@ -60,12 +60,17 @@ def test_estimate_memory_json():
 
 
 def test_bench_adam_times_the_host_pipeline_in_ram():
-  """Table 3: a step over the RAM store in place, all or nothing, and through the buffers."""
+  """Table 3: a step over the RAM store in place, all or nothing, and through the buffers;
+  table 4: one kernel call per size and thread count."""
   data = json.loads(run([os.path.join(SCRIPTS, "bench_adam.py"), "--params", "1e5", "--repeats",
-                         "1", "--host-params", "3e5", "--sub-group", "1e5", "--json"]))
+                         "1", "--host-params", "3e5", "--sub-group", "1e5", "--call-sizes",
+                         "1e5,3e5", "--call-threads", "1,3", "--json"]))
   rows = data["host"]
   assert len(rows) == 3 and "in place" in rows and all(t > 0 for t in rows.values())
   assert any(name.startswith("all or nothing through the buffers") for name in rows)
+  calls = data["calls"]
+  assert set(calls) == {"100000", "300000"} and all(
+      set(by) == {"1", "3"} and all(t > 0 for t in by.values()) for by in calls.values())
 
 
 def test_estimate_memory_table_for_a_preset():
@@ -192,6 +197,8 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
     "params + optimizer on pinned_host, host pipeline",
     "params + optimizer on pinned_host, host pipeline under backward"}
   assert speed["host"]["pipeline_s"] > 0 and speed["host"]["adam_s"] > 0
+  assert speed["host"]["call_ms_by_threads"] and all(
+      ms > 0 for ms in speed["host"]["call_ms_by_threads"].values())
   for r in rows:
     base = next(b for b in rows if b["tokens"] == r["tokens"] and b["placement"].startswith("all"))
     assert abs(r["loss"] - base["loss"]) < 1e-3 * base["loss"], (r, base)

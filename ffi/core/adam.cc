@@ -1,11 +1,10 @@
 #include "core/adam.h"
 
-#include "core/workers.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 namespace zinfjax {
 namespace {
@@ -144,13 +143,16 @@ void AdamW(float* master, void* m, void* v, Precision moment_type, const void* g
     chunk(master, m, v, grad, params_out, 0, n, h, sources);
     return;
   }
-  // Split on 64-element boundaries so every slice stays vector-aligned; the slices run on
-  // the kept workers (core/workers.h), the first on this thread.
+  // Split on 64-element boundaries so every thread's slice stays vector-aligned.
   size_t per = ((n + workers - 1) / workers + 63) & ~size_t(63);
-  RunSlices((n + per - 1) / per, [&](size_t w) {
-    size_t b = w * per, e = std::min(n, b + per);
-    chunk(master, m, v, grad, params_out, b, e, h, sources);
-  });
+  std::vector<std::thread> pool;
+  for (size_t w = 1; w < workers; ++w) {
+    size_t b = std::min(n, w * per), e = std::min(n, b + per);
+    if (b < e) pool.emplace_back(chunk, master, m, v, grad, params_out, b, e, std::cref(h),
+                          std::cref(sources));
+  }
+  chunk(master, m, v, grad, params_out, 0, std::min(n, per), h, sources);
+  for (auto& t : pool) t.join();
 }
 
 }  // namespace zinfjax

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "core/adam.h"
-#include "core/workers.h"
 #include "core/buffer.h"
 #include "core/errors.h"
 #include "core/files.h"
@@ -354,8 +353,6 @@ PYBIND11_MODULE(_engine, m) {
   m.def("unregister_store", &UnregisterStore, py::arg("handle"));
 
   m.def("adam_isa", &AdamIsa, "Instruction set the AdamW kernel uses on this CPU.");
-  m.def("worker_count", &WorkerCount,
-        "Threads kept for the CPU kernels' slices so far (core/workers.h), over all nice values.");
   m.def("adamw", [](py::buffer master, py::buffer m, py::buffer v, py::buffer grad,
                     py::object params_out, float lr, float b1, float one_minus_b1, float b2,
                     float one_minus_b2, float eps, float weight_decay, float bc1, float bc2,
