@@ -204,11 +204,12 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
   """One `train_gpt.py` run; its metrics, return code and the tail of its output. `mixed` trains
   with `--offload auto` and `budgets`."""
   metrics = os.path.join(args.out, f"{tier}_{layers}.jsonl")
+  lr = args.lr if args.lr is not None else default_lr(args.hidden, layers)
   cmd = [sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny",
          "--layers", str(layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
          "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
          "--steps", str(args.steps), "--log-every", "1", "--same-batch", "--warmup-steps", "0",
-         "--lr", str(args.lr if args.lr is not None else default_lr(args.hidden, layers)),
+         "--lr", str(lr),
          "--metrics-jsonl", metrics] + (["--bf16-moments"] if args.bf16_moments else [])
   if tier == "mixed":
     cmd += ["--offload", "auto"] + [f"--budget={t}={b}" for t, b in budgets.items()]
@@ -231,7 +232,7 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
   if os.path.exists(metrics):
     with open(metrics) as f:
       records = [json.loads(line) for line in f]
-  return {"tier": tier, "layers": layers, "returncode": code,
+  return {"tier": tier, "layers": layers, "lr": lr, "returncode": code,
           "wall_s": time.perf_counter() - t0, "records": records, "tail": text[-3000:]}
 
 
@@ -318,8 +319,7 @@ def main(argv=None) -> int:
     config, rs = gpt_config(run["layers"], args), run["records"]
     n = config.num_params
     states = ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
-    lr = args.lr if args.lr is not None else default_lr(args.hidden, run["layers"])
-    trained = ["-"] * 4 + [f"{lr:.2g}"] + ["-"] * 4  # a run that wrote no step
+    trained = ["-"] * 4 + [f"{run['lr']:.2g}"] + ["-"] * 4  # a run that wrote no step
     if rs:
       last = rs[-1]
       # 6·N·T plus causal attention, the standard count (GPTConfig.train_flops)
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
       disk = last.get("tiers", {}).get("nvme", 0) * args.devices
       trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}", f"{tflops:.1f}",
                  f"{tflops / SPEC_TFLOPS:.1%}" if platform == "gpu" else "-",
-                 f"{lr:.2g}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}"
+                 f"{run['lr']:.2g}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}"
                  + (" (falls at every step)" if loss_falls(rs) else " (**not falling**)"),
                  f"{max(hbm) / GIB:.2f}" if hbm else "-",
                  f"{max(r['peak_rss'] for r in rs) / GIB:.2f}", f"{disk / 1e9:.1f}"]

@@ -1,8 +1,10 @@
-"""Test helpers: random data and the plain single-device optax reference."""
+"""Test helpers: random data, the plain single-device optax reference, the scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 import jax
 import numpy as np
@@ -10,6 +12,16 @@ from flax import nnx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "data", "tinyshakespeare.txt")
+SCRIPTS = os.path.join(REPO, "scripts")
+
+
+def load_script(name: str):
+  """scripts/`name`.py as a module (its functions, without running its main)."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault(name, mod)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def text_batches(n: int, batch: int, seq: int, seed: int = 0) -> list[dict]:

@@ -4,7 +4,6 @@ states move between every pair of tiers; bad input stops the CLI before any comp
 one line naming the problem; nothing saved is lost."""
 
 import gc
-import importlib.util
 import json
 import os
 import re
@@ -27,7 +26,7 @@ from zinfjax.checkpoint.leaves import Leaf
 from zinfjax.engine import StoreReplacedWarning
 from zinfjax.models import GPT, get_config, hf, lm_loss
 
-from helpers import REPO, random_batches
+from helpers import REPO, load_script, random_batches
 
 TIERS = ("device", "pinned_host", "nvme")
 TINY = get_config("tiny", num_layers=2, hidden=32, num_heads=2, seq_len=16, vocab_size=64)
@@ -200,10 +199,7 @@ def test_cli_resumes_onto_other_optimizer_tiers(tmp_path):
 
 # ------------------------------------------------------------------ the CLI's input checks
 def train_gpt_main():
-  spec = importlib.util.spec_from_file_location("train_gpt_script", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
+  return load_script("train_gpt").main
 
 
 def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,6 @@
 """The DeepSpeed peer (scripts/peer_deepspeed.py) trains the same GPT as zinfjax's bench, set up
 the same way. The torch parts need `pip install '.[peer]'` and are skipped without it."""
 
-import importlib.util
 import inspect
 import json
 import math
@@ -12,17 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, load_script as load
 
 SCRIPTS = os.path.join(REPO, "scripts")
-
-
-def load(name: str):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault(name, mod)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 @pytest.fixture(scope="module")

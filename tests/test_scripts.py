@@ -9,7 +9,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, load_script
 
 SCRIPTS = os.path.join(REPO, "scripts")
 
@@ -259,11 +259,8 @@ def test_bench_gpu_runs_each_row_in_a_process_of_its_own(tmp_path):
 def largest_runs_are_the_largest_that_fit(result: dict) -> None:
   """largest_gpt.py's runs: one per placement, each trained with falling loss, at the most
   layers whose states fit every tier's room (one more does not)."""
-  import importlib.util
   import types
-  spec = importlib.util.spec_from_file_location("largest_gpt", os.path.join(SCRIPTS, "largest_gpt.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = load_script("largest_gpt")
   args, room = types.SimpleNamespace(**result["args"]), result["room"]
   fits = lambda n, tier: all(b <= args.fill * room[t] for t, b in mod.need(n, tier, args).items() if b)
   assert [r["tier"] for r in result["runs"]] == ["device", "pinned_host", "nvme"]
@@ -282,7 +279,6 @@ def test_largest_gpt_mixed_fills_every_tier(host_optimizer, tmp_path):
   falling loss and holds on each tier what the plan said (on the drive, its states; in memory,
   the params without the grads the plan also counts, or under the host pipeline, whose RAM
   store holds grads too, exactly the plan's count)."""
-  import importlib.util
   import types
   out = tmp_path / "largest"
   run([os.path.join(SCRIPTS, "largest_gpt.py"), "--out", str(out), "--placements", "mixed",
@@ -302,9 +298,7 @@ def test_largest_gpt_mixed_fills_every_tier(host_optimizer, tmp_path):
     assert held["pinned_host"] == planned["pinned_host"], (held, planned)
   else:
     assert planned["pinned_host"] / 2 <= held["pinned_host"] <= planned["pinned_host"], (held, planned)
-  spec = importlib.util.spec_from_file_location("largest_gpt", os.path.join(SCRIPTS, "largest_gpt.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = load_script("largest_gpt")
   args = types.SimpleNamespace(**result["args"])
   assert mod.search_mixed(result["room"], args, str(tmp_path / "nvme"), mixed["layers"] + 1)[1] is None
 
@@ -313,11 +307,8 @@ def test_largest_gpt_sizes_for_the_host_optimizer_and_steps_below_overshoot(tmp_
   """largest_gpt.py's room in RAM: under XLA's host update on a GPU, what its copies leave
   (`XLA_HOST_PEAK`), else all of it; its default lr keeps lr x hidden x layers at 0.02 (the
   first AdamW step overshot from 0.12 up); a run counts only when its loss fell at every step."""
-  import importlib.util
   import types
-  spec = importlib.util.spec_from_file_location("largest_gpt", os.path.join(SCRIPTS, "largest_gpt.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  mod = load_script("largest_gpt")
   gib = 1 << 30
   args = lambda host: types.SimpleNamespace(hbm_gib=80.0, ram_gib=115.0, disk_gib=60.0,
                                            devices=1, host_optimizer=host)
