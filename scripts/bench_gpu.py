@@ -384,6 +384,7 @@ def where_it_went(state, metrics: dict, steps: int) -> dict:
     stores = [v for v in stats.values() if isinstance(v, dict) and "buffers_made" in v] or [stats]
     out["buffers_made"] = {"count": sum(s["buffers_made"][0] for s in stores),
                            "bytes": sum(s["buffers_made"][1] for s in stores), "steps": steps}
+    out["mapping_pinned_bytes"] = sum(s.get("mapping_pinned_bytes", 0) for s in stores)
   return out
 
 
@@ -392,6 +393,8 @@ def phase_line(row: dict) -> str:
   if "buffers_made" in row:
     b = row["buffers_made"]
     parts.append(f"lent buffers made {b['count']} ({b['bytes'] / 2**30:.2f} GiB) in {b['steps']} steps")
+  if row.get("mapping_pinned_bytes"):
+    parts.append(f"RAM store page-locked {row['mapping_pinned_bytes'] / 2**30:.2f} GiB")
   return f" ({', '.join(parts)})" if parts else ""
 
 

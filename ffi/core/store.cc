@@ -195,7 +195,7 @@ SwapStore::~SwapStore() {
     Sync();
   } catch (...) {
   }
-  for (uint8_t* p : map_pins_) unpin_(p);  // before the pages go
+  for (const auto& [offset, bytes] : map_pins_) unpin_(map_ + offset);  // before the pages go
   if (map_) munmap(map_, kMemoryMapBytes);
   for (int fd : fds_) close(fd);
   for (int fd : lock_fds_) {

@@ -26,6 +26,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "core/aio.h"
@@ -160,16 +161,21 @@ class SwapStore {
   // Buffers the store lends (owned reads, detached writes) are passed to `pin`
   // when made and to `unpin` before they are freed: the CUDA handlers page-lock
   // them so device copies from and to them run asynchronously.
-  // A memory store's mapping is page-locked with them too, as it grows (`pin` says whether
-  // it could be).
+  // A memory store's mapping is page-locked with them too, one extent at a time, the first
+  // time an in-place read or detached write lends it: only the shards that cross to a device
+  // (grads, params), never the optimizer's states, which stay pageable (`pin` says whether it
+  // could lock; once it cannot, the store lends buffers instead).
   using PinHook = bool (*)(void*, size_t);
   void SetPinHooks(PinHook pin, AlignedBuffer::FreeHook unpin);
   // Whether in-place reads and detached writes lend the memory store's mapping: a memory
-  // store, and its mapping page-locked wherever pin hooks are set (device copies from and to
+  // store whose pin hook (where set) has not refused an extent (device copies from and to
   // pageable memory would block the caller). ZINFJAX_LEND_MAPPING=0 when the store opens
   // turns it off (buffers are borrowed as for a drive), to time both ways or rule it out.
-  bool LendsMapping() const {
-    return config_.memory && lend_mapping_ && (pin_ == nullptr || map_pinned_.load());
+  bool LendsMapping() const { return config_.memory && lend_mapping_ && !pin_refused_.load(); }
+  // Bytes of the mapping page-locked so far (the extents lent to a device).
+  uint64_t mapping_pinned_bytes() {
+    std::lock_guard<std::mutex> lock(pin_mu_);
+    return map_pinned_bytes_;
   }
   // Completed writes of `key` so far: a reader on another thread (the host
   // optimizer) waits for the write a running XLA program makes (the grads).
@@ -302,12 +308,15 @@ class SwapStore {
   uint64_t buffers_made_ = 0, buffer_bytes_made_ = 0;
   std::atomic<PinHook> pin_{nullptr};
   AlignedBuffer::FreeHook unpin_ = nullptr;
-  // A memory store's page-locked ranges of its mapping (for unpin_ at close) and whether
-  // all of it is; grown with the file, under mu_.
-  std::vector<uint8_t*> map_pins_;
-  std::atomic<bool> map_pinned_{false};
+  // A memory store's page-locked extents of its mapping (offset -> bytes, for unpin_ at close),
+  // and whether a pin was refused (nothing is lent from then on); under pin_mu_.
+  std::mutex pin_mu_;
+  std::unordered_map<uint64_t, uint64_t> map_pins_;
+  uint64_t map_pinned_bytes_ = 0;
+  std::atomic<bool> pin_refused_{false};
   bool lend_mapping_ = true;
-  bool PinMappingLocked(uint64_t from, uint64_t to);  // [from, to) of it; false if refused
+  // Page-locks the extents of `entries` not locked yet, where pin hooks are set; false if refused.
+  bool PinExtents(const std::vector<ShardEntry>& entries);
   uint64_t next_offset_ = 0;
   int64_t fault_free_bytes_ = -1;
   int64_t fault_writes_ = -1;

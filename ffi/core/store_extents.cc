@@ -64,8 +64,6 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
       throw EngineError(SysError("cannot allocate " + std::to_string(grow) + " bytes in " + file, err));
     }
     if (fault_free_bytes_ >= 0) fault_free_bytes_ -= static_cast<int64_t>(grow);
-    // a part left unpinned: copies go through lent buffers from now on
-    if (config_.memory && !PinMappingLocked(file_sizes_[i], need[i])) map_pinned_ = false;
     file_sizes_[i] = need[i];
   }
 }
@@ -141,27 +139,35 @@ uint64_t SwapStore::TakeExtent(uint64_t capacity) {
 }
 
 void SwapStore::SetPinHooks(PinHook pin, AlignedBuffer::FreeHook unpin) {
-  {
-    std::lock_guard<std::mutex> lock(spare_mu_);
-    if (pin_.load() == pin) return;
-    unpin_ = unpin;
-    pin_ = pin;
-    for (auto& [size, b] : spare_) {  // the spares made before: pinned now
-      pin(b->data(), b->capacity());
-      b->set_on_free(unpin_);
-    }
-  }
-  if (config_.memory) {  // the mapping so far; EnsureAllocated pins what it grows by
-    std::lock_guard<std::mutex> lock(mu_);
-    map_pinned_ = PinMappingLocked(0, file_sizes_[0]);  // lent only once all of it is
-  }
+  std::lock_guard<std::mutex> lock(spare_mu_);
+  if (pin_.load() == pin) return;
+  unpin_ = unpin;
+  pin_ = pin;
+  for (auto& [size, b] : spare_)  // the spares made before: pinned now
+    if (pin(b->data(), b->capacity())) b->set_on_free(unpin_);
 }
 
-bool SwapStore::PinMappingLocked(uint64_t from, uint64_t to) {
+bool SwapStore::PinExtents(const std::vector<ShardEntry>& entries) {
   PinHook pin = pin_.load();
-  if (pin == nullptr || to <= from) return true;
-  if (!pin(map_ + from, to - from)) return false;
-  map_pins_.push_back(map_ + from);
+  if (pin == nullptr) return true;
+  std::lock_guard<std::mutex> lock(pin_mu_);
+  for (const ShardEntry& e : entries) {
+    // extents are page-aligned and never split, so one that comes back from the free list
+    // is the one locked before
+    auto it = map_pins_.find(e.offset);
+    if (it != map_pins_.end() && it->second >= e.capacity) continue;
+    if (it != map_pins_.end()) {  // not expected; relocked whole rather than overlapped
+      unpin_(map_ + e.offset);
+      map_pinned_bytes_ -= it->second;
+      map_pins_.erase(it);
+    }
+    if (!pin(map_ + e.offset, e.capacity)) {
+      pin_refused_ = true;  // buffers are borrowed from now on
+      return false;
+    }
+    map_pins_[e.offset] = e.capacity;
+    map_pinned_bytes_ += e.capacity;
+  }
   return true;
 }
 
@@ -180,10 +186,8 @@ std::unique_ptr<AlignedBuffer> SwapStore::TakeBuffer(size_t bytes) {
   std::lock_guard<std::mutex> lock(spare_mu_);
   ++buffers_made_;
   buffer_bytes_made_ += b->capacity();
-  if (PinHook pin = pin_.load()) {
-    pin(b->data(), b->capacity());
-    b->set_on_free(unpin_);
-  }
+  if (PinHook pin = pin_.load(); pin != nullptr && pin(b->data(), b->capacity()))
+    b->set_on_free(unpin_);  // unlocked only where locked
   return b;
 }
 

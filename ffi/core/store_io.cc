@@ -86,9 +86,10 @@ void SwapStore::WriteDetachedMany(const std::vector<ShardIo>& shards, bool in_pl
 SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& shards,
                                                   bool in_place) {
   if (shards.empty()) throw EngineError("a detached write needs at least one shard");
-  const bool lent = in_place && LendsMapping();
-  size_t nbytes = 0;  // of a buffer: the mapping takes no room
-  for (const ShardIo& s : shards) nbytes += lent ? 0 : AlignUp(s.nbytes);
+  bool lent = in_place && LendsMapping();
+  size_t nbytes = 0;  // of a buffer, where the mapping is not lent (it takes no room)
+  for (const ShardIo& s : shards) nbytes += AlignUp(s.nbytes);
+  size_t held = lent ? 0 : nbytes;
   auto pending = [&] {
     for (const ShardIo& s : shards)
       if (detached_.count(s.key)) return true;
@@ -97,13 +98,23 @@ SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& sh
   {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [&] {
-      return !pending() && (detached_bytes_ == 0 || detached_bytes_ + nbytes <= config_.pinned_budget);
+      return !pending() && (detached_bytes_ == 0 || detached_bytes_ + held <= config_.pinned_budget);
     });
     for (const ShardIo& s : shards) ++detached_[s.key];
-    detached_bytes_ += nbytes;
+    detached_bytes_ += held;
   }
   DetachedWrite write;
   try {
+    for (const ShardIo& s : shards) {
+      write.keys.push_back(s.key);
+      write.entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
+    }
+    if (lent && !PinExtents(write.entries)) {  // refused: a buffer after all, this once
+      lent = false;
+      std::lock_guard<std::mutex> lock(mu_);
+      detached_bytes_ += nbytes;
+      held = nbytes;
+    }
     if (!lent) {
       write.buffer = TakeBuffer(nbytes);
       write.base = write.buffer->data();
@@ -111,18 +122,16 @@ SwapStore::DetachedWrite SwapStore::BeginDetached(const std::vector<ShardIo>& sh
       write.base = map_;
     }
     size_t at = 0;
-    for (const ShardIo& s : shards) {
-      write.keys.push_back(s.key);
-      write.entries.push_back(Allocate(s.key, s.nbytes, s.dtype, s.shape));
-      write.at.push_back(lent ? write.entries.back().offset : at);
-      at += AlignUp(s.nbytes);
+    for (size_t i = 0; i < shards.size(); ++i) {
+      write.at.push_back(lent ? write.entries[i].offset : at);
+      at += AlignUp(shards[i].nbytes);
     }
   } catch (...) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const ShardIo& s : shards)
         if (--detached_[s.key] == 0) detached_.erase(s.key);
-      detached_bytes_ -= nbytes;
+      detached_bytes_ -= held;
     }
     done_cv_.notify_all();
     throw;
@@ -229,7 +238,7 @@ uint64_t SwapStore::ReadOwnedAsync(const std::vector<std::string>& keys, bool ur
     CheckReadable(key, e, e.dtype, e.shape, e.nbytes);
     entries.push_back(e);
   }
-  if (!(in_place && LendsMapping()))
+  if (!(in_place && LendsMapping() && PinExtents(entries)))
     return Enqueue(ReadWork(keys, entries, {}), keys, entries, /*write=*/false, nullptr, urgent);
   auto job = std::make_shared<Job>();  // nothing to move: a finished job that lends the mapping
   job->keys = keys;

@@ -337,6 +337,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
       .def_property_readonly("spare_bytes", &SwapStore::spare_bytes)
       .def_property_readonly("buffers_made", &SwapStore::buffers_made)
+      .def_property_readonly("mapping_pinned_bytes", &SwapStore::mapping_pinned_bytes)
       .def("set_fault_after_writes", &SwapStore::SetFaultAfterWrites, py::arg("writes"))
       .def("begin", &SwapStore::Begin, py::arg("prefixes"))
       .def("commit", &SwapStore::Commit)

@@ -2,10 +2,13 @@
 // swap store: data lands where it should, host<->device copies run on the copy stream and
 // never on XLA's, staging buffers are reused only once drained, and a read with no free
 // staging buffer or a mismatched shape is handled. Usage: copies_test FOLDER|memory.
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/errors.h"
@@ -200,6 +203,89 @@ void TestMismatch(CopyLane& lane, std::shared_ptr<SwapStore> store) {
   for (int layer = 0; layer < 3; ++layer) Consume(lane, layer, true);
 }
 
+// The pin hooks the CUDA handlers set, recording what they lock; `refuse_pins` makes them fail.
+std::vector<std::pair<const void*, size_t>> pins;
+int unpins = 0;
+bool refuse_pins = false;
+
+bool FakePin(void* p, size_t bytes) {
+  if (refuse_pins) return false;
+  pins.push_back({p, bytes});
+  return true;
+}
+
+void FakeUnpin(void*) { ++unpins; }
+
+bool Pinned(const void* p) {
+  for (const auto& [at, bytes] : pins)
+    if (p >= at && static_cast<const uint8_t*>(p) < static_cast<const uint8_t*>(at) + bytes)
+      return true;
+  return false;
+}
+
+// A memory store page-locks only the extents it lends a device (grads written in place, params
+// read in place), each once, never the optimizer's states; once a lock is refused it lends
+// buffers, and the data arrives intact either way.
+void TestPinnedExtents() {
+  StoreConfig config;
+  config.memory = true;
+  config.fresh = true;
+  {
+    auto store = std::make_shared<SwapStore>(config);
+    std::vector<float> master = Values(9, 0, 100000);
+    store->Wait(store->WriteManyAsync({{"m/0", master.data(), master.size() * 4, "float32",
+                                        {static_cast<int64_t>(master.size())}}}));
+    WriteLayer(*store, 0);
+    store->SetPinHooks(&FakePin, &FakeUnpin);
+    CHECK(pins.empty(), "setting the hooks locks none of the mapping, got %zu locks", pins.size());
+    uint64_t lent_bytes = 0;
+    for (int step = 0; step < 2; ++step) {
+      std::vector<ShardIo> shards;
+      for (size_t s = 0; s < kSizes.size(); ++s)
+        shards.push_back({Key("g", 0, s), nullptr, static_cast<size_t>(kSizes[s]) * 4, "float32",
+                          {kSizes[s]}});
+      SwapStore::DetachedWrite w = store->BeginDetached(shards, /*in_place=*/true);
+      CHECK(!w.buffer, "a grads write lends the mapping");
+      for (size_t s = 0; s < kSizes.size(); ++s) {
+        std::vector<float> g = Values(step, s, kSizes[s], 0.5f);
+        std::memcpy(w.base + w.at[s], g.data(), g.size() * 4);
+        CHECK(Pinned(w.base + w.at[s]), "the lent grads extent %zu is locked", s);
+        if (step == 0) lent_bytes += w.entries[s].capacity;
+      }
+      store->FinishDetached(std::move(w));
+      CHECK(pins.size() == kSizes.size(), "each extent locked once, got %zu locks", pins.size());
+    }
+    uint64_t ticket = store->ReadOwnedAsync({Key("p", 0, 0), Key("p", 0, 1)}, true, true);
+    std::vector<std::vector<float>> ys;
+    store->TakeResults(ticket, Outs(ys));
+    for (size_t s = 0; s < kSizes.size(); ++s) {
+      CHECK(ys[s] == Values(0, s, kSizes[s]), "params shard %zu read in place intact", s);
+      ShardEntry e;
+      CHECK(Pinned(store->View(Key("p", 0, s), &e)), "the params read in place are locked");
+      lent_bytes += e.capacity;
+    }
+    ShardEntry e;
+    CHECK(!Pinned(store->View("m/0", &e)), "the optimizer's states stay pageable");
+    CHECK(store->mapping_pinned_bytes() == lent_bytes, "locked %llu bytes, lent %llu",
+          static_cast<unsigned long long>(store->mapping_pinned_bytes()),
+          static_cast<unsigned long long>(lent_bytes));
+    refuse_pins = true;
+    std::vector<float> g = Values(5, 0, kSizes[0], 0.25f);
+    SwapStore::DetachedWrite w = store->BeginDetached(
+        {{Key("g", 5, 0), nullptr, g.size() * 4, "float32", {kSizes[0]}}}, /*in_place=*/true);
+    CHECK(w.buffer != nullptr, "a refused lock borrows a buffer");
+    std::memcpy(w.base + w.at[0], g.data(), g.size() * 4);
+    store->FinishDetached(std::move(w));
+    CHECK(!store->LendsMapping(), "nothing is lent after a refusal");
+    std::vector<float> back(g.size());
+    store->Wait(store->ReadManyAsync({{Key("g", 5, 0), back.data(), back.size() * 4, "float32",
+                                       {kSizes[0]}}}));
+    CHECK(back == g, "a borrowed write arrives intact");
+  }
+  CHECK(unpins == static_cast<int>(pins.size()), "every locked extent unlocked at close: %d of %zu",
+        unpins, pins.size());
+}
+
 }  // namespace
 }  // namespace zinfjax
 
@@ -227,6 +313,7 @@ int main(int argc, char** argv) {
   TestNoFreeBuffer(*one, store);
   TestMismatch(*lane, store);
   returns().Drain();  // every host buffer goes back to the store
+  if (config.memory) TestPinnedExtents();
   std::printf("copies_test: %d checks passed (%s store)\n", checks, argv[1]);
   return 0;
 }

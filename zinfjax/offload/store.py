@@ -286,7 +286,8 @@ class AioStore:
             "bytes_used": self._store.bytes_used, "bytes_read": self._store.bytes_read,
             "bytes_written": self._store.bytes_written, "allocated_bytes": self._store.allocated_bytes,
             "pool": self._store.pool_stats(),
-            "spare_bytes": self._store.spare_bytes, "buffers_made": self._store.buffers_made}
+            "spare_bytes": self._store.spare_bytes, "buffers_made": self._store.buffers_made,
+            "mapping_pinned_bytes": self._store.mapping_pinned_bytes}
 
   @property
   def closed(self) -> bool:
