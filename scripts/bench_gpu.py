@@ -47,6 +47,8 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("device-explicit", "device", "device",
                "all on device, explicit attention (ZINFJAX_ATTENTION=explicit: no cuDNN)"),
               ("pinned", "pinned_host", "pinned_host", "params + optimizer on pinned_host"),
+              ("device-update", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, update on the device a layer at a time"),
               ("pipeline", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline"),
               ("pipeline-under", "pinned_host", "pinned_host",
@@ -59,7 +61,7 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("mixed", "pinned_host", "nvme", "params on pinned_host, optimizer on nvme, host "
                "pipeline under backward (RAM + drive stores), rewritten in place")]
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
-OPT_IN = {"mixed", "pipeline-atomic", "device-explicit"}
+OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "device-update"}
 
 
 def parse_args(argv=None):
@@ -257,6 +259,13 @@ def peaks(jax) -> dict:
           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10}
 
 
+def host_optimizer_of(name: str) -> str:
+  """The `ZeroConfig.host_optimizer` of the step row called `name`."""
+  if "host pipeline" in name:
+    return "pipeline"
+  return "device" if "update on the device" in name else "xla"
+
+
 def row_specs(args) -> list[tuple[int, tuple]]:
   """(tokens, PLACEMENTS entry) of every step row the arguments ask for, in run order."""
   nvme_tokens = {int(t) for t in args.nvme_tokens.split(",") if t}
@@ -336,7 +345,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
       atomic = "all or nothing" in name
       zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
                                 pinned_budget=args.pinned_budget << 20,
-                                host_optimizer="pipeline" if "host pipeline" in name else "xla",
+                                host_optimizer=host_optimizer_of(name),
                                 # the update under backward: no skipping of non-finite steps,
                                 # unless the steps are all or nothing (rolled back when skipped)
                                 skip_nonfinite="under backward" not in name or atomic,

@@ -7,9 +7,10 @@
 #   env          the machine, the driver, the versions (env.txt)
 #   build        zinfjax with its CUDA handlers (build.log)
 #   gpu-tests    tests/gpu, the tests never yet passed on a GPU first (gpu_tests.log)
-#   speed        the numbers of the GPU speed issue: MFU and pinned host (XLA's host AdamW, the
-#                host pipeline after and under backward) at 16k and 64k tokens, with the host's
-#                side alone, each row in its own process (speed.log, speed/bench_gpu.json)
+#   speed        the numbers of the GPU speed issue: MFU and pinned host (the update on the device
+#                a layer at a time, the host pipeline after and under backward; XLA's host AdamW
+#                is in bench) at 16k and 64k tokens, with the host's side alone, each row in its
+#                own process (speed.log, speed/bench_gpu.json)
 #   bench        every row of bench_gpu.py: copies, disk, steps, NVMe's against I/O alone, each step
 #                row in its own process (bench_gpu.log, bench_gpu.json)
 #   copy-stream  the host-pipeline step (and NVMe's with COPY_PLACEMENTS=device,pipeline-under,nvme)
@@ -143,7 +144,7 @@ stage_speed() {
   local sizes=(--tokens 16384,65536 --seq-len 2048)
   if [[ $DRY == 1 ]]; then sizes=(--tiny); fi
   run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --sections matmul,host,steps --isolate 150 \
-    --placements device,pinned,pipeline,pipeline-under "${sizes[@]}"
+    --placements device,device-update,pipeline,pipeline-under "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
 }
 

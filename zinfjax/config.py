@@ -9,6 +9,8 @@ from typing import Any, Literal, Mapping, Sequence
 from .tier import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
 
 Precision = Literal["bf16", "fp32"]
+# who updates the optimizer states in pinned host (`ZeroConfig.host_optimizer`)
+HOST_OPTIMIZERS = ("xla", "pipeline", "device")
 
 
 def host_pipeline_applies(host_optimizer: str, param_tiers: Sequence[str],
@@ -126,7 +128,11 @@ class ZeroConfig:
       steps (`nvme_atomic_steps`). False applies the update whatever it holds.
     host_optimizer: who updates the optimizer states placed in pinned host
       memory. "xla" (the default): the step's program, in XLA's host
-      computation. "pipeline": pinned host becomes the NVMe tier without the
+      computation. "device": the step's program on the device, after
+      backward, a layer at a time: each layer's master and moments cross to
+      the device and back (twice their bytes over the host link per step, no
+      CPU work, one layer's states in device memory at a time); needs
+      zinfjax's AdamW. "pipeline": pinned host becomes the NVMe tier without the
       drive: every pinned-host state (params, grads, master params, moments)
       lives in a swap store in host RAM; backward writes each layer's grads
       there and the host pipeline (the C++ AdamW on host threads) updates
@@ -255,9 +261,9 @@ class ZeroConfig:
           f"{self.offload_optimizer!r}, offload_activations={self.offload_activations}) needs "
           f"stage=3, got stage={self.stage}: zinfjax moves each rank's 1/dp shard of every state "
           "between tiers, and stages 1 and 2 keep whole params on every device.")
-    if self.host_optimizer not in ("xla", "pipeline"):
-      raise ValueError(f"ZeroConfig.host_optimizer must be 'xla' or 'pipeline', got "
-                       f"{self.host_optimizer!r}.")
+    if self.host_optimizer not in HOST_OPTIMIZERS:
+      raise ValueError(f"ZeroConfig.host_optimizer must be one of {', '.join(map(repr, HOST_OPTIMIZERS))}, "
+                       f"got {self.host_optimizer!r}.")
     if self.host_store and self.host_optimizer != "pipeline":
       raise ValueError(
           f"ZeroConfig: the tier {Tier.HOST_STORE.value!r} is pinned host as host_optimizer="

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from .grads import param_specs
 from .offload import tiers
-from .optim.host import UPDATES, HostAdamState
+from .optim.host import HostAdamState, updates
 from .optim.hyper import clip_scale
 from .placement import Plan
 from .schedule import Phase, Timeline
@@ -118,11 +118,11 @@ def adamw_update(engine, timeline: Timeline, state: TrainState, grads: Any, norm
     n = len(jobs)
     ms, mus, nus, gs = (list(xs[k * n:(k + 1) * n]) for k in range(4))
     outs = [None] * n
-    for tier, update in UPDATES.items():
+    for tier, update in updates(engine.config.host_optimizer).items():
       idx = [k for k, job in enumerate(jobs) if job[2] == tier]
       res = update(hyper, [engine.decays[jobs[k][0]] for k in idx], scalars, *(
           [arr[k] for k in idx] for arr in (ms, mus, nus, gs)), plan.compute_dtype,
-          platform=platform)
+          platform=platform, stacked=[leaves[jobs[k][0]].stacked for k in idx])
       for r, k in enumerate(idx):
         outs[k] = tuple(x[r] for x in res)
     return tuple(tuple(o) for o in outs)

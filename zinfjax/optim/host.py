@@ -5,17 +5,22 @@ Both run inside the step's `shard_map`, on each rank's local shards:
 * `device_update`: XLA on the device (the same math as optax.adamw, in jnp);
 * `pinned_update`: the fused C++ kernel on the CPU next to the states (an XLA
   custom call on the host, `kernel.on_host`); grads go to the host, the
-  new compute params come back to the device.
+  new compute params come back to the device;
+* `streamed_update` (`host_optimizer="device"`): pinned-host states updated on
+  the device, a layer at a time: each layer's master and moments cross to the
+  device, are updated by XLA and go back, so the link to the host, not the
+  CPU's memory, bounds the update, and the device holds one layer's states.
 
 The NVMe tier streams its states through the host instead: `pipeline.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ..offload import tiers
 from ..placement import Tier
@@ -36,7 +41,8 @@ Updated = tuple[list, list, list, list]  # new masters, moments, compute params
 
 
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
-                  mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
+                  mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
+                  stacked: Sequence[bool] = ()) -> Updated:
   """AdamW on device-resident shards (jnp, bit-identical to optax.adamw). `scalars` are
   (lr, bc1, bc2, step) and optionally `ok`: False keeps every state as it was."""
   lr, bc1, bc2, step, *ok = scalars
@@ -48,7 +54,8 @@ def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
 
 
 def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
-                  mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu") -> Updated:
+                  mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
+                  stacked: Sequence[bool] = ()) -> Updated:
   """AdamW on pinned-host shards on the CPU; params come back to the device.
 
   The fused C++ kernel on a CPU mesh, the same math in jnp compiled for the host on
@@ -72,4 +79,50 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
           [tiers.to_device(p, Tier.PINNED_HOST) for p in params])
 
 
+def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
+                    mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
+                    stacked: Sequence[bool] = ()) -> Updated:
+  """AdamW on pinned-host shards computed on the device (the same math as `device_update`,
+  bit for bit): a stacked shard (`stacked`) a layer at a time in a scan, each layer's states
+  brought to the device, updated and sent back; any other shard whole. The new params stay
+  on the device, as `pinned_update`'s come back to it."""
+  lr, bc1, bc2, step, *ok = scalars
+  ok = ok[0] if ok else None
+  host = Tier.PINNED_HOST
+
+  def one(wd: float) -> Callable:
+    def update(m, mu, nu, g):
+      m, mu, nu = (tiers.to_device(x, host) for x in (m, mu, nu))
+      m, mu, nu = adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step, ok)
+      return tiers.to_tier(m, host), tiers.to_tier(mu, host), tiers.to_tier(nu, host), \
+          m.astype(params_dtype)
+    return update
+
+  out = []
+  for m, mu, nu, g, wd, layered in zip(masters, mus, nus, grads, decays,
+                                       stacked or [False] * len(masters)):
+    update = one(wd)
+    if not layered:
+      out.append(update(m, mu, nu, g))
+      continue
+
+    def layer(states, i, update=update, g=g):
+      """Layer i's states updated where they lie in the carried stacks (in place)."""
+      at = lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+      *new, params = update(*(at(x) for x in states), at(g))
+      return tuple(lax.dynamic_update_index_in_dim(x, y, i, 0) for x, y in zip(states, new)), params
+
+    (m, mu, nu), params = lax.scan(layer, (m, mu, nu), jnp.arange(m.shape[0]))
+    out.append((m, mu, nu, params))
+  return tuple([x[k] for x in out] for k in range(4))
+
+
 UPDATES = {Tier.DEVICE: device_update, Tier.PINNED_HOST: pinned_update}
+# who updates the pinned-host states, by `ZeroConfig.host_optimizer` (the host pipeline's are
+# in its store, not in arrays)
+PINNED_UPDATES = {"xla": pinned_update, "device": streamed_update}
+
+
+def updates(host_optimizer: str) -> dict[Tier, Callable[..., Updated]]:
+  """The update of each array tier under `host_optimizer`."""
+  return {**UPDATES, Tier.PINNED_HOST: PINNED_UPDATES.get(host_optimizer, pinned_update)}

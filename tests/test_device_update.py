@@ -1,0 +1,73 @@
+"""host_optimizer="device": pinned-host optimizer states updated on the device, a layer at a time
+(`optim.host.streamed_update`). It is the device's AdamW with the states carried over and back,
+so it trains bit for bit like the states on the device, and it changes no state's tier."""
+
+import jax
+import numpy as np
+import pytest
+
+import zinfjax
+from zinfjax.models import GPT, get_config, lm_loss
+
+from helpers import arrays, assert_same_training, text_batches, zero_training
+
+FOUR = get_config("tiny", num_layers=4)
+STEPS = 5
+
+
+def factory(r):
+  return GPT(FOUR, rngs=r)
+
+
+def tx(clip):
+  return zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip)
+
+
+@pytest.fixture(scope="module")
+def batches():
+  return text_batches(STEPS, batch=16, seq=32, seed=6)
+
+
+# (params, optimizer, precision, clip, bf16 moments, rtol): per-layer splits, bf16 compute
+# params and bf16 moments, bit for bit; with clipping (0.5 clips every step of the tiny GPT) to
+# the placements' fp32 tolerance: the device's update fuses the clip's product into itself, the
+# layer-wise one takes it made (an fp32 rounding apart)
+CASES = [("pinned_host", "pinned_host", "fp32", None, False, 0.0),
+         ("pinned_host", "pinned_host", "fp32", 0.5, False, 1e-5),
+         ("device:2,pinned_host", "device:1,pinned_host", "bf16", None, True, 0.0)]
+
+
+@pytest.mark.parametrize("param,optimizer,precision,clip,bf16_moments,rtol", CASES)
+def test_device_update_trains_like_states_on_device(param, optimizer, precision, clip,
+                                                     bf16_moments, rtol, mesh, batches):
+  opt = zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip,
+                            moment_dtype="bfloat16" if bf16_moments else "float32")
+  zero = zinfjax.ZeroConfig(precision=precision, offload_param=param)
+  want_losses, want = zero_training(factory, opt, zero, mesh, batches, lm_loss)
+  placed = zero.replace(offload_optimizer=optimizer, host_optimizer="device")
+  losses, state = zero_training(factory, opt, placed, mesh, batches, lm_loss)
+  assert state.engine.store is None and state.engine.pipeline is None
+  kinds = {a.sharding.memory_kind for a in jax.tree.leaves(state.opt_state.mu)}
+  assert kinds == {"pinned_host", "device"} if "device" in optimizer else {"pinned_host"}
+  assert losses[-1] < losses[0]
+  assert_same_training(losses, state, want_losses, want, rtol=rtol)
+  flat = lambda tree: np.concatenate([a.astype(np.float32).ravel() for a in arrays(tree)])
+  nu = flat(want.opt_state.nu)
+  np.testing.assert_allclose(flat(state.opt_state.nu), nu, rtol=rtol, atol=rtol * np.abs(nu).max())
+  state.close()
+  want.close()
+
+
+def test_device_update_skips_a_nonfinite_step(mesh, batches):
+  """A step whose grads are not finite changes no state, as on the device."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
+                            offload_optimizer="pinned_host", host_optimizer="device")
+  state = zinfjax.init(factory, tx(None), zero, mesh, 0)
+  state, _ = zinfjax.train_step(state, batches[0], lm_loss)
+  before = arrays(state.master) + arrays(state.opt_state.mu)
+  nan_loss = lambda model, batch: lm_loss(model, batch) * np.float32(np.nan)
+  state, metrics = zinfjax.train_step(state, batches[1], nan_loss)
+  assert int(metrics["skipped"]) == 1
+  for a, b in zip(before, arrays(state.master) + arrays(state.opt_state.mu)):
+    np.testing.assert_array_equal(a, b)
+  state.close()
