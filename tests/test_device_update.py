@@ -8,6 +8,7 @@ import pytest
 
 import zinfjax
 from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.optim.host import FORM_ENV
 
 from helpers import arrays, assert_same_training, text_batches, zero_training
 
@@ -32,14 +33,18 @@ def batches():
 # params and bf16 moments, bit for bit; with clipping (0.5 clips every step of the tiny GPT) to
 # the placements' fp32 tolerance: the device's update fuses the clip's product into itself, the
 # layer-wise one takes it made (an fp32 rounding apart)
-CASES = [("pinned_host", "pinned_host", "fp32", None, False, 0.0),
-         ("pinned_host", "pinned_host", "fp32", 0.5, False, 1e-5),
-         ("device:2,pinned_host", "device:1,pinned_host", "bf16", None, True, 0.0)]
+# in both forms of the scan ("carry": in place in the carried stacks; "stack": new stacks)
+CASES = [("pinned_host", "pinned_host", "fp32", None, False, 0.0, "carry"),
+         ("pinned_host", "pinned_host", "fp32", None, False, 0.0, "stack"),
+         ("pinned_host", "pinned_host", "fp32", 0.5, False, 1e-5, "carry"),
+         ("device:2,pinned_host", "device:1,pinned_host", "bf16", None, True, 0.0, "carry")]
 
 
-@pytest.mark.parametrize("param,optimizer,precision,clip,bf16_moments,rtol", CASES)
+@pytest.mark.parametrize("param,optimizer,precision,clip,bf16_moments,rtol,form", CASES)
 def test_device_update_trains_like_states_on_device(param, optimizer, precision, clip,
-                                                     bf16_moments, rtol, mesh, batches):
+                                                     bf16_moments, rtol, form, mesh, batches,
+                                                     monkeypatch):
+  monkeypatch.setenv(FORM_ENV, form)
   opt = zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip,
                             moment_dtype="bfloat16" if bf16_moments else "float32")
   zero = zinfjax.ZeroConfig(precision=precision, offload_param=param)

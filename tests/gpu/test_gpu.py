@@ -134,11 +134,16 @@ def test_host_pipeline_trains_like_all_device(param, gpu_mesh, batches, referenc
   state.close()
 
 
-@pytest.mark.parametrize("param", ["device", "pinned_host"])
-def test_device_update_trains_like_all_device(param, gpu_mesh, batches, reference):
+@pytest.mark.parametrize("param,form", [("pinned_host", "carry"), ("pinned_host", "stack"),
+                                        ("device", "carry")])
+def test_device_update_trains_like_all_device(param, form, gpu_mesh, batches, reference,
+                                              monkeypatch):
   """host_optimizer="device" on the GPU: the pinned-host optimizer states brought to the device a
-  layer at a time, updated there and sent back (XLA's host offloading compiles it), train like
-  all-device and stay in pinned host."""
+  layer at a time, updated there and sent back (XLA's host offloading compiles it: written in
+  place into the stacks the scan carries, or stacked anew), train like all-device and stay in
+  pinned host."""
+  from zinfjax.optim.host import FORM_ENV
+  monkeypatch.setenv(FORM_ENV, form)
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer="pinned_host",
                             host_optimizer="device")
   losses, state = zero_training(lambda r: GPT(TINY, rngs=r),

@@ -16,6 +16,7 @@ The NVMe tier streams its states through the host instead: `pipeline.py`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -79,6 +80,13 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
           [tiers.to_device(p, Tier.PINNED_HOST) for p in params])
 
 
+# The form of `streamed_update`'s scan: "carry" (the default) writes each layer's states back
+# into the pinned-host stacks it carries, in place; "stack" stacks them into new pinned-host
+# arrays as the scan's outputs (XLA's activation-offloading form; twice the states' host memory
+# while the step runs). A switch, so a GPU run can compare the two.
+FORM_ENV = "ZINFJAX_DEVICE_UPDATE_FORM"
+
+
 def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                     mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
                     stacked: Sequence[bool] = ()) -> Updated:
@@ -98,6 +106,7 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
           m.astype(params_dtype)
     return update
 
+  in_place = os.environ.get(FORM_ENV, "carry") != "stack"
   out = []
   for m, mu, nu, g, wd, layered in zip(masters, mus, nus, grads, decays,
                                        stacked or [False] * len(masters)):
@@ -105,15 +114,19 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
     if not layered:
       out.append(update(m, mu, nu, g))
       continue
+    at = lambda x, i: lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+    if in_place:
+      def layer(states, i, update=update, g=g):
+        """Layer i's states updated where they lie in the carried stacks."""
+        *new, params = update(*(at(x, i) for x in states), at(g, i))
+        return tuple(lax.dynamic_update_index_in_dim(x, y, i, 0)
+                     for x, y in zip(states, new)), params
 
-    def layer(states, i, update=update, g=g):
-      """Layer i's states updated where they lie in the carried stacks (in place)."""
-      at = lambda x: lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-      *new, params = update(*(at(x) for x in states), at(g))
-      return tuple(lax.dynamic_update_index_in_dim(x, y, i, 0) for x, y in zip(states, new)), params
-
-    (m, mu, nu), params = lax.scan(layer, (m, mu, nu), jnp.arange(m.shape[0]))
-    out.append((m, mu, nu, params))
+      (m, mu, nu), params = lax.scan(layer, (m, mu, nu), jnp.arange(m.shape[0]))
+      out.append((m, mu, nu, params))
+    else:
+      out.append(lax.scan(lambda _, i, update=update, xs=(m, mu, nu, g): (
+          None, update(*(at(x, i) for x in xs))), None, jnp.arange(m.shape[0]))[1])
   return tuple([x[k] for x in out] for k in range(4))
 
 
