@@ -24,6 +24,18 @@ def load_script(name: str):
   return mod
 
 
+def four_layer_gpt(rngs):
+  """The tiny GPT with 4 layers that the host optimizers' tests train (`zinfjax.init`'s factory)."""
+  from zinfjax.models import GPT, get_config
+  return GPT(get_config("tiny", num_layers=4), rngs=rngs)
+
+
+def clipped_adamw(clip: float | None):
+  """zinfjax's AdamW as those tests run it (lr 3e-3, weight decay 0.1), clipped to `clip`."""
+  import zinfjax
+  return zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip)
+
+
 def text_batches(n: int, batch: int, seq: int, seed: int = 0) -> list[dict]:
   """Random windows of the shipped tinyshakespeare text (char tokens, vocab 65)."""
   from zinfjax.models import TokenDataset, load_tokens

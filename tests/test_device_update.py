@@ -7,21 +7,14 @@ import numpy as np
 import pytest
 
 import zinfjax
-from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.models import lm_loss
 from zinfjax.optim.host import FORM_ENV
 
-from helpers import arrays, assert_same_training, text_batches, zero_training
+from helpers import (arrays, assert_same_training, clipped_adamw, four_layer_gpt, text_batches,
+                     zero_training)
 
-FOUR = get_config("tiny", num_layers=4)
 STEPS = 5
-
-
-def factory(r):
-  return GPT(FOUR, rngs=r)
-
-
-def tx(clip):
-  return zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip)
+factory, tx = four_layer_gpt, clipped_adamw
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,16 @@ import pytest
 
 import zinfjax
 from zinfjax.checkpoint import Checkpointer
-from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.models import lm_loss
 from zinfjax.offload import AioStore
 from zinfjax.offload.mixed import MixedStore, used_by_medium
 from zinfjax.placement import Tier
 
-from helpers import arrays, assert_same_training, compute_params, text_batches, zero_training
+from helpers import (arrays, assert_same_training, clipped_adamw, compute_params, four_layer_gpt,
+                     text_batches, zero_training)
 
-FOUR = get_config("tiny", num_layers=4)
 STEPS = 5
-
-
-def factory(r):
-  return GPT(FOUR, rngs=r)
-
-
-def tx(clip):
-  return zinfjax.optim.adamw(3e-3, weight_decay=0.1, max_grad_norm=clip)
+factory, tx = four_layer_gpt, clipped_adamw
 
 
 @pytest.fixture(scope="module")
