@@ -47,8 +47,8 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("device-explicit", "device", "device",
                "all on device, explicit attention (ZINFJAX_ATTENTION=explicit: no cuDNN)"),
               ("pinned", "pinned_host", "pinned_host", "params + optimizer on pinned_host"),
-              ("device-update", "pinned_host", "pinned_host",
-               "params + optimizer on pinned_host, update on the device a layer at a time"),
+              ("stream", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, update streamed through the device a layer at a time"),
               ("pipeline", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline"),
               ("pipeline-under", "pinned_host", "pinned_host",
@@ -61,7 +61,7 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("mixed", "pinned_host", "nvme", "params on pinned_host, optimizer on nvme, host "
                "pipeline under backward (RAM + drive stores), rewritten in place")]
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
-OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "device-update"}
+OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "stream"}
 
 
 def parse_args(argv=None):
@@ -82,7 +82,8 @@ def parse_args(argv=None):
                       "cannot keep are unpinned and pinned again)")
   p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
   p.add_argument("--sections", default="copies,matmul,disk,host,steps",
-                 help="comma-separated parts to run (a failing part is recorded and the rest run)")
+                 help="comma-separated sections to run, or single parts of one (copies.ceiling, "
+                      "copies.memory_kinds, copies.swap); a failing part is recorded and the rest run")
   p.add_argument("--placements", default=",".join(p[0] for p in PLACEMENTS if p[0] not in OPT_IN),
                  help="comma-separated keys of the step rows to run (nvme and mixed only at "
                       "--nvme-tokens; default: all but "
@@ -263,7 +264,7 @@ def host_optimizer_of(name: str) -> str:
   """The `ZeroConfig.host_optimizer` of the step row called `name`."""
   if "host pipeline" in name:
     return "pipeline"
-  return "device" if "update on the device" in name else "xla"
+  return "stream" if "streamed through the device" in name else "xla"
 
 
 def row_specs(args) -> list[tuple[int, tuple]]:
@@ -426,20 +427,33 @@ def host_alone(args) -> dict:
           "call_ms_by_threads": {t: s * 1e3 for t, s in calls.items()}}
 
 
-def ratios(rows: list[dict], host: dict | None = None) -> list[dict]:
-  """Each row against the all-device row of its tokens, the NVMe rows against I/O alone and the
-  host-pipeline rows against the host's step alone (`host_alone`)."""
+# bytes of optimizer state per parameter the streamed update moves each way over the host link:
+# fp32 master and both moments (the bench's AdamW keeps fp32 moments)
+STREAMED_BYTES = 12
+
+
+def ratios(rows: list[dict], host: dict | None = None, copies: dict | None = None,
+           params: int | None = None) -> list[dict]:
+  """Each row against the all-device row of its tokens, the NVMe rows against I/O alone, the
+  host-pipeline rows against the host's step alone (`host_alone`), and the streamed update's
+  rows against compute plus its states crossing the link alone, each way at once (at the rate of
+  XLA's own copies inside jit, `memory_kind_copies`): it runs after backward."""
   for row in rows:
     base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"] == PLACEMENTS[0][3]
             and "step_s" in r]
     if "step_s" not in row or not base:
       continue
-    row["vs_compute"] = row["step_s"] / base[0]["step_s"]
+    compute = base[0]["step_s"]
+    row["vs_compute"] = row["step_s"] / compute
     if host and "host pipeline" in row["placement"] and "nvme" not in row["placement"]:
       row["host_alone_s"] = host["pipeline_s"]
     alone = row.get("io_alone_s", row.get("host_alone_s"))
     if alone is not None:
-      row["vs_bound"] = row["step_s"] / max(base[0]["step_s"], alone)
+      row["vs_bound"] = row["step_s"] / max(compute, alone)
+    if copies and params and "streamed through the device" in row["placement"]:
+      gbs = min(copies["jit_h2d"], copies["jit_d2h"])
+      row["link_alone_s"] = STREAMED_BYTES * params / (gbs * 1e9)
+      row["vs_bound"] = row["step_s"] / (compute + row["link_alone_s"])
   return rows
 
 
@@ -465,7 +479,7 @@ def main(argv=None) -> int:
 
   def part(name: str, fn) -> None:
     """Runs one part; a failure is recorded (with its traceback) and the next part runs."""
-    if name.split(".")[0] not in sections:
+    if name.split(".")[0] not in sections and name not in sections:  # a section, or one part
       return
     t0 = time.perf_counter()
     try:
@@ -489,7 +503,8 @@ def main(argv=None) -> int:
   result["steps"] = []
   steps = isolated_steps if args.isolate else functools.partial(gpt_steps, jax)
   part("steps.steps", lambda: ratios(steps(args, result.get("matmul_tflops"), root,
-                                           result["steps"], saved), result.get("host")))
+                                           result["steps"], saved), result.get("host"),
+                                     result.get("memory_kinds"), bench_config(args).num_params))
   print(table(result))
   shutil.rmtree(shm, ignore_errors=True)
   if not args.nvme_path:
@@ -529,16 +544,19 @@ def table(r: dict) -> str:
                     if h.get("call_ms_by_threads") else ""))
   if r.get("steps"):
     lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
-              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device | vs max(compute, I/O or host alone) "
+              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device "
+              "| vs max(compute, I/O or host alone), or compute + link alone "
               "| peak HBM GiB | peak RSS GiB | loss |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for row in r.get("steps", []):
     if "error" in row:
       lines.append(f"| {row['tokens']} | {row['placement']} | failed: {row['error']} |")
       continue
-    what = "I/O alone" if "io_alone_s" in row else "host alone"
-    bound = (f"{row['vs_bound']:.2f}x ({what} {row.get('io_alone_s', row.get('host_alone_s')):.2f} s)"
-             if "vs_bound" in row else "")
+    what, alone = next(((w, row[k]) for w, k in (("I/O alone", "io_alone_s"),
+                                                  ("host alone", "host_alone_s"),
+                                                  ("after compute, link alone", "link_alone_s"))
+                        if k in row), ("", 0.0))
+    bound = f"{row['vs_bound']:.2f}x ({what} {alone:.2f} s)" if "vs_bound" in row else ""
     vs = f"{row['vs_compute']:.2f}x" if "vs_compute" in row else ""
     spec = f"{row['mfu_spec']:.1%}" if "mfu_spec" in row else ""
     mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else ""

@@ -43,9 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--bf16-moments", action="store_true",
                  help="Adam's moments in bf16 (adamw(moment_dtype='bfloat16')): 8 optimizer bytes "
                       "per parameter instead of 12")
-  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "device"),
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "stream"),
                  help="ZeroConfig.host_optimizer: with 'pipeline' the pinned-host states live in "
-                      "a swap store in RAM (its shards twice with all-or-nothing steps); 'device' "
+                      "a swap store in RAM (its shards twice with all-or-nothing steps); 'stream' "
                       "needs what 'xla' does")
   p.add_argument("--host-atomic-steps", action="store_true",
                  help="ZeroConfig.host_atomic_steps: all-or-nothing steps in the RAM store "

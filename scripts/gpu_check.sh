@@ -143,8 +143,9 @@ stage_speed() {
   # the shape for the MFU target: hidden 2048, seq 2048 (--tiny shrinks both)
   local sizes=(--tokens 16384,65536 --seq-len 2048)
   if [[ $DRY == 1 ]]; then sizes=(--tiny); fi
-  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --sections matmul,host,steps --isolate 150 \
-    --placements device,device-update,pipeline,pipeline-under "${sizes[@]}"
+  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
+    --sections matmul,copies.memory_kinds,host,steps \
+    --placements device,stream,pipeline,pipeline-under "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
 }
 

@@ -248,12 +248,12 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--bf16-moments", action="store_true",
                  help="Adam's moments in bf16 (8 optimizer bytes per parameter instead of 12)")
-  p.add_argument("--host-optimizer", default="pipeline", choices=("xla", "pipeline", "device"),
+  p.add_argument("--host-optimizer", default="pipeline", choices=("xla", "pipeline", "stream"),
                  help="who updates the optimizer states in pinned host (train_gpt.py's flag): "
                       "'pipeline' (the default), the C++ AdamW on host threads, the pinned-host "
                       "states in a store in RAM beside the drive's, updated in place; 'xla', the "
                       "step's program, whose copies on a GPU leave RAM's room / 2.3 for states; "
-                      "'device', the step's program on the device, a layer's states at a time")
+                      "'stream', the step's program on the device, a layer's states streamed at a time")
   p.add_argument("--lr", type=float, default=None,
                  help=f"learning rate (default: {LR_WIDTH_DEPTH} / (hidden x layers), see above)")
   p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")

@@ -31,10 +31,10 @@ def parse_args(argv=None):
   p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
   p.add_argument("--offload", default="device", help="offload_param and offload_optimizer")
   p.add_argument("--layer-residuals", default="auto", choices=("recompute", "save", "dots", "auto"))
-  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "device"),
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "stream"),
                  help="ZeroConfig.host_optimizer: pinned-host states updated in XLA's host code, "
                       "by the C++ pipeline under backward (skip_nonfinite off, as bench_gpu's "
-                      "pipeline-under row), or on the device a layer at a time")
+                      "pipeline-under row), or on the device, streamed a layer at a time ('stream')")
   p.add_argument("--steps", type=int, default=3, help="traced steps (after one warm-up)")
   p.add_argument("--top", type=int, default=25)
   p.add_argument("--tiny", action="store_true", help="small sizes: a check of the script on CPU")

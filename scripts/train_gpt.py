@@ -77,12 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-atomic-steps", action="store_true",
                  help="rewrite NVMe states in place (nvme_atomic_steps=False): half the drive "
                       "space, but a step that fails on NVMe is not rolled back")
-  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "device"),
+  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "stream"),
                  help="who updates the optimizer states in pinned host memory: the step's XLA "
                       "program on the host ('xla'), zinfjax's host pipeline (C++ AdamW on host "
                       "threads, states in a store in RAM, updated in place; beside the drive's "
                       "store when states are on NVMe too), or the step's program on the device, "
-                      "each layer's states brought over and sent back ('device')")
+                      "each layer's states brought over and sent back ('stream')")
   p.add_argument("--host-atomic-steps", action="store_true",
                  help="with --host-optimizer pipeline: all-or-nothing steps in the RAM store (twice "
                       "its RAM), so the update runs under backward with clipping and skips too")

@@ -90,7 +90,7 @@ def test_checkpoints_move_between_the_host_pipeline_and_xla(mesh, batches, tmp_p
 
 
 def test_host_pipeline_config_is_checked(mesh, tmp_path):
-  with pytest.raises(ValueError, match="host_optimizer must be one of 'xla', 'pipeline', 'device'"):
+  with pytest.raises(ValueError, match="host_optimizer must be one of 'xla', 'pipeline', 'stream'"):
     zinfjax.ZeroConfig(host_optimizer="cpu")
   # the RAM store's tier is made by with_host_pipeline, never named
   with pytest.raises(ValueError, match="must be one of"):

@@ -194,7 +194,7 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   rows = speed["steps"]
   assert {r["placement"] for r in rows} == {
     "all on device (compute alone)",
-    "params + optimizer on pinned_host, update on the device a layer at a time",
+    "params + optimizer on pinned_host, update streamed through the device a layer at a time",
     "params + optimizer on pinned_host, host pipeline",
     "params + optimizer on pinned_host, host pipeline under backward"}
   assert speed["host"]["pipeline_s"] > 0 and speed["host"]["adam_s"] > 0

@@ -10,7 +10,7 @@ from .tier import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
 
 Precision = Literal["bf16", "fp32"]
 # who updates the optimizer states in pinned host (`ZeroConfig.host_optimizer`)
-HOST_OPTIMIZERS = ("xla", "pipeline", "device")
+HOST_OPTIMIZERS = ("xla", "pipeline", "stream")
 
 
 def host_pipeline_applies(host_optimizer: str, param_tiers: Sequence[str],
@@ -128,7 +128,7 @@ class ZeroConfig:
       steps (`nvme_atomic_steps`). False applies the update whatever it holds.
     host_optimizer: who updates the optimizer states placed in pinned host
       memory. "xla" (the default): the step's program, in XLA's host
-      computation. "device": the step's program on the device, after
+      computation. "stream": the step's program on the device, after
       backward, a layer at a time: each layer's master and moments cross to
       the device and back (twice their bytes over the host link per step, no
       CPU work, one layer's states in device memory at a time); needs

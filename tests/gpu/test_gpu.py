@@ -136,16 +136,16 @@ def test_host_pipeline_trains_like_all_device(param, gpu_mesh, batches, referenc
 
 @pytest.mark.parametrize("param,form", [("pinned_host", "carry"), ("pinned_host", "stack"),
                                         ("device", "carry")])
-def test_device_update_trains_like_all_device(param, form, gpu_mesh, batches, reference,
+def test_stream_update_trains_like_all_device(param, form, gpu_mesh, batches, reference,
                                               monkeypatch):
-  """host_optimizer="device" on the GPU: the pinned-host optimizer states brought to the device a
+  """host_optimizer="stream" on the GPU: the pinned-host optimizer states brought to the device a
   layer at a time, updated there and sent back (XLA's host offloading compiles it: written in
   place into the stacks the scan carries, or stacked anew), train like all-device and stay in
   pinned host."""
   from zinfjax.optim.host import FORM_ENV
   monkeypatch.setenv(FORM_ENV, form)
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer="pinned_host",
-                            host_optimizer="device")
+                            host_optimizer="stream")
   losses, state = zero_training(lambda r: GPT(TINY, rngs=r),
                                 zinfjax.optim.adamw(schedule(), weight_decay=0.1), zero, gpu_mesh,
                                 batches, lm_loss)
@@ -181,7 +181,7 @@ def _peak(param: str, optimizer: str, tmp_path, host_optimizer: str = "xla") -> 
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("host_optimizer", ["xla", "device"])
+@pytest.mark.parametrize("host_optimizer", ["xla", "stream"])
 def test_host_tiers_save_hbm(host_optimizer, tmp_path):
   """A 100M-parameter GPT: with params and optimizer states in pinned host memory, the GPU's
   peak falls by most of the state bytes that left it (fresh processes: peaks only grow), also

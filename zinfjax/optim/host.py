@@ -6,7 +6,7 @@ Both run inside the step's `shard_map`, on each rank's local shards:
 * `pinned_update`: the fused C++ kernel on the CPU next to the states (an XLA
   custom call on the host, `kernel.on_host`); grads go to the host, the
   new compute params come back to the device;
-* `streamed_update` (`host_optimizer="device"`): pinned-host states updated on
+* `streamed_update` (`host_optimizer="stream"`): pinned-host states updated on
   the device, a layer at a time: each layer's master and moments cross to the
   device, are updated by XLA and go back, so the link to the host, not the
   CPU's memory, bounds the update, and the device holds one layer's states.
@@ -84,7 +84,7 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
 # into the pinned-host stacks it carries, in place; "stack" stacks them into new pinned-host
 # arrays as the scan's outputs (XLA's activation-offloading form; twice the states' host memory
 # while the step runs). A switch, so a GPU run can compare the two.
-FORM_ENV = "ZINFJAX_DEVICE_UPDATE_FORM"
+FORM_ENV = "ZINFJAX_STREAM_UPDATE_FORM"
 
 
 def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
@@ -133,7 +133,7 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
 UPDATES = {Tier.DEVICE: device_update, Tier.PINNED_HOST: pinned_update}
 # who updates the pinned-host states, by `ZeroConfig.host_optimizer` (the host pipeline's are
 # in its store, not in arrays)
-PINNED_UPDATES = {"xla": pinned_update, "device": streamed_update}
+PINNED_UPDATES = {"xla": pinned_update, "stream": streamed_update}
 
 
 def updates(host_optimizer: str) -> dict[Tier, Callable[..., Updated]]:

@@ -1,4 +1,4 @@
-"""host_optimizer="device": pinned-host optimizer states updated on the device, a layer at a time
+"""host_optimizer="stream": pinned-host optimizer states updated on the device, a layer at a time
 (`optim.host.streamed_update`). It is the device's AdamW with the states carried over and back,
 so it trains bit for bit like the states on the device, and it changes no state's tier."""
 
@@ -34,7 +34,7 @@ CASES = [("pinned_host", "pinned_host", "fp32", None, False, 0.0, "carry"),
 
 
 @pytest.mark.parametrize("param,optimizer,precision,clip,bf16_moments,rtol,form", CASES)
-def test_device_update_trains_like_states_on_device(param, optimizer, precision, clip,
+def test_stream_update_trains_like_states_on_device(param, optimizer, precision, clip,
                                                      bf16_moments, rtol, form, mesh, batches,
                                                      monkeypatch):
   monkeypatch.setenv(FORM_ENV, form)
@@ -42,7 +42,7 @@ def test_device_update_trains_like_states_on_device(param, optimizer, precision,
                             moment_dtype="bfloat16" if bf16_moments else "float32")
   zero = zinfjax.ZeroConfig(precision=precision, offload_param=param)
   want_losses, want = zero_training(factory, opt, zero, mesh, batches, lm_loss)
-  placed = zero.replace(offload_optimizer=optimizer, host_optimizer="device")
+  placed = zero.replace(offload_optimizer=optimizer, host_optimizer="stream")
   losses, state = zero_training(factory, opt, placed, mesh, batches, lm_loss)
   assert state.engine.store is None and state.engine.pipeline is None
   kinds = {a.sharding.memory_kind for a in jax.tree.leaves(state.opt_state.mu)}
@@ -56,10 +56,10 @@ def test_device_update_trains_like_states_on_device(param, optimizer, precision,
   want.close()
 
 
-def test_device_update_skips_a_nonfinite_step(mesh, batches):
+def test_stream_update_skips_a_nonfinite_step(mesh, batches):
   """A step whose grads are not finite changes no state, as on the device."""
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
-                            offload_optimizer="pinned_host", host_optimizer="device")
+                            offload_optimizer="pinned_host", host_optimizer="stream")
   state = zinfjax.init(factory, tx(None), zero, mesh, 0)
   state, _ = zinfjax.train_step(state, batches[0], lm_loss)
   before = arrays(state.master) + arrays(state.opt_state.mu)
