@@ -69,3 +69,25 @@ def test_stream_update_skips_a_nonfinite_step(mesh, batches):
   for a, b in zip(before, arrays(state.master) + arrays(state.opt_state.mu)):
     np.testing.assert_array_equal(a, b)
   state.close()
+
+
+def test_checkpoints_move_between_the_streamed_update_and_the_device(mesh, batches, tmp_path):
+  """Saved from a streamed run (its states in pinned host), restored with every state on the
+  device: the rest of the run equals one that never left the device, bit for bit."""
+  from zinfjax.checkpoint import Checkpointer
+  zero = zinfjax.ZeroConfig(precision="fp32")
+  straight, _ = zero_training(factory, tx(None), zero, mesh, batches, lm_loss)
+  streamed = zero.replace(offload_param="pinned_host", offload_optimizer="pinned_host",
+                          host_optimizer="stream")
+  half, state = zero_training(factory, tx(None), streamed, mesh, batches[:3], lm_loss)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(state)
+    ckpt.wait()
+    state.close()
+    state, _ = ckpt.restore(factory, tx(None), zero, mesh)
+  losses = []
+  for batch in batches[3:]:
+    state, metrics = zinfjax.train_step(state, batch, lm_loss)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_array_equal(np.concatenate([half, losses]), straight)
+  state.close()
