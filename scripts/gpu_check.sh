@@ -32,7 +32,7 @@
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
 #   first        the plan for one call of a 15-minute device budget:
-#                env,build,speed,gpu-tests,copy-stream,profile with DEADLINE=560, KEEP_GOING=1
+#                env,build,speed,gpu-tests,profile,copy-stream with DEADLINE=560, KEEP_GOING=1
 #                and PACK=1 (run it with the device tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
@@ -60,7 +60,7 @@ elif [[ "${3:-}" == "--dry-run" ]]; then
   DRY=1
 fi
 if [[ "$STAGES" == first ]]; then
-  STAGES=env,build,speed,gpu-tests,copy-stream,profile
+  STAGES=env,build,speed,gpu-tests,profile,copy-stream
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
