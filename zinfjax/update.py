@@ -105,7 +105,6 @@ def adamw_update(engine, timeline: Timeline, state: TrainState, grads: Any, norm
     return state.master, HostAdamState(new_count, state.opt_state.mu, state.opt_state.nu), [
         [] for _ in leaves]
   got = grads_in(engine, grads, ranges)
-  clip = clip_scale(norm, hyper.max_grad_norm)
   scalars = hyper.scalars(count) + (() if ok is None else (ok,))
   opt = state.opt_state
   flat = [plan.flatten(t) for t in (state.master, opt.mu, opt.nu)]
@@ -114,24 +113,23 @@ def adamw_update(engine, timeline: Timeline, state: TrainState, grads: Any, norm
   specs = tuple(plan.spec(leaves[i]) for i, _, _ in jobs)
   platform = plan.mesh.devices.flat[0].platform
 
-  def body(scalars, *xs):
+  def body(scalars, norm, *xs):
     n = len(jobs)
     ms, mus, nus, gs = (list(xs[k * n:(k + 1) * n]) for k in range(4))
+    clip = clip_scale(norm, hyper.max_grad_norm)  # each update clips its grads (None: no limit)
     outs = [None] * n
     for tier, update in updates(engine.config.host_optimizer).items():
       idx = [k for k, job in enumerate(jobs) if job[2] == tier]
       res = update(hyper, [engine.decays[jobs[k][0]] for k in idx], scalars, *(
           [arr[k] for k in idx] for arr in (ms, mus, nus, gs)), plan.compute_dtype,
-          platform=platform, stacked=[leaves[jobs[k][0]].stacked for k in idx])
+          platform=platform, stacked=[leaves[jobs[k][0]].stacked for k in idx], clip=clip)
       for r, k in enumerate(idx):
         outs[k] = tuple(x[r] for x in res)
     return tuple(tuple(o) for o in outs)
 
   grads_jobs = [got[i][j] for i, j, _ in jobs]
-  if clip is not None:
-    grads_jobs = [clip(g) for g in grads_jobs]
-  res = shard_map(plan, body, (P(),) + specs * 4, tuple((s,) * 4 for s in specs))(
-      scalars, *[flat[k][i][j] for k in range(3) for i, j, _ in jobs], *grads_jobs)
+  res = shard_map(plan, body, (P(), P()) + specs * 4, tuple((s,) * 4 for s in specs))(
+      scalars, norm, *[flat[k][i][j] for k in range(3) for i, j, _ in jobs], *grads_jobs)
   trees = [[list(parts) for parts in f] for f in flat]
   new: Pieces = [[] for _ in leaves]
   for (i, j, _), (m, mu, nu, p) in zip(jobs, res):

@@ -41,12 +41,18 @@ class HostAdamState(NamedTuple):
 Updated = tuple[list, list, list, list]  # new masters, moments, compute params
 
 
+def clipped(grads: list, clip: Callable | None) -> list:
+  return grads if clip is None else [clip(g) for g in grads]
+
+
 def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                   mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
-                  stacked: Sequence[bool] = ()) -> Updated:
+                  stacked: Sequence[bool] = (), clip: Callable | None = None) -> Updated:
   """AdamW on device-resident shards (jnp, bit-identical to optax.adamw). `scalars` are
-  (lr, bc1, bc2, step) and optionally `ok`: False keeps every state as it was."""
+  (lr, bc1, bc2, step) and optionally `ok`: False keeps every state as it was. `clip` (every
+  update takes it): the global-norm clipping each grad gets first, or None."""
   lr, bc1, bc2, step, *ok = scalars
+  grads = clipped(grads, clip)
   # a skipped step is folded into the update (`adamw_jnp`'s `ok`): one in-place pass either way
   out = [adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step, ok[0] if ok else None)
          for m, mu, nu, g, wd in zip(masters, mus, nus, grads, decays)]
@@ -56,7 +62,7 @@ def device_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
 
 def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                   mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
-                  stacked: Sequence[bool] = ()) -> Updated:
+                  stacked: Sequence[bool] = (), clip: Callable | None = None) -> Updated:
   """AdamW on pinned-host shards on the CPU; params come back to the device.
 
   The fused C++ kernel on a CPU mesh, the same math in jnp compiled for the host on
@@ -66,7 +72,7 @@ def pinned_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, mas
     return [], [], [], []
   lr, bc1, bc2, step, *ok = scalars
   ok = ok[0] if ok else jnp.bool_(True)
-  grads = [tiers.to_tier(g, Tier.PINNED_HOST) for g in grads]
+  grads = [tiers.to_tier(g, Tier.PINNED_HOST) for g in clipped(grads, clip)]
 
   @on_host(out_memory_spaces=[[tiers.HOST] * len(masters)] * 4)
   def update(masters, mus, nus, grads, lr, bc1, bc2, step, ok):
@@ -89,7 +95,7 @@ FORM_ENV = "ZINFJAX_STREAM_UPDATE_FORM"
 
 def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, masters: list,
                     mus: list, nus: list, grads: list, params_dtype, platform: str = "cpu",
-                    stacked: Sequence[bool] = ()) -> Updated:
+                    stacked: Sequence[bool] = (), clip: Callable | None = None) -> Updated:
   """AdamW on pinned-host shards computed on the device (the same math as `device_update`,
   bit for bit): a stacked shard (`stacked`) a layer at a time in a scan, each layer's states
   brought to the device, updated and sent back; any other shard whole. The new params stay
@@ -101,6 +107,7 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
   def one(wd: float) -> Callable:
     def update(m, mu, nu, g):
       m, mu, nu = (tiers.to_device(x, host) for x in (m, mu, nu))
+      g = g if clip is None else clip(g)  # a layer at a time, fused into its update
       m, mu, nu = adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step, ok)
       return tiers.to_tier(m, host), tiers.to_tier(mu, host), tiers.to_tier(nu, host), \
           m.astype(params_dtype)
