@@ -42,6 +42,7 @@ Updated = tuple[list, list, list, list]  # new masters, moments, compute params
 
 
 def clipped(grads: list, clip: Callable | None) -> list:
+  """`grads` after the global-norm clipping `clip` (None: as they are)."""
   return grads if clip is None else [clip(g) for g in grads]
 
 
@@ -122,6 +123,7 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
       out.append(update(m, mu, nu, g))
       continue
     at = lambda x, i: lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+    layers = jnp.arange(m.shape[0])
     if in_place:
       def layer(states, i, update=update, g=g):
         """Layer i's states updated where they lie in the carried stacks."""
@@ -129,11 +131,14 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
         return tuple(lax.dynamic_update_index_in_dim(x, y, i, 0)
                      for x, y in zip(states, new)), params
 
-      (m, mu, nu), params = lax.scan(layer, (m, mu, nu), jnp.arange(m.shape[0]))
+      (m, mu, nu), params = lax.scan(layer, (m, mu, nu), layers)
       out.append((m, mu, nu, params))
     else:
-      out.append(lax.scan(lambda _, i, update=update, xs=(m, mu, nu, g): (
-          None, update(*(at(x, i) for x in xs))), None, jnp.arange(m.shape[0]))[1])
+      def stacked_anew(_, i, update=update, xs=(m, mu, nu, g)):
+        """Layer i's new states and params, which the scan stacks into new arrays."""
+        return None, update(*(at(x, i) for x in xs))
+
+      out.append(lax.scan(stacked_anew, None, layers)[1])
   return tuple([x[k] for x in out] for k in range(4))
 
 
