@@ -152,15 +152,9 @@ bool SwapStore::PinExtents(const std::vector<ShardEntry>& entries) {
   if (pin == nullptr) return true;
   std::lock_guard<std::mutex> lock(pin_mu_);
   for (const ShardEntry& e : entries) {
-    // extents are page-aligned and never split, so one that comes back from the free list
-    // is the one locked before
-    auto it = map_pins_.find(e.offset);
-    if (it != map_pins_.end() && it->second >= e.capacity) continue;
-    if (it != map_pins_.end()) {  // not expected; relocked whole rather than overlapped
-      unpin_(map_ + e.offset);
-      map_pinned_bytes_ -= it->second;
-      map_pins_.erase(it);
-    }
+    // extents are page-aligned and never split or merged (a freed one is only taken again
+    // whole), so an offset locked before is this extent, locked whole
+    if (map_pins_.count(e.offset)) continue;
     if (!pin(map_ + e.offset, e.capacity)) {
       pin_refused_ = true;  // buffers are borrowed from now on
       return false;

@@ -101,17 +101,16 @@ def streamed_update(hyper: AdamHyper, decays: Sequence[float], scalars: tuple, m
   bit for bit): a stacked shard (`stacked`) a layer at a time in a scan, each layer's states
   brought to the device, updated and sent back; any other shard whole. The new params stay
   on the device, as `pinned_update`'s come back to it."""
-  lr, bc1, bc2, step, *ok = scalars
-  ok = ok[0] if ok else None
   host = Tier.PINNED_HOST
 
   def one(wd: float) -> Callable:
     def update(m, mu, nu, g):
-      m, mu, nu = (tiers.to_device(x, host) for x in (m, mu, nu))
-      g = g if clip is None else clip(g)  # a layer at a time, fused into its update
-      m, mu, nu = adamw_jnp(m, mu, nu, g, lr, bc1, bc2, hyper.constants, wd, step, ok)
-      return tiers.to_tier(m, host), tiers.to_tier(mu, host), tiers.to_tier(nu, host), \
-          m.astype(params_dtype)
+      """`device_update` of one layer (its grads clipped inside it) with the states brought over
+      and sent back."""
+      states = ([tiers.to_device(x, host)] for x in (m, mu, nu))
+      (m,), (mu,), (nu,), (params,) = device_update(hyper, [wd], scalars, *states, [g],
+                                                    params_dtype, clip=clip)
+      return tiers.to_tier(m, host), tiers.to_tier(mu, host), tiers.to_tier(nu, host), params
     return update
 
   in_place = os.environ.get(FORM_ENV, "carry") != "stack"
