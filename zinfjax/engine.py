@@ -59,7 +59,7 @@ class Engine:
   decays: tuple[float, ...] = ()   # its weight decay per leaf
   store: AioStore | MixedStore | None = None  # the swap store(s) of the states off the arrays
   pipeline: NvmePipeline | None = None  # the NVMe optimizer (optimizer segments on NVMe)
-  steps: dict = dataclasses.field(default_factory=dict)  # compiled steps by loss_fn
+  steps: dict = dataclasses.field(default_factory=dict)  # compiled steps by (kind, fn_key(loss_fn))
   auto: AutoPlan | None = None     # the placement offload="auto" chose (its config holds the tiers)
   life: Life = dataclasses.field(default_factory=Life)
 

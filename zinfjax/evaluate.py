@@ -15,6 +15,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .fnkey import fn_key, warn_if_recompiled
 from .grads import LossFn, local_model, param_specs, with_anchors
 from .layers import micro_batches
 from .offload import swap
@@ -29,9 +30,10 @@ Eval = Callable[[TrainState, Any], dict]
 def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
   """A jitted `(state, batch) -> {"loss": mean over the global batch}` (state kept)."""
   engine = state.engine
-  key = ("eval", loss_fn)
+  key = ("eval", fn_key(loss_fn))
   if key in engine.steps:
     return engine.steps[key]
+  warn_if_recompiled(engine.steps, key, "eval_step", loss_fn)
   plan, mesh, axis = engine.plan, engine.mesh, engine.plan.axis
 
   def local(params, batch):

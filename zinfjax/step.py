@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .fnkey import fn_key, warn_if_recompiled
 from .grads import LossFn, local_loss_and_grads, param_specs, sum_squares, with_anchors
 from .inputs import shard_batch
 from .offload import swap
@@ -92,8 +93,10 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   donated: use the returned one.
   """
   engine = state.engine
-  if loss_fn in engine.steps:
-    return engine.steps[loss_fn]
+  key = ("train", fn_key(loss_fn))  # a lambda made anew each step runs the step compiled once
+  if key in engine.steps:
+    return engine.steps[key]
+  warn_if_recompiled(engine.steps, key, "train_step", loss_fn)
   plan, mesh = engine.plan, engine.mesh
   moves = timeline(plan)
   shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -113,7 +116,7 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     run = all_or_nothing(engine, run)
   guarded = consuming(run)
   guarded.jitted = jitted
-  engine.steps[loss_fn] = guarded
+  engine.steps[key] = guarded
   return guarded
 
 
