@@ -197,6 +197,30 @@ def test_cli_resumes_onto_other_optimizer_tiers(tmp_path):
   assert "resumed from step 3 " in out.stdout and "step     4/4" in out.stdout
 
 
+# ------------------------------------------------------------------ batches
+def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
+  """Each batch below stops `train_step` with an error naming the problem; the state is not
+  consumed (nothing ran), and a good batch trains after them."""
+  with zinfjax.init(factory, tx(), zinfjax.ZeroConfig(precision="fp32", micro_batches=2), mesh,
+                    rng=0) as state:
+    good = {k: np.concatenate([v] * 2) for k, v in BATCHES[0].items()}  # 16 examples
+    bad = [
+        ({k: v[:7] for k, v in good.items()},
+         "does not split over 8 devices on axis 'data'; use a batch size that is a multiple of 8"),
+        ({**good, "targets": np.concatenate([good["targets"]] * 2)},
+         "different numbers of examples on their leading axis (['inputs'] has 16, ['targets'] has 32)"),
+        ({**good, "weight": np.float32(1.0)}, "a batch leaf is a scalar"),
+        (BATCHES[0], "ZeroConfig.micro_batches=2 does not divide; use a batch size that is a "
+         "multiple of 16"),
+    ]
+    for batch, message in bad:
+      with pytest.raises(ValueError, match=re.escape(message)):
+        zinfjax.train_step(state, batch, lm_loss)
+      state.check_usable("the test")
+    state, metrics = zinfjax.train_step(state, good, lm_loss)
+    assert np.isfinite(float(metrics["loss"]))
+
+
 # ------------------------------------------------------------------ the CLI's input checks
 def train_gpt_main():
   return load_script("train_gpt").main

@@ -15,8 +15,11 @@ def shard_batch(engine, batch: Any) -> Any:
   sharding = NamedSharding(engine.mesh, P(axis))
 
   def put(x):
-    x = x if isinstance(x, jax.Array) else np.asarray(x)
-    if x.ndim == 0 or x.shape[0] % dp:
+    if x.ndim == 0:
+      raise ValueError(
+          "a batch leaf is a scalar: every leaf needs a leading example axis to split over the "
+          f"{dp} devices. Repeat a per-step value for each example (np.full(batch_size, value)).")
+    if x.shape[0] % dp:
       raise ValueError(
           f"batch leaf of shape {tuple(x.shape)} does not split over {dp} devices on "
           f"axis {axis!r}; use a batch size that is a multiple of {dp}.")
@@ -29,4 +32,17 @@ def shard_batch(engine, batch: Any) -> Any:
       return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
     return jax.device_put(x, sharding)
 
-  return jax.tree.map(put, batch)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+  arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in leaves]
+  check_examples([jax.tree_util.keystr(path) or "batch" for path, _ in leaves], arrays)
+  return jax.tree.unflatten(treedef, [put(x) for x in arrays])
+
+
+def check_examples(names: list[str], arrays: list) -> None:
+  """Every batch leaf's leading axis counts the same examples: a clear error where not (the
+  split would pair one device's inputs with another's targets, or fail in a reshape)."""
+  sizes = {n: x.shape[0] for n, x in zip(names, arrays) if x.ndim}
+  if len(set(sizes.values())) > 1:
+    listed = ", ".join(f"{n} has {k}" for n, k in sizes.items())
+    raise ValueError(f"the batch's leaves hold different numbers of examples on their leading "
+                     f"axis ({listed}); every leaf's first axis must count the same examples.")
