@@ -17,7 +17,11 @@ from flax import nnx
 
 
 def lookup(embed: nnx.Embed, ids: jax.Array) -> jax.Array:
-  """Rows `ids` of `embed`'s table, in the table's dtype (`ids` integer, any shape)."""
+  """Rows `ids` of `embed`'s table, in the table's dtype (`ids` integer, any shape). An id
+  outside the table, negative ones included (which `jnp.take` would count from the end), gives
+  a row of NaN: a wrong id shows in the loss instead of training on another token's row."""
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"embedding lookups take integer ids, got {ids.dtype}.")
-  return jnp.take(embed.embedding[...], ids, axis=0)
+  table = embed.embedding[...]
+  ids = jnp.where(ids < 0, table.shape[0], ids)  # past the end: filled
+  return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)

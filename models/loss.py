@@ -63,9 +63,15 @@ def chunked_cross_entropy(x_NxD: jax.Array, weight: jax.Array,
   k = -(-n // c)
   pad = k * c - n
   xs = jnp.pad(x_NxD, ((0, pad), (0, 0))).reshape(k, c, d)
-  ts = jnp.pad(targets_N, (0, pad)).reshape(k, c)
-  valid = (jnp.arange(k * c) < n).reshape(k, c)
-  return _loss_sum(project, xs, weight, ts, valid) / n
+  valid = jnp.pad(targets_N >= 0, (0, pad)).reshape(k, c)  # ignored targets and padding: False
+  ts = jnp.pad(jnp.maximum(targets_N, 0), (0, pad)).reshape(k, c)
+  return _loss_sum(project, xs, weight, ts, valid) / scored(targets_N)
+
+
+def scored(targets: jax.Array) -> jax.Array:
+  """How many targets count in the mean: those >= 0 (at least 1, so a batch of ignored targets
+  scores 0, not 0/0)."""
+  return jnp.maximum(jnp.sum(targets >= 0), 1).astype(jnp.float32)
 
 
 def _chunk_sum(project, x, weight, t, v) -> jax.Array:
@@ -125,6 +131,12 @@ def dense(x: jax.Array, kernel_DxV: jax.Array) -> jax.Array:
 def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax.Array:
   """Mean next-token cross entropy of `batch["inputs"]` against `batch["targets"]`.
 
+  A negative target (-100 in Hugging Face's labels: padding, a prompt's tokens)
+  is ignored: the mean is over the targets >= 0 (of each device's slice, as
+  the mean of each slice's loss is the step's loss). A target past the
+  vocabulary gives a NaN loss (a skipped step under `skip_nonfinite`), as does
+  an input id outside it (`embedding.lookup`).
+
   A model with `features(tokens) -> [B, T, D]` and `head() -> (weight, project)`
   (GPT, Llama) is scored in chunks (`chunked_cross_entropy`); any other model
   through its full logits."""
@@ -135,4 +147,6 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
     return chunked_cross_entropy(x_BxTxD.reshape(-1, x_BxTxD.shape[-1]), weight, project,
                                  targets.reshape(-1), chunk)
   logits = model(inputs).astype(jnp.float32)
-  return jnp.mean(_chunk_losses(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)))
+  targets = targets.reshape(-1)
+  losses = _chunk_losses(logits.reshape(-1, logits.shape[-1]), jnp.maximum(targets, 0))
+  return jnp.sum(jnp.where(targets >= 0, losses, 0.0)) / scored(targets)

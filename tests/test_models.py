@@ -193,6 +193,51 @@ def test_chunked_loss_equals_the_full_logits_loss(model, chunk):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_got, g_want)
 
 
+@pytest.mark.parametrize("model,chunk", [("gpt", 7), ("plain", None)])
+def test_negative_targets_are_ignored_and_bad_ids_give_nan(model, chunk):
+  """Targets < 0 (-100 in Hugging Face's labels) drop out of the mean: the loss and its grads
+  equal optax's cross entropy averaged over the other targets (chunked and full-logits paths).
+  A target past the vocabulary, or an input id outside it (negative too, which `jnp.take`
+  would count from the end), gives NaN instead of a loss on another token."""
+  import optax
+  from zinfjax.models import lm_loss
+  net = GPT(get_config("tiny", num_layers=2), rngs=nnx.Rngs(4))
+  vocab = net.config.vocab_size
+  loss = lm_loss if model != "plain" else lambda m, b: lm_loss(_Logits(m), b)
+  tokens = jax.random.randint(jax.random.key(1), (3, 13), 0, vocab)
+  targets = jnp.roll(tokens, -1, axis=1)
+  keep = jax.random.bernoulli(jax.random.key(2), 0.6, targets.shape)
+  batch = {"inputs": tokens, "targets": jnp.where(keep, targets, -100)}
+  graph, params = nnx.split(net)
+
+  def want(p):
+    ce = optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graph, p)(tokens), targets)
+    return jnp.sum(jnp.where(keep, ce, 0.0)) / jnp.sum(keep)
+
+  got = lambda p: (lm_loss(nnx.merge(graph, p), batch, chunk=chunk) if model != "plain"
+                   else loss(nnx.merge(graph, p), batch))
+  (w, g_w), (v, g_v) = (jax.value_and_grad(f)(params) for f in (want, got))
+  np.testing.assert_allclose(v, w, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_v, g_w)
+  assert 0 < int(jnp.sum(keep)) < keep.size
+  scored = jax.jit(lambda p, b: loss(nnx.merge(graph, p), b))
+  for bad in ({**batch, "targets": batch["targets"].at[0, 0].set(vocab)},
+              {**batch, "inputs": tokens.at[1, 2].set(-1)},
+              {**batch, "inputs": tokens.at[1, 2].set(vocab)}):
+    assert np.isnan(float(scored(params, bad)))
+  assert float(scored(params, {**batch, "targets": jnp.full_like(targets, -100)})) == 0.0
+
+
+class _Logits:
+  """A model seen through its logits alone (no `features`/`head`): lm_loss's full-logits path."""
+
+  def __init__(self, model):
+    self.model = model
+
+  def __call__(self, tokens):
+    return self.model(tokens)
+
+
 def dot_operands(jaxpr) -> list[tuple]:
   """(dtype, shape) of both operands of every matrix product in a jaxpr, scan and remat bodies
   included."""
