@@ -171,6 +171,11 @@ def check_args(args) -> None:
                        "(0, the default: never).")
   if args.keep < 1:
     raise SystemExit(f"error: --keep {args.keep}: keep at least 1 checkpoint.")
+  for flag in ("offload_param", "offload_grad", "offload_optimizer"):
+    value = getattr(args, flag) or ""
+    if "nvme" in [t.split(":")[0].strip() for t in value.split(",")] and not args.nvme_path:
+      raise SystemExit(f"error: --{flag.replace('_', '-')} {value} puts states on NVMe: give "
+                       "--nvme-path FOLDER, a folder on a fast local drive.")
   if args.lora_rank < 0:
     raise SystemExit(f"error: --lora-rank {args.lora_rank}: give a positive rank (0: no LoRA).")
   if not (math.isfinite(args.lr) and args.lr >= 0):

@@ -247,6 +247,8 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
       (["--save-every", "-1"], "--save-every -1: give a number of steps above 0"),
       (["--eval-every", "-2"], "--eval-every -2: give a number of steps above 0"),
       (["--keep", "0"], "--keep 0: keep at least 1 checkpoint"),
+      (["--offload-optimizer", "pinned_host:1,nvme"],
+       "--offload-optimizer pinned_host:1,nvme puts states on NVMe: give --nvme-path FOLDER"),
       (["--export", a_file], f"--export {a_file} is an existing file"),
       (["--export", a_file / "out"], f"--export {a_file / 'out'}: cannot write there"),
       (["--metrics-jsonl", tmp_path], f"--metrics-jsonl {tmp_path} is a folder"),
