@@ -35,6 +35,14 @@ def made(scale):
   return lambda m, b: scaled(m, b, scale)
 
 
+SCALE = 1.0
+
+
+def reads_global():
+  """A lambda reading a global, as one written in a script's loop reads the loop's variables."""
+  return lambda m, b: lm_loss(m, b) * SCALE
+
+
 def test_keys_compare_code_and_objects_by_identity():
   a, b = (lambda m, x: lm_loss(m, x)), (lambda m, x: lm_loss(m, x))
   assert fn_key(made(float("2"))) != fn_key(made(float("2")))  # two objects: identity, not value
@@ -49,6 +57,11 @@ def test_keys_compare_code_and_objects_by_identity():
   assert fn_key(owner.loss) != fn_key(Losses().loss)
   held = [lambda m, x: lm_loss(m, x) for _ in range(2)]  # one code, no closure: one function
   assert fn_key(held[0]) == fn_key(held[1])
+  global SCALE
+  before = fn_key(reads_global())
+  assert fn_key(reads_global()) == before
+  SCALE = float("2")                                 # a global it reads now holds another object
+  assert fn_key(reads_global()) != before
 
 
 @pytest.fixture

@@ -4,11 +4,13 @@ A loop that passes `lambda m, b: loss(m, b)` or `functools.partial(loss, ...)`
 to `train_step` makes a new function object every step. Cached by identity,
 each one compiled a new step (seconds to minutes) and was kept forever. Two
 functions are the same here when they run the same code on the same objects:
-the same code, globals, defaults and closure cells (each compared by identity,
-never by value, so a changed closure compiles again), and likewise a
-`functools.partial`'s function and arguments or a bound method's function and
-`self`. Reusing a step for such a function is exactly as safe as reusing it
-for the same function object.
+the same code, globals, defaults and closure cells, and the same objects under
+the global names the code reads (each compared by identity, never by value,
+so a changed closure, or a loop variable of a script that the lambda reads as
+a global, compiles again), and likewise a `functools.partial`'s function and
+arguments or a bound method's function and `self`. What functions it calls
+read is baked in when the step is traced, as for any function under
+`jax.jit`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ def _cells(fn: types.FunctionType) -> tuple:
   return tuple(out)
 
 
+def _names(code: types.CodeType) -> set[str]:
+  """The global (and attribute) names `code` and the code nested in it read."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names |= _names(const)
+  return names
+
+
+def _globals_read(fn: types.FunctionType) -> tuple:
+  """(name, the object now under it) for each global `fn`'s code reads."""
+  found = fn.__globals__
+  return tuple((n, _Same(found[n])) for n in sorted(_names(fn.__code__)) if n in found)
+
+
 def fn_key(fn: Callable) -> Hashable:
   """A key equal for two callables that run the same code on the same objects."""
   if isinstance(fn, functools.partial):
@@ -54,7 +71,8 @@ def fn_key(fn: Callable) -> Hashable:
   if isinstance(fn, types.FunctionType):
     kwdefaults = tuple(sorted((k, _Same(v)) for k, v in (fn.__kwdefaults__ or {}).items()))
     return ("function", fn.__code__, _Same(fn.__globals__),
-            tuple(_Same(d) for d in fn.__defaults__ or ()), kwdefaults, _cells(fn))
+            tuple(_Same(d) for d in fn.__defaults__ or ()), kwdefaults, _cells(fn),
+            _globals_read(fn))
   return ("object", _Same(fn))
 
 
@@ -79,7 +97,7 @@ def warn_if_recompiled(cache: dict, key: tuple, what: str, fn: Callable) -> None
     name = getattr(code, "co_name", None) or getattr(fn, "__name__", type(fn).__name__)
     warnings.warn(
         f"{what} compiles again for a new loss function running the same code as {same} it "
-        f"compiled before ({name!r}): its closure, defaults or partial arguments hold other "
-        "objects (a value that changes each step?). Each such function compiles and keeps its "
+        f"compiled before ({name!r}): its closure, defaults, partial arguments or the globals "
+        "it reads hold other objects (a value that changes each step?). Each such function compiles and keeps its "
         "own step. Define the loss once outside the loop and pass what changes in the batch.",
         RecompileWarning, stacklevel=4)
