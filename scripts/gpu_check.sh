@@ -26,8 +26,9 @@
 #                placement, stopped 30 s before it (the steps it finished are in the table)
 #   peer         DeepSpeed ZeRO-3 offload and zinfjax on the same GPT and shapes, one table
 #                (peer_table.txt); deepspeed comes from the bundle scripts/peer_bundle.sh makes in
-#                build/peer (carry it); PEER_SIDES="ours" or "deepspeed" runs one side per call,
-#                PEER_PLACEMENTS a subset of device,cpu,nvme
+#                build/peer (carry it); PEER_PLACEMENTS a subset of device,cpu,nvme (split the
+#                placements over calls, both sides in each, so each table compares one machine:
+#                device,cpu then nvme); PEER_SIDES="ours" or "deepspeed" runs one side alone
 #   cpu-confirm  the CPU tests that failed under jax 0.11 before their fixes, on this machine's
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
