@@ -16,6 +16,10 @@
 //     for the drive, as without the copy stream); one that finds no free
 //     staging buffer is copied on XLA's stream as before.
 //
+// A memory store that lends its (page-locked) mapping is copied from and to in
+// place here too: one copy per shard between its extent and the staging buffer,
+// where the shards sit packed; a buffer the store lends is copied whole.
+//
 // A staging buffer is refilled only after its last contents were drained
 // (stream-ordered by events); each ring holds ZINFJAX_COPY_STAGING buffers
 // (default 2) as large as the largest transfer: HBM outside XLA's accounting.
@@ -142,6 +146,17 @@ class Ring {
   size_t next_ = 0;
 };
 
+// Where shards of these sizes sit packed in a staging buffer: each at a 256-byte boundary.
+inline std::vector<size_t> Packed(const std::vector<size_t>& bytes) {
+  std::vector<size_t> at;
+  size_t end = 0;
+  for (size_t b : bytes) {
+    at.push_back(end);
+    end = (end + b + 255) / 256 * 256;
+  }
+  return at;
+}
+
 // A read started on a store, in host memory once taken, on the device once staged.
 struct StartedRead {
   std::shared_ptr<SwapStore> store;
@@ -150,6 +165,7 @@ struct StartedRead {
   uint64_t ticket;
   std::optional<SwapStore::OwnedRead> read;  // taken (buffer null once staged)
   Slot* slot = nullptr;                      // staged
+  std::vector<size_t> staged_at;             // staged: shard i at slot->data + staged_at[i]
   std::exception_ptr error;                  // the read failed: raised by its read_wait
 };
 
@@ -243,15 +259,26 @@ class CopyLane {
       }
     }
     const SwapStore::OwnedRead& read = *r.read;
-    size_t span = read.at.back() + read.entries.back().nbytes;
+    // a lent mapping: each shard from its extent, packed; a lent buffer: its span in one copy
+    const bool in_place = !read.buffer;
+    std::vector<size_t> bytes;
+    for (const ShardEntry& e : read.entries) bytes.push_back(e.nbytes);
+    std::vector<size_t> at = in_place ? Packed(bytes) : read.at;
+    size_t span = at.back() + bytes.back();
     Slot* slot = nullptr;
     cudaError_t err = reads_ring_.Acquire(stream_, span, &slot);
     if (err != cudaSuccess || slot == nullptr) return err;
-    err = cudaMemcpyAsync(slot->data, read.base, span, cudaMemcpyHostToDevice, stream_);
+    if (!in_place) {
+      err = cudaMemcpyAsync(slot->data, read.base, span, cudaMemcpyHostToDevice, stream_);
+    }
+    for (size_t i = 0; in_place && i < at.size() && err == cudaSuccess; ++i)
+      err = cudaMemcpyAsync(slot->data + at[i], read.base + read.at[i], bytes[i],
+                            cudaMemcpyHostToDevice, stream_);
     if (err == cudaSuccess) err = cudaEventRecord(slot->filled, stream_);
     if (err == cudaSuccess) err = ReturnAfter(stream_, r.store, std::move(r.read->buffer));
     if (err != cudaSuccess) return err;
     r.slot = slot;
+    r.staged_at = std::move(at);
     *staged = true;
     return cudaSuccess;
   }
@@ -269,22 +296,30 @@ struct DeviceSpan {
 };
 
 // A write's copies through the lane: the shards `xs` device to device into a staging buffer
-// at offsets `at` on XLA's `stream`, then that span to `host` on the copy stream, then the
-// host function `done(arg)` there.
+// on XLA's `stream`, then to `host + at[i]` on the copy stream, then the host function
+// `done(arg)` there. `in_place` (a memory store's lent mapping, the shards in extents of their
+// own): packed in the staging buffer, one copy each to the host; else (a lent buffer) at their
+// offsets `at`, gaps included, and one copy of the span.
 inline cudaError_t CopyOut(CopyLane& lane, cudaStream_t stream, const std::vector<DeviceSpan>& xs,
-                           uint8_t* host, const std::vector<size_t>& at, cudaHostFn_t done,
-                           void* arg) {
-  size_t span = 0;  // the shards at their offsets in the host buffer, gaps included: one copy
-  for (size_t i = 0; i < xs.size(); ++i) span = std::max(span, at[i] + xs[i].bytes);
+                           uint8_t* host, const std::vector<size_t>& at, bool in_place,
+                           cudaHostFn_t done, void* arg) {
+  std::vector<size_t> bytes;
+  for (const DeviceSpan& x : xs) bytes.push_back(x.bytes);
+  std::vector<size_t> staged = in_place ? Packed(bytes) : at;
+  size_t span = 0;
+  for (size_t i = 0; i < xs.size(); ++i) span = std::max(span, staged[i] + xs[i].bytes);
   Slot* slot = nullptr;  // never null here: each write's drain is enqueued with it
   cudaError_t err = lane.writes().Acquire(stream, span, &slot);
   for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i)
-    err = cudaMemcpyAsync(slot->data + at[i], xs[i].data, xs[i].bytes, cudaMemcpyDeviceToDevice,
-                          stream);
+    err = cudaMemcpyAsync(slot->data + staged[i], xs[i].data, xs[i].bytes,
+                          cudaMemcpyDeviceToDevice, stream);
   if (err == cudaSuccess) err = cudaEventRecord(slot->filled, stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream(), slot->filled, 0);
-  if (err == cudaSuccess)
+  if (err == cudaSuccess && !in_place)
     err = cudaMemcpyAsync(host, slot->data, span, cudaMemcpyDeviceToHost, lane.stream());
+  for (size_t i = 0; in_place && i < xs.size() && err == cudaSuccess; ++i)
+    err = cudaMemcpyAsync(host + at[i], slot->data + staged[i], xs[i].bytes,
+                          cudaMemcpyDeviceToHost, lane.stream());
   if (err == cudaSuccess) err = cudaEventRecord(slot->drained, lane.stream());
   if (err == cudaSuccess) slot->draining = true;
   if (err == cudaSuccess) err = cudaLaunchHostFunc(lane.stream(), done, arg);
@@ -306,7 +341,7 @@ inline cudaError_t CopyIn(cudaStream_t stream, StartedRead& r, const std::vector
   }
   err = cudaStreamWaitEvent(stream, r.slot->filled, 0);
   for (size_t i = 0; i < ys.size() && err == cudaSuccess; ++i)
-    err = cudaMemcpyAsync(ys[i].data, r.slot->data + read.at[i], ys[i].bytes,
+    err = cudaMemcpyAsync(ys[i].data, r.slot->data + r.staged_at[i], ys[i].bytes,
                           cudaMemcpyDeviceToDevice, stream);
   if (err == cudaSuccess) err = cudaEventRecord(r.slot->drained, stream);
   if (err == cudaSuccess) r.slot->draining = true;

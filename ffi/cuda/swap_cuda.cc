@@ -106,7 +106,7 @@ cudaError_t EnqueueWrite(cudaStream_t stream, int32_t ordinal, ffi::RemainingArg
     ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
     spans.push_back({x.untyped_data(), x.size_bytes()});
   }
-  return CopyOut(*lane, stream, spans, w.base, w.at, CommitWrite, pending);
+  return CopyOut(*lane, stream, spans, w.base, w.at, /*in_place=*/!w.buffer, CommitWrite, pending);
 }
 
 ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
@@ -116,10 +116,10 @@ ffi::Error WriteManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId run,
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
     std::vector<std::string> keys = ScheduledKeys("write", at, ordinal, run.run_id);
     std::vector<ShardIo> shards = WriteShards(keys, xs, /*with_data=*/false);
-    // on XLA's stream straight into a memory store's (page-locked) mapping where it lends it;
-    // the copy stream stages one contiguous span, so it takes a buffer
+    // straight into a memory store's (page-locked) mapping where it lends it: from XLA's
+    // stream, or from the copy stream's staging buffer
     auto pending = std::make_unique<PendingWrite>(
-        PendingWrite{store, s.BeginDetached(shards, /*in_place=*/!CopyLane::Enabled())});
+        PendingWrite{store, s.BeginDetached(shards, /*in_place=*/true)});
     cudaError_t err = EnqueueWrite(stream, ordinal, xs, pending.get());
     if (err != cudaSuccess) {  // release the keys (the step fails with this error)
       store->FinishDetached(std::move(pending->write));
@@ -136,7 +136,7 @@ ffi::Error ReadStartManyImpl(cudaStream_t stream, int32_t ordinal, ffi::RunId ru
   std::shared_ptr<SwapStore> store = Prepared(at);
   return WithStore(at.store, [&](SwapStore& s) -> ffi::Error {
     std::vector<std::string> keys = ScheduledKeys("start", at, ordinal, run.run_id);
-    uint64_t read = s.ReadOwnedAsync(keys, /*urgent=*/true, /*in_place=*/!CopyLane::Enabled());
+    uint64_t read = s.ReadOwnedAsync(keys, /*urgent=*/true, /*in_place=*/true);
     if (!CopyLane::Enabled()) {
       ProcessOwnedReads().Put(at.store, keys.front(), read);
     } else {

@@ -75,10 +75,10 @@ int Copies(int stream, int kind, size_t from) {
   return n;
 }
 
-StartedRead Start(std::shared_ptr<SwapStore> store, int layer) {
+StartedRead Start(std::shared_ptr<SwapStore> store, int layer, bool in_place = false) {
   std::vector<std::string> keys;
   for (size_t s = 0; s < kSizes.size(); ++s) keys.push_back(Key("p", layer, s));
-  uint64_t ticket = store->ReadOwnedAsync(keys, true);
+  uint64_t ticket = store->ReadOwnedAsync(keys, true, in_place);
   while (!store->Done(ticket)) {
   }
   StartedRead r;
@@ -143,8 +143,8 @@ void TestWrites(CopyLane& lane, std::shared_ptr<SwapStore> store) {
     }
     auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(shards)});
     size_t from = fake_log().size();
-    CHECK(CopyOut(lane, kXla, xs, c->write.buffer->data(), c->write.at, CommitWrite, c.get()) ==
-              cudaSuccess, "CopyOut");
+    CHECK(CopyOut(lane, kXla, xs, c->write.buffer->data(), c->write.at, false, CommitWrite,
+                  c.get()) == cudaSuccess, "CopyOut");
     c.release();
     CHECK(HostCopies(kXla->id, from) == 0, "grads leave XLA's stream device to device only");
     CHECK(Copies(lane.stream()->id, cudaMemcpyDeviceToHost, from) == 1,
@@ -286,6 +286,72 @@ void TestPinnedExtents() {
         unpins, pins.size());
 }
 
+// Through the copy stream, a memory store that lends its mapping is copied from and to in
+// place: grads and params move between their own (locked) extents and the staging buffers one
+// shard at a time, no buffer is borrowed, nothing crosses to the host on XLA's stream, and the
+// data arrives intact.
+void TestLentThroughLane(CopyLane& lane) {
+  StoreConfig config;
+  config.memory = true;
+  config.fresh = true;
+  size_t locks = pins.size();
+  {
+    auto store = std::make_shared<SwapStore>(config);
+    store->SetPinHooks(&FakePin, &FakeUnpin);
+    for (int layer = 0; layer < 3; ++layer) WriteLayer(*store, layer);
+    for (int step = 0; step < 3; ++step) {  // more writes than staging buffers
+      std::vector<std::vector<float>> grads;
+      std::vector<ShardIo> shards;
+      std::vector<DeviceSpan> xs;
+      for (size_t s = 0; s < kSizes.size(); ++s) grads.push_back(Values(step, s, kSizes[s], 0.75f));
+      for (size_t s = 0; s < kSizes.size(); ++s) {
+        shards.push_back({Key("g", step, s), nullptr, grads[s].size() * 4, "float32", {kSizes[s]}});
+        xs.push_back({grads[s].data(), grads[s].size() * 4});
+      }
+      auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(shards, true)});
+      CHECK(!c->write.buffer, "a grads write lends the mapping through the copy stream");
+      for (size_t s = 0; s < kSizes.size(); ++s)
+        CHECK(Pinned(c->write.base + c->write.at[s]), "grads extent %zu is locked", s);
+      size_t from = fake_log().size();
+      Commit* commit = c.release();  // owned by CommitWrite, which the stand-in runs at once
+      CHECK(CopyOut(lane, kXla, xs, commit->write.base, commit->write.at, true, CommitWrite,
+                    commit) == cudaSuccess, "CopyOut in place");
+      CHECK(HostCopies(kXla->id, from) == 0, "grads leave XLA's stream device to device only");
+      CHECK(Copies(lane.stream()->id, cudaMemcpyDeviceToHost, from) == static_cast<int>(kSizes.size()),
+            "one copy per shard to its extent on the copy stream");
+      std::vector<std::vector<float>> back;
+      std::vector<ShardIo> outs = Outs(back);
+      for (size_t s = 0; s < kSizes.size(); ++s) outs[s].key = Key("g", step, s);
+      store->Wait(store->ReadManyAsync(outs));
+      for (size_t s = 0; s < kSizes.size(); ++s)
+        CHECK(back[s] == grads[s], "grad shard %zu of write %d lands in its extent intact", s, step);
+    }
+    size_t from = fake_log().size();
+    for (int layer = 0; layer < 3; ++layer) lane.Started(Start(store, layer, true));
+    CHECK(lane.Pump() == cudaSuccess && lane.staged() == 2, "two of three lent reads staged");
+    CHECK(HostCopies(kXla->id, from) == 0 &&
+              Copies(lane.stream()->id, cudaMemcpyHostToDevice, from) == 2 * static_cast<int>(kSizes.size()),
+          "each lent shard staged from its extent on the copy stream");
+    for (int layer = 0; layer < 3; ++layer) {
+      cudaError_t err = cudaSuccess;
+      std::optional<StartedRead> r = lane.Take(7, Key("p", layer, 0), &err);
+      CHECK(r && err == cudaSuccess && r->slot != nullptr, "layer %d's lent read staged", layer);
+      CHECK(!r->read->buffer, "layer %d's read borrowed no buffer", layer);
+      std::vector<std::vector<float>> ys;
+      SwapStore::CheckRead(*r->read, Outs(ys));
+      size_t before = fake_log().size();
+      CHECK(CopyIn(kXla, *r, Spans(ys)) == cudaSuccess, "CopyIn of a lent read");
+      CHECK(HostCopies(kXla->id, before) == 0, "a staged lent read reaches XLA's stream device to device");
+      for (size_t s = 0; s < kSizes.size(); ++s)
+        CHECK(ys[s] == Values(layer, s, kSizes[s]), "layer %d shard %zu arrives intact", layer, s);
+      CHECK(lane.Pump() == cudaSuccess, "Pump");
+    }
+    CHECK(store->mapping_pinned_bytes() > 0, "the lent extents are locked");
+  }
+  CHECK(unpins == static_cast<int>(pins.size()), "every extent locked through the lane unlocked at "
+        "close: %d of %zu (%zu before)", unpins, pins.size(), locks);
+}
+
 }  // namespace
 }  // namespace zinfjax
 
@@ -313,7 +379,11 @@ int main(int argc, char** argv) {
   TestNoFreeBuffer(*one, store);
   TestMismatch(*lane, store);
   returns().Drain();  // every host buffer goes back to the store
-  if (config.memory) TestPinnedExtents();
+  if (config.memory) {
+    TestPinnedExtents();
+    refuse_pins = false;
+    TestLentThroughLane(*lane);
+  }
   std::printf("copies_test: %d checks passed (%s store)\n", checks, argv[1]);
   return 0;
 }
