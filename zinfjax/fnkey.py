@@ -98,6 +98,7 @@ def warn_if_recompiled(cache: dict, key: tuple, what: str, fn: Callable) -> None
     warnings.warn(
         f"{what} compiles again for a new loss function running the same code as {same} it "
         f"compiled before ({name!r}): its closure, defaults, partial arguments or the globals "
-        "it reads hold other objects (a value that changes each step?). Each such function compiles and keeps its "
-        "own step. Define the loss once outside the loop and pass what changes in the batch.",
+        "it reads hold other objects (a value that changes each step?). Each such function "
+        "compiles and keeps its own step. Define the loss once outside the loop and pass what "
+        "changes in the batch.",
         RecompileWarning, stacklevel=4)
