@@ -131,17 +131,40 @@ void CUDART_CB CommitWrite(void* data) {
   c->store->FinishDetached(std::move(c->write));
 }
 
+// One write's grads on the "device" (`salt` tells writes apart), the shards the store reserves
+// for them and their device spans.
+struct Grads {
+  std::vector<std::vector<float>> values;
+  std::vector<ShardIo> shards;
+  std::vector<DeviceSpan> xs;
+};
+
+Grads GradsOf(int step, float salt) {
+  Grads g;
+  for (size_t s = 0; s < kSizes.size(); ++s) g.values.push_back(Values(step, s, kSizes[s], salt));
+  for (size_t s = 0; s < kSizes.size(); ++s) {
+    g.shards.push_back({Key("g", step, s), nullptr, g.values[s].size() * 4, "float32", {kSizes[s]}});
+    g.xs.push_back({g.values[s].data(), g.values[s].size() * 4});
+  }
+  return g;
+}
+
+// The grads of write `step` read back from the store equal `grads`.
+void CheckStored(SwapStore& store, int step, const std::vector<std::vector<float>>& grads) {
+  std::vector<std::vector<float>> back;
+  std::vector<ShardIo> outs = Outs(back);
+  for (size_t s = 0; s < kSizes.size(); ++s) outs[s].key = Key("g", step, s);
+  store.Wait(store.ReadManyAsync(outs));
+  for (size_t s = 0; s < kSizes.size(); ++s)
+    CHECK(back[s] == grads[s], "grad shard %zu of write %d reaches the store intact", s, step);
+}
+
 void TestWrites(CopyLane& lane, std::shared_ptr<SwapStore> store) {
   for (int step = 0; step < 3; ++step) {  // more writes than staging buffers
-    std::vector<std::vector<float>> grads;
-    std::vector<ShardIo> shards;
-    std::vector<DeviceSpan> xs;
-    for (size_t s = 0; s < kSizes.size(); ++s) grads.push_back(Values(step, s, kSizes[s], 0.25f));
-    for (size_t s = 0; s < kSizes.size(); ++s) {
-      shards.push_back({Key("g", step, s), nullptr, grads[s].size() * 4, "float32", {kSizes[s]}});
-      xs.push_back({grads[s].data(), grads[s].size() * 4});
-    }
-    auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(shards)});
+    Grads g = GradsOf(step, 0.25f);
+    const std::vector<std::vector<float>>& grads = g.values;
+    const std::vector<DeviceSpan>& xs = g.xs;
+    auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(g.shards)});
     size_t from = fake_log().size();
     CHECK(CopyOut(lane, kXla, xs, c->write.buffer->data(), c->write.at, false, CommitWrite,
                   c.get()) == cudaSuccess, "CopyOut");
@@ -149,12 +172,7 @@ void TestWrites(CopyLane& lane, std::shared_ptr<SwapStore> store) {
     CHECK(HostCopies(kXla->id, from) == 0, "grads leave XLA's stream device to device only");
     CHECK(Copies(lane.stream()->id, cudaMemcpyDeviceToHost, from) == 1,
           "one copy to the host on the copy stream");
-    std::vector<std::vector<float>> back;
-    std::vector<ShardIo> outs = Outs(back);
-    for (size_t s = 0; s < kSizes.size(); ++s) outs[s].key = Key("g", step, s);
-    store->Wait(store->ReadManyAsync(outs));
-    for (size_t s = 0; s < kSizes.size(); ++s)
-      CHECK(back[s] == grads[s], "grad shard %zu of write %d reaches the store intact", s, step);
+    CheckStored(*store, step, grads);
   }
 }
 
@@ -300,15 +318,10 @@ void TestLentThroughLane(CopyLane& lane) {
     store->SetPinHooks(&FakePin, &FakeUnpin);
     for (int layer = 0; layer < 3; ++layer) WriteLayer(*store, layer);
     for (int step = 0; step < 3; ++step) {  // more writes than staging buffers
-      std::vector<std::vector<float>> grads;
-      std::vector<ShardIo> shards;
-      std::vector<DeviceSpan> xs;
-      for (size_t s = 0; s < kSizes.size(); ++s) grads.push_back(Values(step, s, kSizes[s], 0.75f));
-      for (size_t s = 0; s < kSizes.size(); ++s) {
-        shards.push_back({Key("g", step, s), nullptr, grads[s].size() * 4, "float32", {kSizes[s]}});
-        xs.push_back({grads[s].data(), grads[s].size() * 4});
-      }
-      auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(shards, true)});
+      Grads g = GradsOf(step, 0.75f);
+      const std::vector<std::vector<float>>& grads = g.values;
+      const std::vector<DeviceSpan>& xs = g.xs;
+      auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(g.shards, true)});
       CHECK(!c->write.buffer, "a grads write lends the mapping through the copy stream");
       for (size_t s = 0; s < kSizes.size(); ++s)
         CHECK(Pinned(c->write.base + c->write.at[s]), "grads extent %zu is locked", s);
@@ -319,12 +332,7 @@ void TestLentThroughLane(CopyLane& lane) {
       CHECK(HostCopies(kXla->id, from) == 0, "grads leave XLA's stream device to device only");
       CHECK(Copies(lane.stream()->id, cudaMemcpyDeviceToHost, from) == static_cast<int>(kSizes.size()),
             "one copy per shard to its extent on the copy stream");
-      std::vector<std::vector<float>> back;
-      std::vector<ShardIo> outs = Outs(back);
-      for (size_t s = 0; s < kSizes.size(); ++s) outs[s].key = Key("g", step, s);
-      store->Wait(store->ReadManyAsync(outs));
-      for (size_t s = 0; s < kSizes.size(); ++s)
-        CHECK(back[s] == grads[s], "grad shard %zu of write %d lands in its extent intact", s, step);
+      CheckStored(*store, step, grads);  // in their extents: read back from the mapping
     }
     size_t from = fake_log().size();
     for (int layer = 0; layer < 3; ++layer) lane.Started(Start(store, layer, true));
