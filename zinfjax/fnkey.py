@@ -46,19 +46,21 @@ def _cells(fn: types.FunctionType) -> tuple:
   return tuple(out)
 
 
-def _names(code: types.CodeType) -> set[str]:
-  """The global (and attribute) names `code` and the code nested in it read."""
+@functools.lru_cache(maxsize=None)
+def _names(code: types.CodeType) -> tuple[str, ...]:
+  """The global (and attribute) names `code` and the code nested in it read, sorted (once per
+  code object: a key is made at every step)."""
   names = set(code.co_names)
   for const in code.co_consts:
     if isinstance(const, types.CodeType):
-      names |= _names(const)
-  return names
+      names.update(_names(const))
+  return tuple(sorted(names))
 
 
 def _globals_read(fn: types.FunctionType) -> tuple:
   """(name, the object now under it) for each global `fn`'s code reads."""
   found = fn.__globals__
-  return tuple((n, _Same(found[n])) for n in sorted(_names(fn.__code__)) if n in found)
+  return tuple((n, _Same(found[n])) for n in _names(fn.__code__) if n in found)
 
 
 def fn_key(fn: Callable) -> Hashable:

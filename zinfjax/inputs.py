@@ -34,15 +34,15 @@ def shard_batch(engine, batch: Any) -> Any:
 
   leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
   arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in leaves]
-  check_examples([jax.tree_util.keystr(path) or "batch" for path, _ in leaves], arrays)
+  check_examples([path for path, _ in leaves], arrays)
   return jax.tree.unflatten(treedef, [put(x) for x in arrays])
 
 
-def check_examples(names: list[str], arrays: list) -> None:
+def check_examples(paths: list, arrays: list) -> None:
   """Every batch leaf's leading axis counts the same examples: a clear error where not (the
   split would pair one device's inputs with another's targets, or fail in a reshape)."""
-  sizes = {n: x.shape[0] for n, x in zip(names, arrays) if x.ndim}
-  if len(set(sizes.values())) > 1:
-    listed = ", ".join(f"{n} has {k}" for n, k in sizes.items())
+  if len({x.shape[0] for x in arrays if x.ndim}) > 1:
+    listed = ", ".join(f"{jax.tree_util.keystr(p) or 'batch'} has {x.shape[0]}"
+                       for p, x in zip(paths, arrays) if x.ndim)
     raise ValueError(f"the batch's leaves hold different numbers of examples on their leading "
                      f"axis ({listed}); every leaf's first axis must count the same examples.")

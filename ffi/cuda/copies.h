@@ -268,12 +268,13 @@ class CopyLane {
     Slot* slot = nullptr;
     cudaError_t err = reads_ring_.Acquire(stream_, span, &slot);
     if (err != cudaSuccess || slot == nullptr) return err;
-    if (!in_place) {
+    if (in_place) {
+      for (size_t i = 0; i < at.size() && err == cudaSuccess; ++i)
+        err = cudaMemcpyAsync(slot->data + at[i], read.base + read.at[i], bytes[i],
+                              cudaMemcpyHostToDevice, stream_);
+    } else {
       err = cudaMemcpyAsync(slot->data, read.base, span, cudaMemcpyHostToDevice, stream_);
     }
-    for (size_t i = 0; in_place && i < at.size() && err == cudaSuccess; ++i)
-      err = cudaMemcpyAsync(slot->data + at[i], read.base + read.at[i], bytes[i],
-                            cudaMemcpyHostToDevice, stream_);
     if (err == cudaSuccess) err = cudaEventRecord(slot->filled, stream_);
     if (err == cudaSuccess) err = ReturnAfter(stream_, r.store, std::move(r.read->buffer));
     if (err != cudaSuccess) return err;
@@ -315,11 +316,13 @@ inline cudaError_t CopyOut(CopyLane& lane, cudaStream_t stream, const std::vecto
                           cudaMemcpyDeviceToDevice, stream);
   if (err == cudaSuccess) err = cudaEventRecord(slot->filled, stream);
   if (err == cudaSuccess) err = cudaStreamWaitEvent(lane.stream(), slot->filled, 0);
-  if (err == cudaSuccess && !in_place)
+  if (in_place) {
+    for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i)
+      err = cudaMemcpyAsync(host + at[i], slot->data + staged[i], xs[i].bytes,
+                            cudaMemcpyDeviceToHost, lane.stream());
+  } else if (err == cudaSuccess) {
     err = cudaMemcpyAsync(host, slot->data, span, cudaMemcpyDeviceToHost, lane.stream());
-  for (size_t i = 0; in_place && i < xs.size() && err == cudaSuccess; ++i)
-    err = cudaMemcpyAsync(host + at[i], slot->data + staged[i], xs[i].bytes,
-                          cudaMemcpyDeviceToHost, lane.stream());
+  }
   if (err == cudaSuccess) err = cudaEventRecord(slot->drained, lane.stream());
   if (err == cudaSuccess) slot->draining = true;
   if (err == cudaSuccess) err = cudaLaunchHostFunc(lane.stream(), done, arg);
