@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zinfjax.globalmean import mean_divisor
+
 LOSS_CHUNK = 1024  # tokens per chunk at least: [1024, vocab] fp32 logits at a time
 LOSS_CHUNK_BYTES = 512 << 20  # a larger chunk while its fp32 logits take no more
 
@@ -69,9 +71,9 @@ def chunked_cross_entropy(x_NxD: jax.Array, weight: jax.Array,
 
 
 def scored(targets: jax.Array) -> jax.Array:
-  """How many targets count in the mean: those >= 0 (at least 1, so a batch of ignored targets
-  scores 0, not 0/0)."""
-  return jnp.maximum(jnp.sum(targets >= 0), 1).astype(jnp.float32)
+  """What the summed loss is divided by: the number of targets >= 0, those of the whole batch
+  in a zinfjax step (`zinfjax.globalmean`), at least 1 (ignored targets alone score 0)."""
+  return mean_divisor(jnp.sum(targets >= 0))
 
 
 def _chunk_sum(project, x, weight, t, v) -> jax.Array:
@@ -132,8 +134,8 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   """Mean next-token cross entropy of `batch["inputs"]` against `batch["targets"]`.
 
   A negative target (-100 in Hugging Face's labels: padding, a prompt's tokens)
-  is ignored: the mean is over the targets >= 0 (of each device's slice, as
-  the mean of each slice's loss is the step's loss). A target past the
+  is ignored: the mean is over the targets >= 0 of the whole batch, in a
+  zinfjax step as on one device (`zinfjax.globalmean`). A target past the
   vocabulary gives a NaN loss (a skipped step under `skip_nonfinite`), as does
   an input id outside it (`embedding.lookup`).
 

@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .fnkey import fn_key, warn_if_recompiled
+from .globalmean import over_ranks
 from .grads import LossFn, local_model, param_specs, with_anchors
 from .layers import micro_batches
 from .offload import swap
@@ -37,7 +38,7 @@ def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
   plan, mesh, axis = engine.plan, engine.mesh, engine.plan.axis
 
   def local(params, batch):
-    with micro_batches(engine.config.micro_batches):
+    with micro_batches(engine.config.micro_batches), over_ranks(axis, plan.dp):
       return lax.psum(loss_fn(local_model(engine, params), batch), axis) / plan.dp
 
   if needs_order(mesh, engine.config.ordered_collectives):

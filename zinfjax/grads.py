@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import gather as G
 from . import residuals as R
+from .globalmean import over_ranks
 from .layers import micro_batches
 from .offload import tiers
 from .partition import is_layout
@@ -122,7 +123,7 @@ def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any):
     merged = list(flat)
     for i, p in zip(trained, parts):
       merged[i] = p
-    with micro_batches(engine.config.micro_batches):  # the stacks of stages 1 and 2
+    with micro_batches(engine.config.micro_batches), over_ranks(axis, dp):  # (stages 1, 2)
       return loss_fn(local_model(engine, plan.unflatten(merged)), batch) / dp
 
   loss, got = jax.value_and_grad(loss_of)([flat[i] for i in trained])
@@ -156,7 +157,8 @@ def forward_order(engine, loss_fn: LossFn, params: Any, batch: Any) -> list[int]
     return list(range(len(plan.stacks)))
 
   def local(p, b):
-    return loss_fn(local_model(engine, p, lambda i: calls.append(i)), b)
+    with over_ranks(plan.axis, plan.dp):
+      return loss_fn(local_model(engine, p, lambda i: calls.append(i)), b)
 
   fn = jax.shard_map(local, mesh=plan.mesh, in_specs=(param_specs(plan), P(plan.axis)),
                      out_specs=P(), check_vma=False)
