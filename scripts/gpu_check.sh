@@ -54,6 +54,7 @@ set -Eeuo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUT [STAGES] [--dry-run]}
 STAGES=${2:-env,build,gpu-tests,bench,cpu-suite}
 DRY=0
+TINY=(--tiny --tokens 64 --nvme-tokens 64)  # a dry run's benchmark rows: one small token count
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
   STAGES=env,gpu-tests,speed,bench,ckpt,largest,profile,peer,copy-stream,cpu-confirm
@@ -143,7 +144,7 @@ stage_gpu_tests() {
 stage_speed() {
   # the shape for the MFU target: hidden 2048, seq 2048 (--tiny shrinks both)
   local sizes=(--tokens 16384,65536 --seq-len 2048)
-  if [[ $DRY == 1 ]]; then sizes=(--tiny); fi
+  if [[ $DRY == 1 ]]; then sizes=("${TINY[@]}"); fi
   run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
     --sections matmul,copies.memory_kinds,host,steps \
     --placements device,stream,pipeline,pipeline-under "${sizes[@]}"
@@ -152,7 +153,7 @@ stage_speed() {
 
 stage_bench() {
   if [[ $DRY == 1 ]]; then
-    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --isolate 200 --tiny
+    run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --isolate 200 "${TINY[@]}"
   else
     run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --isolate 200
   fi
@@ -162,7 +163,7 @@ stage_bench() {
 stage_copy_stream() {
   local mode sizes placements=${COPY_PLACEMENTS:-device,pipeline-under}
   for mode in 0 1; do
-    if [[ $DRY == 1 ]]; then sizes=(--tiny --nvme-tokens 64); else sizes=(--tokens 16384); fi
+    if [[ $DRY == 1 ]]; then sizes=("${TINY[@]}"); else sizes=(--tokens 16384); fi
     ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py --isolate 200 \
       --out "$OUT/copy_stream_$mode" --sections steps --placements "$placements" "${sizes[@]}"
   done
@@ -224,7 +225,7 @@ stage_peer() {
   fi
   if [[ $DRY == 1 ]]; then
     placements=${PEER_PLACEMENTS:-device,cpu}
-    ours_size=(--tiny) peer_size=(--dry-run)
+    ours_size=("${TINY[@]}") peer_size=(--dry-run)
   else
     placements=${PEER_PLACEMENTS:-device,cpu,nvme}
     ours_size=(--tokens 16384 --nvme-tokens 16384) peer_size=(--tokens 16384)

@@ -57,7 +57,8 @@ def main() -> int:
                  help="SIGKILL this process as soon as the last --save-at save returns")
   p.add_argument("--out", default=None)
   args = p.parse_args()
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax
   import numpy as np

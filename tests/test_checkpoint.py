@@ -19,7 +19,7 @@ from zinfjax.checkpoint.lock import NAME as LOCK
 from zinfjax.models import lm_loss
 
 import resume_worker as W
-from helpers import REPO
+from helpers import REPO, script_env
 
 WORKER = os.path.join(REPO, "tests", "resume_worker.py")
 # (params tier, optimizer tier, precision): bf16 where the compute params are a cast of the master
@@ -31,7 +31,7 @@ SAVE_AT = 5
 
 def worker(*args, timeout=300):
   out = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                       timeout=timeout, env=script_env())
   return out
 
 

@@ -7,11 +7,11 @@ import sys
 
 import numpy as np
 
-from helpers import DATA, REPO
+from helpers import DATA, REPO, script_env
 
 SCRIPT = os.path.join(REPO, "scripts", "train_gpt.py")
 LLAMA = os.path.join(REPO, "tests", "data", "hf", "llama")
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = script_env()
 
 
 def _run(args, ok=True):

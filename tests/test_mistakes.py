@@ -26,13 +26,13 @@ from zinfjax.checkpoint.leaves import Leaf
 from zinfjax.engine import StoreReplacedWarning
 from zinfjax.models import GPT, get_config, hf, lm_loss
 
-from helpers import REPO, load_script, random_batches
+from helpers import REPO, load_script, random_batches, script_env
 
 TIERS = ("device", "pinned_host", "nvme")
 TINY = get_config("tiny", num_layers=2, hidden=32, num_heads=2, seq_len=16, vocab_size=64)
 BATCHES = random_batches(3, batch=8, seq=16, vocab=64, seed=5)
 SCRIPT = os.path.join(REPO, "scripts", "train_gpt.py")
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the script picks devices
+ENV = script_env()  # the script picks devices
 
 
 def factory(rngs):

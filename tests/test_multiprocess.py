@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, script_env
 
 SCRIPTS = os.path.join(REPO, "scripts")
 STEPS = 9
@@ -19,7 +19,7 @@ STEPS = 9
 COMMON = ["--preset", "tiny", "--steps", str(STEPS), "--schedule-steps", str(STEPS), "--precision",
           "fp32", "--batch-size", "16", "--seq-len", "32", "--log-every", "3", "--offload-param",
           "nvme", "--offload-optimizer", "nvme"]
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = script_env()
 
 
 def losses(path):

@@ -9,12 +9,12 @@ import tarfile
 import numpy as np
 import pytest
 
-from helpers import REPO, load_script
+from helpers import REPO, load_script, script_env
 
 SCRIPTS = os.path.join(REPO, "scripts")
 
 
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the scripts pick devices
+ENV = script_env()  # the scripts pick devices
 
 
 def run(args, timeout=600):
