@@ -123,7 +123,8 @@ def local_loss_and_grads(engine, loss_fn: LossFn, params: Any, batch: Any):
     merged = list(flat)
     for i, p in zip(trained, parts):
       merged[i] = p
-    with micro_batches(engine.config.micro_batches), over_ranks(axis, dp):  # (stages 1, 2)
+    # micro_batches: the stacks of stages 1 and 2; over_ranks: the whole batch's means
+    with micro_batches(engine.config.micro_batches), over_ranks(axis, dp):
       return loss_fn(local_model(engine, plan.unflatten(merged)), batch) / dp
 
   loss, got = jax.value_and_grad(loss_of)([flat[i] for i in trained])
