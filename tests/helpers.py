@@ -15,11 +15,11 @@ DATA = os.path.join(REPO, "data", "tinyshakespeare.txt")
 SCRIPTS = os.path.join(REPO, "scripts")
 
 
-def script_env(**extra: str) -> dict[str, str]:
+def script_env() -> dict[str, str]:
   """The environment for a script run as a subprocess: this one's, less the host device count
   (the scripts pick their devices), keeping conftest's other XLA flags and compilation cache."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-  return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
+  return {**os.environ, "XLA_FLAGS": " ".join(flags)}
 
 
 def load_script(name: str):

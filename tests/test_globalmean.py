@@ -16,6 +16,10 @@ TINY = get_config("tiny")
 STEPS = 3
 
 
+def make(rngs):
+  return GPT(TINY, rngs=rngs)
+
+
 def make_tx():
   """Plain SGD: the update is the grad, so the params' change compares the grads (Adam would
   blow a 1e-7 difference in a near-zero grad up to the step size)."""
@@ -41,10 +45,14 @@ def batches():
   return masked(text_batches(STEPS, batch=16, seq=32, seed=3))
 
 
+@pytest.fixture(scope="module")
+def reference(batches):
+  return reference_losses(make, make_tx(), lm_loss, batches)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
-def test_unevenly_ignored_targets_train_as_on_one_device(stage, mesh, batches):
-  make = lambda r: GPT(TINY, rngs=r)
-  want_losses, want = reference_losses(make, make_tx(), lm_loss, batches)
+def test_unevenly_ignored_targets_train_as_on_one_device(stage, mesh, batches, reference):
+  want_losses, want = reference
   losses, state = zero_training(make, make_tx(), zinfjax.ZeroConfig(stage=stage, precision="fp32"),
                                 mesh, batches, lm_loss)
   # a mean of the ranks' means would be off by far more (the full device weighs 1/8, not ~3/4)
@@ -57,7 +65,6 @@ def test_unevenly_ignored_targets_train_as_on_one_device(stage, mesh, batches):
 
 
 def test_eval_loss_is_the_whole_batch_mean(mesh, batches):
-  make = lambda r: GPT(TINY, rngs=r)
   state = zinfjax.init(make, make_tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
   model = make(nnx.Rngs(jax.random.key(0)))  # init's params (seed 0)
   for b in batches:
