@@ -137,12 +137,17 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   is ignored: the mean is over the targets >= 0 of the whole batch, in a
   zinfjax step as on one device (`zinfjax.globalmean`). A target past the
   vocabulary gives a NaN loss (a skipped step under `skip_nonfinite`), as does
-  an input id outside it (`embedding.lookup`).
+  an input id outside it (`embedding.lookup`). Targets of another shape than the
+  inputs are refused.
 
   A model with `features(tokens) -> [B, T, D]` and `head() -> (weight, project)`
   (GPT, Llama) is scored in chunks (`chunked_cross_entropy`); any other model
   through its full logits."""
   inputs, targets = batch["inputs"], batch["targets"]
+  if targets.shape != inputs.shape:
+    raise ValueError(f"lm_loss: targets of shape {targets.shape} for inputs of shape "
+                     f"{inputs.shape}: each input token needs its next token as its target (-100 "
+                     "to ignore it), so the two must have one shape.")
   if hasattr(model, "features") and hasattr(model, "head"):
     x_BxTxD = model.features(inputs)
     weight, project = model.head()

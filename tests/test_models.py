@@ -201,7 +201,8 @@ def test_negative_targets_are_ignored_and_bad_ids_give_nan(model, chunk):
   """Targets < 0 (-100 in Hugging Face's labels) drop out of the mean: the loss and its grads
   equal optax's cross entropy averaged over the other targets (chunked and full-logits paths).
   A target past the vocabulary, or an input id outside it (negative too, which `jnp.take`
-  would count from the end), gives NaN instead of a loss on another token."""
+  would count from the end), gives NaN instead of a loss on another token. Targets of another
+  shape than the inputs are refused by name."""
   import optax
   from zinfjax.models import lm_loss
   net = GPT(get_config("tiny", num_layers=2), rngs=nnx.Rngs(4))
@@ -229,6 +230,8 @@ def test_negative_targets_are_ignored_and_bad_ids_give_nan(model, chunk):
               {**batch, "inputs": tokens.at[1, 2].set(vocab)}):
     assert np.isnan(float(scored(params, bad)))
   assert float(scored(params, {**batch, "targets": jnp.full_like(targets, -100)})) == 0.0
+  with pytest.raises(ValueError, match=r"targets of shape \(3, 12\) for inputs of shape \(3, 13\)"):
+    scored(params, {**batch, "targets": batch["targets"][:, 1:]})
 
 
 class _Logits:

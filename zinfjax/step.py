@@ -21,12 +21,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .fnkey import fn_key, warn_if_recompiled
 from .grads import LossFn, local_loss_and_grads, param_specs, sum_squares, with_anchors
 from .inputs import shard_batch
+from .losscheck import check_loss
 from .offload import swap
 from .ordering import needs_order, ordered_collectives
 from .runner import PipelineRunner, all_or_nothing, run_program
 from .schedule import Timeline, timeline
 from .state import TrainState, gather_params
-from .unused import check_reads_params
 from .update import adamw_update, optax_update, place_params
 
 Step = Callable[[TrainState, Any], tuple[TrainState, dict]]
@@ -38,7 +38,7 @@ def train_program(engine, loss_fn: LossFn, moves: Timeline, state: TrainState, b
   arrays, the new params on their tiers. Returns (new state, metrics, grads the host
   pipeline reads, or None)."""
   plan, axis = engine.plan, engine.plan.axis
-  check_reads_params(engine, loss_fn, batch)  # at trace time: before the step compiles or runs
+  check_loss(engine, loss_fn, batch)  # at trace time: before the step compiles or runs
 
   def local(p, b):
     loss, grads = local_loss_and_grads(engine, loss_fn, p, b)
