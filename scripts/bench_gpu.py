@@ -51,6 +51,9 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
                "params + optimizer on pinned_host, host pipeline"),
               ("pipeline-under", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline under backward"),
+              ("pipeline-delayed-all", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, host pipeline beside the step, every update "
+               "one step late"),
               # after the pipeline rows: a row XLA:GPU has yet to compile runs last at its tokens
               ("stream", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, update streamed through the device a layer at a time"),
@@ -261,6 +264,12 @@ def peaks(jax) -> dict:
           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10}
 
 
+def delay_of(name: str) -> str:
+  """The `ZeroConfig.delay_update` of the step row called `name`."""
+  return "all" if "every update one step late" in name else (
+      "tail" if "delayed tail" in name else "none")
+
+
 def host_optimizer_of(name: str) -> str:
   """The `ZeroConfig.host_optimizer` of the step row called `name`."""
   if "host pipeline" in name:
@@ -352,7 +361,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
                                 # unless the steps are all or nothing (rolled back when skipped)
                                 skip_nonfinite="under backward" not in name or atomic,
                                 host_atomic_steps=atomic,
-                                delay_tail_update="delayed tail" in name,
+                                delay_update=delay_of(name),
                                 nvme_atomic_steps="rewritten in place" not in name,
                                 nvme_path=os.path.join(root, f"steps-{tokens}-{param}")
                                 if "nvme" in (param, optimizer) else None)

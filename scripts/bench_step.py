@@ -84,11 +84,11 @@ def main(argv=None) -> int:
         f"{jax.devices()[0].platform} devices, swap store under {root}")
 
   def timed_steps(param, optimizer, tag, host_optimizer="xla", skip_nonfinite=True, atomic=False,
-                  delay=False, nvme_atomic=True):
+                  delay="none", nvme_atomic=True):
     zero = zinfjax.ZeroConfig(precision=args.precision, offload_param=param,
                               offload_optimizer=optimizer, pinned_budget=args.pinned_budget << 20,
                               host_optimizer=host_optimizer, skip_nonfinite=skip_nonfinite,
-                              host_atomic_steps=atomic, delay_tail_update=delay,
+                              host_atomic_steps=atomic, delay_update=delay,
                               nvme_atomic_steps=nvme_atomic,
                               nvme_path=os.path.join(root, tag)
                               if any("nvme" in t for t in (param, optimizer)) else None)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
   # the leaves outside the stacks updated one step late, during the next step's forward
   results["params + optimizer on pinned_host, host pipeline under backward, delayed tail"], \
       state, _ = timed_steps("pinned_host", "pinned_host", "pinned", "pipeline",
-                             skip_nonfinite=False, delay=True)
+                             skip_nonfinite=False, delay="tail")
   state.close()
   del state
   # all-or-nothing steps in RAM: under backward with skip_nonfinite kept (copies, not in place)

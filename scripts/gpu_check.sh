@@ -145,9 +145,9 @@ stage_speed() {
   # the shape for the MFU target: hidden 2048, seq 2048 (--tiny shrinks both)
   local sizes=(--tokens 16384,65536 --seq-len 2048)
   if [[ $DRY == 1 ]]; then sizes=("${TINY[@]}"); fi
-  run speed.log 330 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
+  run speed.log 390 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
     --sections matmul,copies.memory_kinds,host,steps \
-    --placements device,stream,pipeline,pipeline-under "${sizes[@]}"
+    --placements device,stream,pipeline,pipeline-under,pipeline-delayed-all "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
 }
 

@@ -86,9 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--host-atomic-steps", action="store_true",
                  help="with --host-optimizer pipeline: all-or-nothing steps in the RAM store (twice "
                       "its RAM), so the update runs under backward with clipping and skips too")
-  p.add_argument("--delay-tail-update", action="store_true",
-                 help="the host pipeline updates the leaves outside the stacks (embedding, final "
-                      "norm) one step late, during the next step's forward (delay_tail_update)")
+  p.add_argument("--delay-update", choices=("none", "tail", "all"), default="none",
+                 help="updates the host pipeline makes one step late, beside the next step's "
+                      "program: 'tail', the leaves outside the stacks (embedding, final norm); "
+                      "'all', every one (ZeroConfig.delay_update)")
   p.add_argument("--nvme-io-threads", type=int, default=4,
                  help="shards the swap store moves at once (the drive's queue depth)")
   p.add_argument("--offload-activations", action="store_true",
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
         pinned_budget=args.pinned_budget << 20, nvme_prefetch_depth=args.nvme_prefetch_depth,
         nvme_io_threads=args.nvme_io_threads, nvme_atomic_steps=not args.no_atomic_steps,
         host_optimizer=args.host_optimizer, host_atomic_steps=args.host_atomic_steps,
-        delay_tail_update=args.delay_tail_update,
+        delay_update=args.delay_update,
         offload_activations=args.offload_activations, micro_batches=args.micro_batches,
         ordered_collectives={"auto": None, "ordered": True, "unordered": False}[args.collectives],
         trainable=nnx.LoRAParam if args.lora_rank else None, offload=args.offload,

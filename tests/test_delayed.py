@@ -1,6 +1,7 @@
-"""ZeroConfig.delay_tail_update: the leaves outside the stacks (here wte, wpe, ln_f) are updated
-one step late by the host pipeline, with their own step's count and clipping. Checked against a
-plain single-device reference that applies each step's grads of those leaves one step later."""
+"""ZeroConfig.delay_update: "tail", the leaves outside the stacks (here wte, wpe, ln_f), or "all",
+every leaf, updated one step late by the host pipeline, with their own step's count and
+clipping. Checked against a plain single-device reference that applies each step's grads of
+those leaves one step later."""
 
 import jax
 import jax.numpy as jnp
@@ -28,25 +29,32 @@ def batches():
   return text_batches(STEPS, batch=16, seq=32, seed=7)
 
 
-def delayed_reference(batches, clip):
-  """Losses and final params of plain AdamW on one device where the grads of the leaves
-  outside `blocks` reach their update one step late (each clipped by its own step's norm)."""
+def reference_grads(loss_fn, clip):
+  """The model's initial params (a pure dict), and a jitted `grads(params, batch) -> (loss,
+  grads clipped to `clip` by their global norm, whether that norm is finite)` on one device."""
   graphdef, state = nnx.split(factory(nnx.Rngs(jax.random.key(0))))
-  params = nnx.to_pure_dict(state)
-  adam = optax.adamw(LR, weight_decay=DECAY)
-  split = lambda p: ({"blocks": p["blocks"]}, {k: v for k, v in p.items() if k != "blocks"})
 
   @jax.jit
   def grads(p, batch):
     def loss(p):
       s = jax.tree.map(lambda x: x, state)
       nnx.replace_by_pure_dict(s, p)
-      return lm_loss(nnx.merge(graphdef, s), batch)
+      return loss_fn(nnx.merge(graphdef, s), batch)
     value, g = jax.value_and_grad(loss)(p)
     norm = optax.tree.norm(g)
     if clip is not None:
       g = jax.tree.map(lambda x: jnp.where(norm < clip, x, x / norm * clip), g)
-    return value, g
+    return value, g, jnp.isfinite(norm)
+
+  return nnx.to_pure_dict(state), grads
+
+
+def delayed_reference(batches, clip):
+  """Losses and final params of plain AdamW on one device where the grads of the leaves
+  outside `blocks` reach their update one step late (each clipped by its own step's norm)."""
+  params, grads = reference_grads(lm_loss, clip)
+  adam = optax.adamw(LR, weight_decay=DECAY)
+  split = lambda p: ({"blocks": p["blocks"]}, {k: v for k, v in p.items() if k != "blocks"})
 
   def update(p, g, opt):
     u, opt = adam.update(g, opt, p)
@@ -55,7 +63,7 @@ def delayed_reference(batches, clip):
   stack, tail = split(params)
   opt_stack, opt_tail, held, losses = adam.init(stack), adam.init(tail), None, []
   for batch in batches:
-    value, g = grads({**stack, **tail}, batch)
+    value, g, _ = grads({**stack, **tail}, batch)
     losses.append(float(value))
     stack, opt_stack = update(stack, split(g)[0], opt_stack)
     if held is not None:
@@ -85,7 +93,7 @@ def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip,
   if any("nvme" in tier for tier in (param, optimizer)):
     extra = dict(extra, nvme_path=str(tmp_path / "swap"))
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
-                            delay_tail_update=True, **extra)
+                            delay_update="tail", **extra)
   tx = zinfjax.optim.adamw(LR, weight_decay=DECAY, max_grad_norm=clip)
   losses, state = zero_training(factory, tx, zero, mesh, batches, lm_loss)
   pipeline = state.engine.pipeline
@@ -108,20 +116,21 @@ def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip,
   assert ("nvme_grad_waits" in metrics) == (param != "device")
   state.close()
   # without the delay the same run differs from the second step on
-  plain, state = zero_training(factory, tx, zero.replace(delay_tail_update=False), mesh,
+  plain, state = zero_training(factory, tx, zero.replace(delay_update="none"), mesh,
                                batches[:3], lm_loss)
   state.close()
   assert plain[0] == pytest.approx(losses[0], rel=1e-6)
   assert abs(plain[2] - losses[2]) > 1e-5
 
 
-def test_delay_tail_update_needs_the_host_pipeline(mesh):
+def test_delay_update_needs_the_host_pipeline(mesh):
   tx = zinfjax.optim.adamw(LR)
-  with pytest.raises(ValueError, match="delay_tail_update.*offload_optimizer='nvme'"):
-    zinfjax.init(factory, tx, zinfjax.ZeroConfig(offload_optimizer="pinned_host",
-                                                 delay_tail_update=True), mesh)
-  with pytest.raises(ValueError, match="delay_tail_update must be True or False"):
-    zinfjax.ZeroConfig(delay_tail_update=1)
+  for delay in ("tail", "all"):
+    with pytest.raises(ValueError, match=f"delay_update='{delay}'.*offload_optimizer='nvme'"):
+      zinfjax.init(factory, tx, zinfjax.ZeroConfig(offload_optimizer="pinned_host",
+                                                   delay_update=delay), mesh)
+  with pytest.raises(ValueError, match="delay_update must be 'none', 'tail' or 'all'"):
+    zinfjax.ZeroConfig(delay_update=True)
 
 
 def scaled_loss(model, batch):
@@ -143,7 +152,7 @@ def test_a_skipped_step_keeps_the_held_grads(param, optimizer, extra, mesh, batc
     if "nvme" in (param, optimizer):
       extra = dict(extra, nvme_path=str(tmp_path / f"swap{with_nan}"))
     zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
-                              delay_tail_update=True, **extra)
+                              delay_update="tail", **extra)
     feed = good[:2] + [bad] + good[2:] if with_nan else good
     losses, state = zero_training(factory, tx, zero, mesh, feed, scaled_loss)
     runs.append((np.delete(losses, 2) if with_nan else losses, flat(state.full_params())))
@@ -162,14 +171,14 @@ def test_checkpoints_keep_the_held_grads(restore_as, mesh, batches, tmp_path):
   from zinfjax.checkpoint import Checkpointer
   tx = zinfjax.optim.adamw(LR, weight_decay=DECAY)
   nvme = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
-                            delay_tail_update=True, nvme_path=str(tmp_path / "a"))
+                            delay_update="tail", nvme_path=str(tmp_path / "a"))
   straight, _ = zero_training(factory, tx, nvme, mesh, batches, lm_loss)
   half, state = zero_training(factory, tx, nvme.replace(nvme_path=str(tmp_path / "b")), mesh,
                               batches[:3], lm_loss)
   again = {"nvme": nvme.replace(nvme_path=str(tmp_path / "c")),
            "pipeline": zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
                                           offload_optimizer="pinned_host",
-                                          host_optimizer="pipeline", delay_tail_update=True),
+                                          host_optimizer="pipeline", delay_update="tail"),
            "device": zinfjax.ZeroConfig(precision="fp32")}[restore_as]
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     ckpt.save(state)
@@ -210,7 +219,7 @@ def test_held_grads_restore_onto_another_device_count(mesh, batches, tmp_path):
   tx = zinfjax.optim.adamw(LR, weight_decay=DECAY)
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
                             offload_optimizer="pinned_host", host_optimizer="pipeline",
-                            delay_tail_update=True)
+                            delay_update="tail")
   _, state = zero_training(factory, tx, zero, mesh, batches[:2], lm_loss)
   saved = joined(state)
   with Checkpointer(tmp_path / "ckpt") as ckpt:

@@ -196,13 +196,16 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
     "all on device (compute alone)",
     "params + optimizer on pinned_host, update streamed through the device a layer at a time",
     "params + optimizer on pinned_host, host pipeline",
-    "params + optimizer on pinned_host, host pipeline under backward"}
+    "params + optimizer on pinned_host, host pipeline under backward",
+    "params + optimizer on pinned_host, host pipeline beside the step, every update one step late"}
   assert speed["host"]["pipeline_s"] > 0 and speed["host"]["adam_s"] > 0
   assert speed["host"]["call_ms_by_threads"] and all(
       ms > 0 for ms in speed["host"]["call_ms_by_threads"].values())
   for r in rows:
     base = next(b for b in rows if b["tokens"] == r["tokens"] and b["placement"].startswith("all"))
-    assert abs(r["loss"] - base["loss"]) < 1e-3 * base["loss"], (r, base)
+    # a row whose updates land one step late trains on other params from the second step on
+    late = 1e-2 if "one step late" in r["placement"] else 1e-3
+    assert abs(r["loss"] - base["loss"]) < late * base["loss"], (r, base)
     assert "phases" in r
     if "host pipeline" in r["placement"]:
       assert r["host_alone_s"] == speed["host"]["pipeline_s"] and r["vs_bound"] > 0

@@ -153,15 +153,22 @@ class ZeroConfig:
       update reads the old copy and writes the new, no copy made), so the update runs under backward
       with clipping and skip_nonfinite as well, rolled back and redone when the
       global norm turns out to need it.
-    delay_tail_update: the host pipeline (optimizer states on NVMe, or in
-      pinned host with host_optimizer="pipeline") updates the leaves that
-      backward reaches last, those outside the stacks (the embedding, the
-      final norm, an untied head), one step late: their grads are held and
+    delay_update: which updates the host pipeline (optimizer states on NVMe,
+      or in pinned host with host_optimizer="pipeline") makes one step late.
+      "tail": the leaves backward reaches last, those outside the stacks (the
+      embedding, the final norm, an untied head): their grads are held and
       applied (with their own step's count and clipping) while the next
       step's forward runs, so no step waits for their update after backward.
-      The trade: those params see each step's grads one step later (the
-      first step leaves them as they were; checkpoints keep the held grads,
-      and a run resumed with the delay applies them). Off by default.
+      "all": every part the pipeline updates (ZeRO-Offload's delayed
+      parameter update): the update with the grads held from the step before
+      runs on the host while the step's whole program runs, so the host's
+      AdamW hides behind forward and backward, with nothing speculative (the
+      held grads' norm is known, clipping and skip_nonfinite need no redo);
+      it holds a copy of those grads and of the new params in host RAM
+      between steps. The trade: those params see each step's grads one step
+      later (the first step leaves them as they were; checkpoints keep the
+      held grads, and a run resumed with the same delay applies them).
+      "none" (default): no delay.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they
@@ -194,7 +201,7 @@ class ZeroConfig:
   skip_nonfinite: bool = True
   host_optimizer: str = "xla"
   host_atomic_steps: bool = False
-  delay_tail_update: bool = False
+  delay_update: str = "none"
 
   def __post_init__(self):
     if self.stage not in (1, 2, 3):
@@ -285,9 +292,9 @@ class ZeroConfig:
     if not isinstance(self.host_atomic_steps, bool):
       raise ValueError(f"ZeroConfig.host_atomic_steps must be True or False, got "
                        f"{self.host_atomic_steps!r}.")
-    if not isinstance(self.delay_tail_update, bool):
-      raise ValueError(f"ZeroConfig.delay_tail_update must be True or False, got "
-                       f"{self.delay_tail_update!r}.")
+    if self.delay_update not in ("none", "tail", "all"):
+      raise ValueError(f"ZeroConfig.delay_update must be 'none', 'tail' or 'all', got "
+                       f"{self.delay_update!r}.")
     if not isinstance(self.nvme_atomic_steps, bool):
       raise ValueError("ZeroConfig.nvme_atomic_steps must be True or False, got "
                        f"{self.nvme_atomic_steps!r}.")

@@ -246,12 +246,12 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
       raise
     raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
                      f") to fit the budgets: {e}") from None
-  if config.delay_tail_update and not plan.optimizer_in_store:
+  if config.delay_update != "none" and not plan.optimizer_in_store:
     raise ValueError(
-        "ZeroConfig.delay_tail_update delays the host pipeline's update of the leaves outside the "
-        "stacks, but no optimizer state is in the host pipeline: place the optimizer on NVMe "
+        f"ZeroConfig.delay_update={config.delay_update!r} delays updates of the host pipeline, but "
+        "no optimizer state is in the host pipeline: place the optimizer on NVMe "
         "(offload_optimizer='nvme') or in pinned host with host_optimizer='pipeline', or leave "
-        "delay_tail_update off.")
+        "delay_update='none'.")
   decays = ()
   if hyper is not None:
     shapes = plan.unflatten([jax.ShapeDtypeStruct(l.layout.storage_shape, jnp.float32)
@@ -310,7 +310,7 @@ def with_store(engine: Engine) -> Engine:
     try:
       pipeline = NvmePipeline(store, plan, engine.hyper, engine.decays,
                               budget=config.pinned_budget - config.pinned_budget // 4,
-                              delay_tail=config.delay_tail_update)
+                              delay=config.delay_update)
     except BaseException:
       store.close()
       raise

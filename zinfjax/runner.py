@@ -80,7 +80,10 @@ class PipelineRunner:
     # finite): a step whose global norm turns out to need clipping is rolled back and redone,
     # one with a non-finite norm rolled back (skipped); all-or-nothing steps make both possible
     atomic = engine.config.nvme_atomic_steps
-    self.under_backward = pipeline.grads_on_store and (
+    # with every update one step late, the held update runs beside the whole program and
+    # nothing of this step's grads is applied in it: nothing is speculative
+    self.delayed = pipeline.delay == "all"
+    self.under_backward = self.delayed or pipeline.grads_on_store and (
         atomic or (self.clip is None and not self.skip))
     self.ordered = False
     # the previous step's global norm: when it needed clipping, this one likely does too, and
@@ -147,7 +150,7 @@ class PipelineRunner:
                                              ended.append(time.perf_counter())), daemon=True)
     watch.start()
     predicted = clip is not None and self.last_norm is not None and not self.last_norm < clip
-    if clip is None:
+    if clip is None or self.delayed:
       guess = None
     elif predicted:  # the exact norm, once the program has it: nothing to redo
       guess = lambda: float(running[1]["grad_norm"])
@@ -167,7 +170,9 @@ class PipelineRunner:
     skipped = self.skip and not math.isfinite(norm)
     # clipping was needed but not applied
     redo = clip is not None and not predicted and not skipped and not norm < clip
-    if skipped or redo:  # back to the states before the update
+    if self.delayed:  # the held update stands; this step's grads are held, or dropped if skipped
+      redo = False
+    elif skipped or redo:  # back to the states before the update
       engine.store.rollback()
       engine.store.begin(VERSIONED)
       outs = pipeline.step(count, grad_of, None, norm) if redo else {}  # again, with clipping

@@ -1,12 +1,14 @@
-"""The grads `delay_tail_update` holds between steps, in a checkpoint.
+"""The grads `ZeroConfig.delay_update` holds between steps, in a checkpoint.
 
-Under `ZeroConfig.delay_tail_update` the grads of the leaves outside the
-stacks wait one step for their update. A checkpoint saves them as leaves
-`held/{leaf}` (whole, in their logical shape, like the master params) with
-the count and global norm of the step that made them in its metadata, so a
-run resumed from it (on any split or device count) applies them at its first
-step, as the run that saved it would have. A run without the delay, or whose
-tail holds other leaves, ignores them.
+Under `delay_update="tail"` the grads of the leaves outside the stacks wait
+one step for their update; under "all", those of every part the host pipeline
+updates. A checkpoint saves them as leaves `held/{leaf}` (whole, in their
+logical shape, like the master params; a stacked leaf's layers that are not
+delayed as zeros) with the count and global norm of the step that made them,
+and the layers held per leaf, in its metadata, so a run resumed from it (on
+any split or device count) applies them at its first step, as the run that
+saved it would have. A run without the delay, or which delays other layers,
+ignores them.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from .leaves import Leaf, Source
 PREFIX = "held/"
 
 
-def _tail(engine) -> list:
-  """The plan leaves of the pipeline's delayed sub-groups (none without the delay)."""
+def _delayed(engine) -> dict[int, list[int]]:
+  """The layers of each plan leaf the pipeline updates one step late (none without a delay)."""
   pipeline = engine.pipeline
   if pipeline is None or not pipeline.tail:
-    return []
-  indices = sorted({p.leaf for u in pipeline.tail for p in u.parts})
-  return [engine.plan.leaves[i] for i in indices]
+    return {}
+  out: dict[int, set[int]] = {}
+  for p in (p for u in pipeline.tail for p in u.parts):
+    out.setdefault(p.leaf, set()).add(p.layer)
+  return {i: sorted(out[i]) for i in sorted(out)}
 
 
 def _leaf(engine, leaf, make) -> Leaf:
@@ -42,37 +46,57 @@ def _leaf(engine, leaf, make) -> Leaf:
               leaf)
 
 
+def _shard(held, leaf, rank: int, layers: list[int]) -> np.ndarray:
+  """One rank's held grads of `leaf` (all its layers, those not held as zeros)."""
+  if not leaf.stacked:
+    return held.grads[(leaf.index, rank, 0)]
+  first = held.grads[(leaf.index, rank, layers[0])]
+  out = np.zeros((leaf.num_layers,) + first.shape, first.dtype)
+  for l in layers:
+    out[l] = held.grads[(leaf.index, rank, l)]
+  return out
+
+
 def held_leaves(state) -> tuple[list[Leaf], dict | None]:
-  """The leaves of the grads `state`'s pipeline holds, and their metadata (count and norm);
-  `([], None)` when it holds none."""
+  """The leaves of the grads `state`'s pipeline holds, and their metadata (count, norm and the
+  layers held per leaf); `([], None)` when it holds none."""
   engine = state.engine
   held = engine.pipeline.held if engine.pipeline is not None else None
   if held is None:
     return [], None
-  ranks = engine.plan.ranks
-  out = [_leaf(engine, leaf, lambda shape, _, sharding, i=leaf.index: from_host_shards(
-      {r: held.grads[(i, r, 0)] for r in ranks}, sharding, shape)) for leaf in _tail(engine)]
-  return out, {"count": held.count, "norm": held.norm}
+  ranks, leaves = engine.plan.ranks, engine.plan.leaves
+  delayed = _delayed(engine)
+  out = [_leaf(engine, leaves[i], lambda shape, _, sharding, leaf=leaves[i], layers=layers:
+                 from_host_shards({r: _shard(held, leaf, r, layers) for r in ranks}, sharding,
+                                  shape))
+         for i, layers in delayed.items()]
+  return out, {"count": held.count, "norm": held.norm,
+               "layers": {leaves[i].name: layers for i, layers in delayed.items()}}
 
 
 def held_targets(engine, meta: dict) -> list[Leaf]:
   """Restore targets for the held grads a checkpoint (`meta`) saved, where this run delays the
-  same leaves' updates (else none: they are not restored)."""
-  tail = _tail(engine)
-  saved = {k for k in meta["leaves"] if k.startswith(PREFIX)}
-  if not tail or meta.get("held") is None or saved != {PREFIX + l.name for l in tail}:
+  same layers' updates (else none: they are not restored)."""
+  delayed, leaves = _delayed(engine), engine.plan.leaves
+  layers = {leaves[i].name: l for i, l in delayed.items()}
+  saved = meta.get("held")
+  stored = {k for k in meta["leaves"] if k.startswith(PREFIX)}
+  if (not delayed or saved is None or saved.get("layers") != layers
+      or stored != {PREFIX + n for n in layers}):
     return []
   target = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-  return [_leaf(engine, leaf, target) for leaf in tail]
+  return [_leaf(engine, leaves[i], target) for i in delayed]
 
 
 def restore_held(engine, restored: dict[str, Any], targets: list[Leaf], meta: dict) -> None:
   """Hand the restored held grads to the engine's pipeline (for its first step)."""
   if not targets:
     return
-  grads = {}
+  delayed, grads = _delayed(engine), {}
   for target in targets:
     leaf = target.plan
     for rank, shard in host_shards(restored[f"{target.name}#0"], engine.plan.mesh).items():
-      grads[(leaf.index, rank, 0)] = np.ascontiguousarray(shard)
+      for l in delayed[leaf.index]:
+        part = shard[l] if leaf.stacked else shard
+        grads[(leaf.index, rank, l)] = np.ascontiguousarray(part)
   engine.pipeline.held = Held(grads, int(meta["held"]["count"]), meta["held"]["norm"])

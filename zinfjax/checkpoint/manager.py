@@ -122,7 +122,7 @@ class Checkpointer:
     if step in self.all_steps():
       return False
     engine = state.engine
-    held, held_meta = held_leaves(state)  # delay_tail_update's grads, waiting for their update
+    held, held_meta = held_leaves(state)  # delay_update's held grads, waiting for their update
     leaves = state_leaves(state) + held
     meta = {"format": FORMAT, "step": step, "held": held_meta,
             "leaves": {l.name: {"shape": list(l.shape), "dtype": np.dtype(l.dtype).name}

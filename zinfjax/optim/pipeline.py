@@ -9,11 +9,13 @@ update of a layer runs while backward is still on the layers below it. Where
 a part's grads or compute params live (the store, or an array on another
 tier) is the plan's to say, per layer.
 
-With `delay_tail`, the parts backward reaches last (the leaves outside the
+With `delay="tail"`, the parts backward reaches last (the leaves outside the
 stacks: the embedding, the final norm, an untied head) are updated one step
 late: their grads are held, and the next step updates them with those while
 its forward runs, instead of the step waiting for their update after
-backward. Their new params reach their tier after that step's program.
+backward. Their new params reach their tier after that step's program. With
+`delay="all"` every part is: the whole update runs while the next step's
+program does (ZeRO-Offload's delayed parameter update).
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
 
 
+# what one step's streams report (`StreamAdam.last_step`), summed over them
+STATS = ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written")
+
+
 @dataclasses.dataclass
 class Held:
-  """The tail parts' grads of one step, for the update one step later."""
+  """The delayed parts' grads of one step, for the update one step later."""
 
   grads: dict[PartKey, np.ndarray]
   count: int                # the optimizer count of the step that made them
@@ -49,16 +55,16 @@ class NvmePipeline(StreamAdam):
     plan: the placement plan (segments, keys, shapes).
     hyper, decays: AdamW hyperparameters and per-leaf weight decay.
     budget: bytes the rotating buffers may take.
-    delay_tail: update the parts backward reaches last one step late (see above).
+    delay: "tail" or "all": which parts are updated one step late (see above); "none".
   """
 
   def __init__(self, store: AioStore, plan: Plan, hyper: AdamHyper, decays: Sequence[float], *,
-               budget: int, threads: int = 0, delay_tail: bool = False):
+               budget: int, threads: int = 0, delay: str = "none"):
     super().__init__(store, hyper.constants, plan.dtype("params"), plan.dtype("grads"), threads,
                      hyper.moment_dtype)
     self.plan, self.hyper, self.decays, self.budget = plan, hyper, list(decays), budget
     self.ranks = plan.ranks
-    self.delay_tail = delay_tail
+    self.delay = delay
     self.tail: list[Unit] = []  # the sub-groups updated one step late (first in `units`)
     self.held: Held | None = None  # the grads they wait with
     self._pending: Held | None = None  # this step's, held once the step stands
@@ -89,9 +95,9 @@ class NvmePipeline(StreamAdam):
                 for r in self.ranks for leaf, layer in mine]
       i = j
     layers = [l.num_layers if l.stacked else None for l in self.plan.leaves]
-    # the tail: what backward reaches after the last stacked layer
+    # "tail": what backward reaches after the last stacked layer; "all": everything
     last = max((k for k, (leaf, _) in enumerate(order) if leaf in stack_of), default=-1)
-    late = set(order[last + 1:]) if self.delay_tail else set()
+    late = {"none": set(), "tail": set(order[last + 1:]), "all": set(order)}[self.delay]
     self.tail = pack_units([p for p in parts if (p.leaf, p.layer) in late], layers)
     units = self.tail + pack_units([p for p in parts if (p.leaf, p.layer) not in late], layers)
     per_set = self.lay_out(units, self.budget, ("master", "mu", "nu", "grads", "params"))
@@ -140,7 +146,8 @@ class NvmePipeline(StreamAdam):
     store."""
     lr, bc1, bc2, step = self._hyper_at(count)
     clip = self.hyper.max_grad_norm
-    if clip is not None and grad_norm is None:
+    now = self.units[len(self.tail):]
+    if clip is not None and grad_norm is None and now:
       raise ValueError("this AdamW clips grads (max_grad_norm): pass the step's grad_norm.")
     known: list[float] = []
 
@@ -150,7 +157,6 @@ class NvmePipeline(StreamAdam):
       return known[0]
 
     held = self.held if self.tail else None
-    now = self.units[len(self.tail):]
     # new params in host arrays: those the store does not keep, and the tail's (written later)
     made = [p for u in now for p in u.parts if not self.on_store("params", p)]
     if held is not None:
@@ -158,17 +164,18 @@ class NvmePipeline(StreamAdam):
     outs: dict[PartKey, np.ndarray] = {
         p.id: np.empty(self.plan.leaves[p.leaf].local_shape, self.params_dtype) for p in made}
     out_of = lambda p: outs[p.id].reshape(-1)
-    stats = None
-    if held is not None:  # the tail, with the grads held from the step before
+    runs = []  # each stream's stats, summed for the step
+    if held is not None:  # the delayed parts, with the grads held from the step before
       h_lr, h_bc1, h_bc2, h_step = self._hyper_at(held.count)
       self.stream(h_lr, h_bc1, h_bc2, self.decays, lambda p: held.grads[p.id], out_of, None,
                   lambda: held.norm, clip, h_step, units=self.tail, held=True)
-      stats = self.last_step
-    self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
+      runs.append(self.last_step)
+    if now:
+      self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
+      runs.append(self.last_step)
     if self.tail:
       self._pending = Held(self._grads_of(self.tail, grad_of, gate), count)
-    if stats is not None:
-      self.last_step = {k: v + stats[k] for k, v in self.last_step.items()}
+    self.last_step = {k: sum(r.get(k, 0.0) for r in runs) for k in STATS}
     return outs
 
   def _hyper_at(self, count: int) -> tuple:
@@ -194,16 +201,20 @@ class NvmePipeline(StreamAdam):
     return out
 
   def advance(self, norm: float, skipped: bool) -> None:
-    """The step stands (after any redo): its tail grads (global norm `norm`) are held for the
-    next step; a skipped step's are dropped, and the grads held before it wait on."""
+    """The step stands (after any redo): its delayed parts' grads (global norm `norm`) are
+    held for the next step; a skipped step's are dropped. Under "tail" the grads held before a
+    skipped step wait on (it applied none of them, or was rolled back); under "all" that step
+    applied them, and they are spent."""
     pending, self._pending = self._pending, None
     if pending is not None and not skipped:
       pending.norm = norm
       self.held = pending
+    elif skipped and self.delay == "all":
+      self.held = None
 
   def write_held_params(self, outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
-    """The tail's new params whose tier is the store written there (once the step's program,
-    which read the old ones, is done); returns the rest of `outs`."""
+    """The delayed parts' new params whose tier is the store written there (once the step's
+    program, which read the old ones, is done); returns the rest of `outs`."""
     mine = [p for u in self.tail for p in u.parts if self.on_store("params", p) and p.id in outs]
     if mine:
       self.store.write_many([(self.key("params", p), outs.pop(p.id)) for p in mine]).wait()
