@@ -134,6 +134,26 @@ def test_host_pipeline_trains_like_all_device(param, gpu_mesh, batches, referenc
   state.close()
 
 
+@pytest.mark.parametrize("param", ["device", "pinned_host"])
+def test_delayed_update_trains_like_its_reference(param, gpu_mesh):
+  """delay_update="all" on the GPU: the held update runs on host threads beside the program (the
+  RAM store's mapping lent to the device), and training equals plain AdamW applying each step's
+  grads one step later (clipped by their own step's norm)."""
+  from test_delayed import DECAY, LR, STEPS as N, factory
+  from test_delayed_all import check_params, late_reference, scaled_loss
+  feed = [dict(b, scale=np.ones((16,), np.float32))
+          for b in text_batches(N, batch=16, seq=32, seed=11)]
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer="pinned_host",
+                            host_optimizer="pipeline", delay_update="all")
+  losses, state = zero_training(factory, zinfjax.optim.adamw(LR, weight_decay=DECAY,
+                                                             max_grad_norm=0.5),
+                                zero, gpu_mesh, feed, scaled_loss)
+  want_losses, want = late_reference(feed, 0.5)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  check_params(state, want)
+  state.close()
+
+
 @pytest.mark.parametrize("param,form", [("pinned_host", "carry"), ("pinned_host", "stack"),
                                         ("device", "carry")])
 def test_stream_update_trains_like_all_device(param, form, gpu_mesh, batches, reference,
