@@ -124,3 +124,22 @@ def test_checkpoints_keep_every_held_grad(mesh, batches, tmp_path):
     losses.append(float(metrics["loss"]))
   state.close()
   np.testing.assert_array_equal(np.concatenate([half, losses]), straight)
+
+
+def test_which_held_grads_a_run_restores(mesh):
+  """A run restores held grads saved for the layers it delays, and those of a checkpoint written
+  before the layers were recorded (the tail's whole leaves); none saved for other layers."""
+  from zinfjax.checkpoint.held import PREFIX, held_targets
+  tail = ["ln_f/bias", "ln_f/scale", "wpe/embedding", "wte/embedding"]
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="pinned_host",
+                            offload_optimizer="pinned_host", host_optimizer="pipeline")
+  engine = zinfjax.init(factory, zinfjax.optim.adamw(LR), zero.replace(delay_update="tail"),
+                        mesh).engine
+  leaves = {PREFIX + n: {} for n in tail}
+  older = {"held": {"count": 1, "norm": None}, "leaves": leaves}
+  assert sorted(t.plan.name for t in held_targets(engine, older)) == tail
+  now = {"held": {"count": 1, "norm": None, "layers": {n: [0] for n in tail}}, "leaves": leaves}
+  assert len(held_targets(engine, now)) == 4
+  every = zinfjax.init(factory, zinfjax.optim.adamw(LR), zero.replace(delay_update="all"),
+                       mesh).engine
+  assert held_targets(every, now) == [] and held_targets(every, older) == []

@@ -83,8 +83,8 @@ class PipelineRunner:
     # with every update one step late, the held update runs beside the whole program and
     # nothing of this step's grads is applied in it: nothing is speculative
     self.delayed = pipeline.delay == "all"
-    self.under_backward = self.delayed or pipeline.grads_on_store and (
-        atomic or (self.clip is None and not self.skip))
+    self.under_backward = self.delayed or (pipeline.grads_on_store and (
+        atomic or (self.clip is None and not self.skip)))
     self.ordered = False
     # the previous step's global norm: when it needed clipping, this one likely does too, and
     # the update under backward waits for the norm (its reads still go ahead) instead of

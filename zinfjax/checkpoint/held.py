@@ -80,9 +80,11 @@ def held_targets(engine, meta: dict) -> list[Leaf]:
   delayed, leaves = _delayed(engine), engine.plan.leaves
   layers = {leaves[i].name: l for i, l in delayed.items()}
   saved = meta.get("held")
-  stored = {k for k in meta["leaves"] if k.startswith(PREFIX)}
-  if (not delayed or saved is None or saved.get("layers") != layers
-      or stored != {PREFIX + n for n in layers}):
+  stored = {k[len(PREFIX):] for k in meta["leaves"] if k.startswith(PREFIX)}
+  if not delayed or saved is None:
+    return []
+  # a checkpoint from before the layers were recorded held the tail's whole (unstacked) leaves
+  if saved.get("layers", {n: [0] for n in stored}) != layers or stored != set(layers):
     return []
   target = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   return [_leaf(engine, leaves[i], target) for i in delayed]
