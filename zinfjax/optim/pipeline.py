@@ -185,19 +185,25 @@ class NvmePipeline(StreamAdam):
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
                 gate: "GradGate | None") -> dict[PartKey, np.ndarray]:
-    """Copies of the grads of `units`' parts: from the store (one read, once backward wrote
-    them all), or from `grad_of`."""
+    """Copies of the grads of `units`' parts: from the store (in the order backward writes
+    them, each run of written ones read at once while backward goes on), or from `grad_of`."""
     parts = [p for u in units for p in u.parts]
     out = {p.id: np.array(grad_of(p), self.grads_dtype)
            for p in parts if not self.on_store("grads", p)}
-    stored = [(self.key("grads", p), p) for p in parts if self.on_store("grads", p)]
-    for key, _ in stored:
+    tickets, ready = [], []
+    for p in (p for p in parts if self.on_store("grads", p)):
+      key = self.key("grads", p)
       if gate is not None and not gate.ready(key):
+        if ready:
+          tickets.append(self.store.read_many(ready))
+          ready = []
         gate.wait(key)
-    for _, p in stored:
       out[p.id] = np.empty(self.shape(p), self.grads_dtype)
-    if stored:
-      self.store.read_many([(key, out[p.id]) for key, p in stored]).wait()
+      ready.append((key, out[p.id]))
+    if ready:
+      tickets.append(self.store.read_many(ready))
+    for t in tickets:
+      t.wait()
     return out
 
   def advance(self, norm: float, skipped: bool) -> None:
