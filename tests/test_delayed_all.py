@@ -11,7 +11,8 @@ import pytest
 import zinfjax
 
 from helpers import text_batches, zero_training
-from test_delayed import DECAY, LR, STEPS, factory, flat, reference_grads, scaled_loss
+from test_delayed import (DECAY, LR, STEPS, check_params, factory, reference_grads,
+                          scaled_loss)
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,6 @@ def late_reference(batches, clip):
       params, opt = update(params, held, opt)
     held = g if bool(finite) else None
   return np.asarray(losses), params
-
-
-def check_params(state, want) -> None:
-  """8 ranks against one device round differently, and AdamW turns a rounding-level grad
-  difference into up to a step (lr) for a param whose grad is near zero: held to 1% of it."""
-  got = flat(state.full_params())
-  for name, expected in flat(want).items():
-    np.testing.assert_allclose(got[name], expected, atol=1e-2 * LR, rtol=1e-4, err_msg=name)
 
 
 # (params, optimizer, extra config, clip): grads in arrays, read after the program (with

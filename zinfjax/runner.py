@@ -26,7 +26,7 @@ import numpy as np
 
 from .grads import forward_order
 from .inputs import shard_batch
-from .optim.pipeline import GradGate
+from .optim.pipeline import STATS, GradGate
 from .placement import PREFIX
 from .schedule import timeline
 from .shards import from_host_shards, host_shards
@@ -118,8 +118,7 @@ class PipelineRunner:
       pipeline.advance(norm, self.skip and not math.isfinite(norm))
       outs = pipeline.write_held_params(outs)
     new.params = merge_params(engine.plan, new.params, outs)
-    stats = pipeline.last_step if not skipped else dict.fromkeys(
-        ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written"), 0.0)
+    stats = pipeline.last_step if not skipped else dict.fromkeys(STATS, 0.0)
     metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],
                "adam_s": stats["compute_s"], "nvme_read_wait_s": stats["read_wait_s"],
                "nvme_write_wait_s": stats["write_wait_s"], "nvme_bytes_read": stats["bytes_read"],
@@ -168,11 +167,10 @@ class PipelineRunner:
     extra: dict[str, Any] = {"nvme_grad_waits": gate.waited}
     norm = float(metrics["grad_norm"])
     skipped = self.skip and not math.isfinite(norm)
-    # clipping was needed but not applied
-    redo = clip is not None and not predicted and not skipped and not norm < clip
-    if self.delayed:  # the held update stands; this step's grads are held, or dropped if skipped
-      redo = False
-    elif skipped or redo:  # back to the states before the update
+    # clipping was needed but not applied (delayed: the held update stands, nothing to undo)
+    redo = (not self.delayed and clip is not None and not predicted and not skipped
+            and not norm < clip)
+    if redo or (skipped and not self.delayed):  # back to the states before the update
       engine.store.rollback()
       engine.store.begin(VERSIONED)
       outs = pipeline.step(count, grad_of, None, norm) if redo else {}  # again, with clipping

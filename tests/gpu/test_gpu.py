@@ -139,8 +139,8 @@ def test_delayed_update_trains_like_its_reference(param, gpu_mesh):
   """delay_update="all" on the GPU: the held update runs on host threads beside the program (the
   RAM store's mapping lent to the device), and training equals plain AdamW applying each step's
   grads one step later (clipped by their own step's norm)."""
-  from test_delayed import DECAY, LR, STEPS as N, factory
-  from test_delayed_all import check_params, late_reference, scaled_loss
+  from test_delayed import DECAY, LR, STEPS as N, check_params, factory, scaled_loss
+  from test_delayed_all import late_reference
   feed = [dict(b, scale=np.ones((16,), np.float32))
           for b in text_batches(N, batch=16, seq=32, seed=11)]
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer="pinned_host",
