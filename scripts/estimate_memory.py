@@ -50,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--host-atomic-steps", action="store_true",
                  help="ZeroConfig.host_atomic_steps: all-or-nothing steps in the RAM store "
                       "(--host-optimizer pipeline, no state on NVMe)")
+  p.add_argument("--delay-update", default="none", choices=("none", "tail", "all"),
+                 help="ZeroConfig.delay_update: 'all' keeps the held grads twice and the new params "
+                      "in host RAM (6 B a param; 'tail' only the leaves outside the stacks, "
+                      "counted by --plan)")
   p.add_argument("--plan", action="store_true",
                  help="print the placement offload='auto' chooses and the step time it allows")
   p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
@@ -94,7 +98,8 @@ def show_plan(args, layers: int, hidden: int, heads: int) -> int:
     zero = zinfjax.ZeroConfig(precision=args.precision, offload="auto", nvme_path=args.nvme_path,
                               tier_budgets=budgets or None, nvme_atomic_steps=args.atomic_nvme,
                               host_optimizer=args.host_optimizer,
-                              host_atomic_steps=args.host_atomic_steps)
+                              host_atomic_steps=args.host_atomic_steps,
+                              delay_update=args.delay_update)
     engine = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero,
                           zinfjax.make_mesh(args.devices), open_store_=False)
   except (PlacementError, ValueError) as e:
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
                         offload_param=args.offload_param, offload_grad=args.offload_grad,
                         offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme,
                         bf16_moments=args.bf16_moments, host_optimizer=args.host_optimizer,
-                        atomic_host=args.host_atomic_steps)
+                        atomic_host=args.host_atomic_steps, delay_update=args.delay_update)
   inputs = {k: v for k, v in vars(args).items() if k != "json"}
   inputs.update(layers=layers, hidden=hidden, heads=heads)
   if args.json:

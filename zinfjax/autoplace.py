@@ -111,8 +111,8 @@ class AutoPlan:
 def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   """Bytes per device on each tier: the plan's states, and in a swap store (on NVMe; in pinned
   host under the host pipeline, `with_host_pipeline`) its aligned shards plus the second copy
-  all-or-nothing steps write. `plan` is made from `config` or from its `with_host_pipeline()`
-  (the engine's `plan`)."""
+  all-or-nothing steps write, and host RAM the delayed update's arrays take (`delayed_bytes`).
+  `plan` is made from `config` or from its `with_host_pipeline()` (the engine's `plan`)."""
   out = plan.tier_bytes()
   mapped = config.with_host_pipeline()
   store = lambda tier: sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
@@ -120,7 +120,22 @@ def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   out[Tier.NVME] = store(Tier.NVME)
   if mapped.host_store:  # every pinned-host state is in the RAM store
     out[Tier.PINNED_HOST] = store(Tier.PINNED_HOST) + store(Tier.HOST_STORE)
+  out[Tier.PINNED_HOST] += delayed_bytes(plan, mapped)
   return out
+
+
+def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:
+  """Host RAM per device that `config.delay_update`'s arrays take (`memory.DELAY_BYTES` a
+  delayed param, in the plan's dtypes: the held grads twice and the new params), for the
+  layers whose optimizer is in a swap store: all of them under "all"; under "tail" those of
+  the leaves outside the stacks (all of them: a bound)."""
+  if config.delay_update == "none":
+    return 0
+  per = 2 * plan.dtype("grads").itemsize + plan.dtype("params").itemsize
+  in_store = lambda tier: not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
+  return sum(seg.layers * leaf.local_size * per for leaf in plan.leaves
+             if config.delay_update == "all" or not leaf.stacked
+             for seg in leaf.optimizer if in_store(seg.tier))
 
 
 def _split(fast: list[tuple[str, int]], slow: str, depth: int) -> str:

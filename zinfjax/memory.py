@@ -23,12 +23,15 @@ PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
 STATE_BYTES = {"params": PARAM_BYTES, "grads": GRAD_BYTES, "optimizer": 12}
 # with adamw(moment_dtype="bfloat16"): the fp32 master and two bf16 moments
 BF16_MOMENTS_OPTIMIZER_BYTES = 8
+# `ZeroConfig.delay_update`'s host arrays per delayed param: its held grads twice (the ones
+# applied and the step's own, copied out of the store as backward writes them) and its new params
+DELAY_BYTES = 2 * GRAD_BYTES + PARAM_BYTES
 
 
 def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None = None,
                     offload_optimizer: str = Tier.DEVICE, *, atomic_nvme: bool = True,
                     bf16_moments: bool = False, host_optimizer: str = "xla",
-                    atomic_host: bool = False) -> dict[str, float]:
+                    atomic_host: bool = False, delay_update: str = "none") -> dict[str, float]:
   """Bytes each parameter keeps on each tier under zinfjax's mixed precision (bf16 params and
   grads, fp32 master and moments, or bf16 moments with `bf16_moments`), before the split
   over devices and the swap stores' padding of each shard to 4 KiB.
@@ -38,7 +41,10 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
   all or nothing with `atomic_nvme` (`ZeroConfig.nvme_atomic_steps`). Under
   `host_optimizer="pipeline"` the pinned-host states live in a store in RAM
   (`ZeroConfig.with_host_pipeline`), all or nothing with the drive's where a state is on the
-  drive, else with `atomic_host` (`ZeroConfig.host_atomic_steps`)."""
+  drive, else with `atomic_host` (`ZeroConfig.host_atomic_steps`). `delay_update="all"` adds
+  the delayed update's host arrays (`DELAY_BYTES`) to host RAM where the optimizer is in a
+  store; "tail" delays only the leaves outside the stacks, which a per-param count leaves out
+  (`autoplace.need` counts them from the plan)."""
   out = dict.fromkeys(TIERS, 0.0)
   tiers = {"params": offload_param, "grads": offload_grad or offload_param,
            "optimizer": offload_optimizer}
@@ -48,6 +54,10 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
   for state, tier in tiers.items():
     copies = 2 if tier in twice and state != "grads" else 1
     out[Tier(tier)] += size[state] * copies
+  in_store = offload_optimizer == Tier.NVME or (offload_optimizer == Tier.PINNED_HOST
+                                                 and host_optimizer == "pipeline")
+  if delay_update == "all" and in_store:
+    out[Tier.PINNED_HOST] += DELAY_BYTES
   return out
 
 
@@ -85,13 +95,13 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                     offload_grad: str | None = None, offload_optimizer: str = Tier.DEVICE,
                     num_params: int | None = None, atomic_nvme: bool = True,
                     bf16_moments: bool = False, host_optimizer: str = "xla",
-                    atomic_host: bool = False) -> MemoryEstimate:
+                    atomic_host: bool = False, delay_update: str = "none") -> MemoryEstimate:
   """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
 
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
   the 12·nl·hd² approximation (e.g. with embeddings counted). `per_param` is what
   zinfjax itself keeps per parameter on each tier (`bytes_per_param`, which reads
-  `atomic_nvme`, `host_optimizer` and `atomic_host`); `bf16_moments` shrinks both it and
+  `atomic_nvme`, `host_optimizer`, `atomic_host` and `delay_update`); `bf16_moments` shrinks both it and
   `per_device`'s optimizer states by the moments' 4 bytes.
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
@@ -124,7 +134,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
       activation_working_memory=batch_per_device * seq_len * ci * (16 * hidden + 2 * heads * seq_len),
       per_param=bytes_per_param(offload_param, offload_grad, offload_optimizer,
                                 atomic_nvme=atomic_nvme, bf16_moments=bf16_moments,
-                                host_optimizer=host_optimizer, atomic_host=atomic_host),
+                                host_optimizer=host_optimizer, atomic_host=atomic_host,
+                                delay_update=delay_update),
   )
 
 

@@ -116,10 +116,11 @@ class PipelineRunner:
     if pipeline.tail:  # the step stands: its tail grads wait for the next one
       norm = float(metrics["grad_norm"])
       pipeline.advance(norm, self.skip and not math.isfinite(norm))
-      outs = pipeline.write_held_params(outs)
     new.params = merge_params(engine.plan, new.params, outs)
     stats = pipeline.last_step if not skipped else dict.fromkeys(STATS, 0.0)
-    metrics = {**metrics, "fwd_bwd_s": t1 - t0, "optimizer_s": stats["step_s"],
+    # after_program_s: the host's work after the program ended, on the step's critical path
+    metrics = {**metrics, "fwd_bwd_s": t1 - t0, "after_program_s": time.perf_counter() - t1,
+               "optimizer_s": stats["step_s"],
                "adam_s": stats["compute_s"], "nvme_read_wait_s": stats["read_wait_s"],
                "nvme_write_wait_s": stats["write_wait_s"], "nvme_bytes_read": stats["bytes_read"],
                "nvme_bytes_written": stats["bytes_written"], **extra}

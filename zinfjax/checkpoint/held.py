@@ -47,9 +47,10 @@ def _leaf(engine, leaf, make) -> Leaf:
 
 
 def _shard(held, leaf, rank: int, layers: list[int]) -> np.ndarray:
-  """One rank's held grads of `leaf` (all its layers, those not held as zeros)."""
+  """One rank's held grads of `leaf` (all its layers, those not held as zeros): a copy, as the
+  pipeline reuses its arrays for later steps while the save may still be writing."""
   if not leaf.stacked:
-    return held.grads[(leaf.index, rank, 0)]
+    return np.array(held.grads[(leaf.index, rank, 0)])
   first = held.grads[(leaf.index, rank, layers[0])]
   out = np.zeros((leaf.num_layers,) + first.shape, first.dtype)
   for l in layers:

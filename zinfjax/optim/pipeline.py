@@ -13,9 +13,11 @@ With `delay="tail"`, the parts backward reaches last (the leaves outside the
 stacks: the embedding, the final norm, an untied head) are updated one step
 late: their grads are held, and the next step updates them with those while
 its forward runs, instead of the step waiting for their update after
-backward. Their new params reach their tier after that step's program. With
-`delay="all"` every part is: the whole update runs while the next step's
-program does (ZeRO-Offload's delayed parameter update).
+backward. Their new params reach the store as soon as that step's backward
+has written the part's grads (the program reads its params no more), and
+reach a tier of arrays after the program. With `delay="all"` every part is:
+the whole update runs while the next step's program does (ZeRO-Offload's
+delayed parameter update).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class NvmePipeline(StreamAdam):
     self.tail: list[Unit] = []  # the sub-groups updated one step late (first in `units`)
     self.held: Held | None = None  # the grads they wait with
     self._pending: Held | None = None  # this step's, held once the step stands
+    # host arrays of held grads and written params a step is done with, for a later step's
+    # (fresh pages cost a page fault each: two bytes a param, twice a step, under "all")
+    self._spare: dict[tuple[str, PartKey], np.ndarray] = {}
     # (leaf, layer) pairs this pipeline updates (master and moments in the store), whose grads
     # it reads from the store, and whose compute params it writes there: the timeline says
     moves = timeline(plan)
@@ -157,12 +162,12 @@ class NvmePipeline(StreamAdam):
       return known[0]
 
     held = self.held if self.tail else None
-    # new params in host arrays: those the store does not keep, and the tail's (written later)
+    # new params in host arrays: those the store does not keep, and the tail's (written to the
+    # store once the program is past them, `_grads_of`)
     made = [p for u in now for p in u.parts if not self.on_store("params", p)]
     if held is not None:
       made += [p for u in self.tail for p in u.parts]
-    outs: dict[PartKey, np.ndarray] = {
-        p.id: np.empty(self.plan.leaves[p.leaf].local_shape, self.params_dtype) for p in made}
+    outs = {p.id: self._array("params", p) for p in made}
     out_of = lambda p: outs[p.id].reshape(-1)
     runs = []  # each stream's stats, summed for the step
     if held is not None:  # the delayed parts, with the grads held from the step before
@@ -174,7 +179,7 @@ class NvmePipeline(StreamAdam):
       self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
       runs.append(self.last_step)
     if self.tail:
-      self._pending = Held(self._grads_of(self.tail, grad_of, gate), count)
+      self._pending = Held(self._grads_of(self.tail, grad_of, gate, outs), count)
     self.last_step = {k: sum(r.get(k, 0.0) for r in runs) for k in STATS}
     return outs
 
@@ -184,26 +189,44 @@ class NvmePipeline(StreamAdam):
     return tuple(x.item() for x in self._scalars(jnp.int32(count)))
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
-                gate: "GradGate | None") -> dict[PartKey, np.ndarray]:
+                gate: "GradGate | None", outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
     """Copies of the grads of `units`' parts: from the store (in the order backward writes
-    them, each run of written ones read at once while backward goes on), or from `grad_of`."""
+    them, each run of written ones read at once while backward goes on), then from `grad_of`
+    (once the program is done). A part's grads written, the program reads its params no more:
+    its new params in `outs` whose tier is the store (the held update's) are written there
+    then, not after the program, and leave `outs`."""
     parts = [p for u in units for p in u.parts]
-    out = {p.id: np.array(grad_of(p), self.grads_dtype)
-           for p in parts if not self.on_store("grads", p)}
-    tickets, ready = [], []
+    out: dict[PartKey, np.ndarray] = {}
+    tickets: list = []
+    sent: list[tuple[Part, np.ndarray]] = []  # new params written to the store
+
+    def past(ps: list[Part]) -> None:  # the program is past them: read grads, write params
+      reads = [(self.key("grads", p), out[p.id]) for p in ps if self.on_store("grads", p)]
+      writes = [(p, outs.pop(p.id)) for p in ps if p.id in outs and self.on_store("params", p)]
+      sent.extend(writes)
+      if reads:
+        tickets.append(self.store.read_many(reads))
+      if writes:
+        tickets.append(self.store.write_many([(self.key("params", p), a) for p, a in writes]))
+
+    run: list[Part] = []
     for p in (p for p in parts if self.on_store("grads", p)):
       key = self.key("grads", p)
       if gate is not None and not gate.ready(key):
-        if ready:
-          tickets.append(self.store.read_many(ready))
-          ready = []
+        past(run)
+        run = []
         gate.wait(key)
-      out[p.id] = np.empty(self.shape(p), self.grads_dtype)
-      ready.append((key, out[p.id]))
-    if ready:
-      tickets.append(self.store.read_many(ready))
+      out[p.id] = self._array("grads", p)
+      run.append(p)
+    past(run)
+    rest = [p for p in parts if not self.on_store("grads", p)]
+    for p in rest:
+      out[p.id] = self._array("grads", p)
+      out[p.id][...] = grad_of(p)
+    past(rest)
     for t in tickets:
       t.wait()
+    self._spare.update((("params", p.id), a) for p, a in sent)  # in the store now
     return out
 
   def advance(self, norm: float, skipped: bool) -> None:
@@ -212,19 +235,25 @@ class NvmePipeline(StreamAdam):
     skipped step wait on (it applied none of them, or was rolled back); under "all" that step
     applied them, and they are spent."""
     pending, self._pending = self._pending, None
+    before = self.held
     if pending is not None and not skipped:
       pending.norm = norm
       self.held = pending
     elif skipped and self.delay == "all":
       self.held = None
+    for spent in (before, pending):  # their arrays serve a later step's grads
+      if spent is not None and spent is not self.held:
+        self._spare.update((("grads", k), a) for k, a in spent.grads.items()
+                           if a.base is None and a.flags.writeable)
 
-  def write_held_params(self, outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
-    """The delayed parts' new params whose tier is the store written there (once the step's
-    program, which read the old ones, is done); returns the rest of `outs`."""
-    mine = [p for u in self.tail for p in u.parts if self.on_store("params", p) and p.id in outs]
-    if mine:
-      self.store.write_many([(self.key("params", p), outs.pop(p.id)) for p in mine]).wait()
-    return outs
+  def _array(self, state: str, part: Part) -> np.ndarray:
+    """A host array for `part`'s held "grads" or new "params": one a step is done with, else
+    a new one."""
+    shape, dtype = self.shape(part), self.grads_dtype if state == "grads" else self.params_dtype
+    spare = self._spare.pop((state, part.id), None)
+    if spare is not None and spare.shape == shape and spare.dtype == dtype:
+      return spare
+    return np.empty(shape, dtype)
 
 
 class GradGate:
