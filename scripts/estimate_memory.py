@@ -51,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="ZeroConfig.host_atomic_steps: all-or-nothing steps in the RAM store "
                       "(--host-optimizer pipeline, no state on NVMe)")
   p.add_argument("--delay-update", default="none", choices=("none", "tail", "all"),
-                 help="ZeroConfig.delay_update: 'all' keeps the held grads twice and the new params "
-                      "in host RAM (6 B a param; 'tail' only the leaves outside the stacks, "
-                      "counted by --plan)")
+                 help="ZeroConfig.delay_update: 'all' keeps the held grads twice and the new "
+                      "params in host RAM (6 B a param; 'tail' only the leaves outside the "
+                      "stacks, counted by --plan)")
   p.add_argument("--plan", action="store_true",
                  help="print the placement offload='auto' chooses and the step time it allows")
   p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",

@@ -129,7 +129,8 @@ def test_bytes_per_param_match_the_plan(param, optimizer, atomic, host, tmp_path
   # the delayed update's host arrays: the plan's count and the per-param one agree
   late = zero.replace(delay_update="all")
   extra = bytes_per_param(param, None, optimizer, atomic_nvme=atomic, host_optimizer=host,
-                          atomic_host=atomic, delay_update="all")["pinned_host"] - per["pinned_host"]
+                          atomic_host=atomic, delay_update="all")["pinned_host"]
+  extra -= per["pinned_host"]
   assert need(plan, late)["pinned_host"] - held["pinned_host"] == extra * n
   assert extra == (6 if optimizer == "nvme" or host == "pipeline" else 0)
 
@@ -138,16 +139,16 @@ def test_the_delayed_update_counts_its_host_arrays():
   """delay_update="all" adds the held grads twice and the new params (6 B a param) to host RAM
   where the optimizer is in a store, nowhere else; the estimate passes it on."""
   from zinfjax.memory import bytes_per_param, estimate_memory
-  for param, optimizer, host in [("pinned_host", "pinned_host", "pipeline"), ("nvme", "nvme", "xla"),
-                                 ("device", "nvme", "xla")]:
+  for param, optimizer, host in [("pinned_host", "pinned_host", "pipeline"),
+                                 ("nvme", "nvme", "xla"), ("device", "nvme", "xla")]:
     base = bytes_per_param(param, None, optimizer, host_optimizer=host)
     late = bytes_per_param(param, None, optimizer, host_optimizer=host, delay_update="all")
     assert {t: late[t] - base[t] for t in base} == {"device": 0, "pinned_host": 6, "nvme": 0}
   # the optimizer in arrays: no host pipeline, nothing delayed
   assert (bytes_per_param("pinned_host", None, "pinned_host", delay_update="all")
           == bytes_per_param("pinned_host", None, "pinned_host"))
-  est = estimate_memory(layers=2, hidden=64, heads=4, offload_param="nvme", offload_optimizer="nvme",
-                        delay_update="all")
+  est = estimate_memory(layers=2, hidden=64, heads=4, offload_param="nvme",
+                        offload_optimizer="nvme", delay_update="all")
   assert est.per_param["pinned_host"] == 6
 
 

@@ -101,8 +101,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
   the 12·nl·hd² approximation (e.g. with embeddings counted). `per_param` is what
   zinfjax itself keeps per parameter on each tier (`bytes_per_param`, which reads
-  `atomic_nvme`, `host_optimizer`, `atomic_host` and `delay_update`); `bf16_moments` shrinks both it and
-  `per_device`'s optimizer states by the moments' 4 bytes.
+  `atomic_nvme`, `host_optimizer`, `atomic_host` and `delay_update`); `bf16_moments` shrinks
+  both it and `per_device`'s optimizer states by the moments' 4 bytes.
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
                      ("offload_optimizer", offload_optimizer)):

@@ -189,7 +189,8 @@ class NvmePipeline(StreamAdam):
     return tuple(x.item() for x in self._scalars(jnp.int32(count)))
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
-                gate: "GradGate | None", outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
+                gate: "GradGate | None",
+                outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
     """Copies of the grads of `units`' parts: from the store (in the order backward writes
     them, each run of written ones read at once while backward goes on), then from `grad_of`
     (once the program is done). A part's grads written, the program reads its params no more:
