@@ -110,7 +110,8 @@ def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip,
   want_losses, want = delayed_reference(batches, clip)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   check_params(state, want)
-  # where the params are in the store, the tail's new ones were written there after the program
+  # where the params are in the store, the tail's new ones were written there (once backward
+  # was past them)
   in_store = any(pipeline.on_store("params", p) for u in pipeline.tail for p in u.parts)
   assert in_store == (param != "device")
   # one more step: under backward where the grads go to the store (redone or predicted where it

@@ -197,7 +197,7 @@ class NvmePipeline(StreamAdam):
     its new params in `outs` whose tier is the store (the held update's) are written there
     then, not after the program, and leave `outs`."""
     parts = [p for u in units for p in u.parts]
-    out: dict[PartKey, np.ndarray] = {}
+    out = {p.id: self._array("grads", p) for p in parts}
     tickets: list = []
     sent: list[tuple[Part, np.ndarray]] = []  # new params written to the store
 
@@ -217,12 +217,10 @@ class NvmePipeline(StreamAdam):
         past(run)
         run = []
         gate.wait(key)
-      out[p.id] = self._array("grads", p)
       run.append(p)
     past(run)
     rest = [p for p in parts if not self.on_store("grads", p)]
     for p in rest:
-      out[p.id] = self._array("grads", p)
       out[p.id][...] = grad_of(p)
     past(rest)
     for t in tickets:
