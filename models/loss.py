@@ -41,12 +41,16 @@ def default_chunk(vocab: int) -> int:
 
 def _chunk_losses(logits, targets):
   """Per-token cross entropy of one chunk, as optax's `softmax_cross_entropy_with_integer_labels`
-  computes it (max-shifted, in fp32)."""
+  computes it (max-shifted, in fp32). A target past the vocabulary scores NaN, and so does
+  every gradient it reaches: a gather past the end would drop the target's term from the
+  gradient alone, and the step would train, with finite grads, towards no target at all."""
   logits = logits.astype(jnp.float32)
+  vocab = logits.shape[-1]
   shift = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   shifted = logits - shift
-  picked = jnp.take_along_axis(shifted, targets[:, None], axis=-1)[:, 0]
-  return jnp.log(jnp.sum(jnp.exp(shifted), axis=-1)) - picked
+  picked = jnp.take_along_axis(shifted, jnp.minimum(targets, vocab - 1)[:, None], axis=-1)[:, 0]
+  poison = jnp.where(targets < vocab, 1.0, jnp.nan)  # NaN times the loss: NaN grads too
+  return (jnp.log(jnp.sum(jnp.exp(shifted), axis=-1)) - picked) * poison
 
 
 def chunked_cross_entropy(x_NxD: jax.Array, weight: jax.Array,
@@ -136,9 +140,9 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   A negative target (-100 in Hugging Face's labels: padding, a prompt's tokens)
   is ignored: the mean is over the targets >= 0 of the whole batch, in a
   zinfjax step as on one device (`zinfjax.globalmean`). A target past the
-  vocabulary gives a NaN loss (a skipped step under `skip_nonfinite`), as does
-  an input id outside it (`embedding.lookup`). Targets of another shape than the
-  inputs are refused.
+  vocabulary gives a NaN loss and NaN grads (a skipped step under
+  `skip_nonfinite`), as does an input id outside it (`embedding.lookup`).
+  Targets of another shape than the inputs are refused.
 
   A model with `features(tokens) -> [B, T, D]` and `head() -> (weight, project)`
   (GPT, Llama) is scored in chunks (`chunked_cross_entropy`); any other model

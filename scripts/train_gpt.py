@@ -272,7 +272,12 @@ def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
                         f"{folder} has no tokenizer.json")
                      + ", or give a uint16 .bin of token ids made with it.")
   with open(data, encoding="utf-8") as f:
-    return np.asarray(Tokenizer.from_file(path).encode(f.read()).ids, np.int32)
+    ids = np.asarray(Tokenizer.from_file(path).encode(f.read()).ids, np.int32)
+  if len(ids) and int(ids.max()) >= vocab:  # a token the tokenizer added past the model's table
+    raise ValueError(f"{path} encodes {data} with token id {int(ids.max())}, past the model's "
+                     f"vocabulary of {vocab} ids: the tokenizer does not belong to {folder}'s "
+                     "model, or adds tokens its embedding lacks.")
+  return ids
 
 
 def main(argv=None) -> int:

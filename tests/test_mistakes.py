@@ -267,6 +267,25 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
   assert first == last
 
 
+def test_a_tokenizer_past_the_models_vocabulary_is_named(tmp_path, monkeypatch):
+  """Text fine-tuning data encoded with ids past the model's embedding (a tokenizer with added
+  tokens, or one of another model) is refused before init, naming the id and the vocabulary."""
+  import types
+  from zinfjax.models import load_tokens
+  ids = {"a": 3, "b": 7}
+  tokenizer = lambda path: types.SimpleNamespace(  # what tokenizers.Tokenizer.from_file gives
+      encode=lambda text: types.SimpleNamespace(ids=[ids[c] for c in text]))
+  fake = types.SimpleNamespace(Tokenizer=types.SimpleNamespace(from_file=tokenizer))
+  monkeypatch.setitem(sys.modules, "tokenizers", fake)
+  (tmp_path / "tokenizer.json").write_text("{}")
+  data = tmp_path / "text.txt"
+  data.write_text("abba")
+  finetune_tokens = load_script("train_gpt").finetune_tokens
+  assert finetune_tokens(str(data), str(tmp_path), 8, load_tokens).tolist() == [3, 7, 7, 3]
+  with pytest.raises(ValueError, match="token id 7, past the model's vocabulary of 7 ids"):
+    finetune_tokens(str(data), str(tmp_path), 7, load_tokens)
+
+
 def test_weights_with_a_lying_shape_name_the_tensor_and_file(mesh, tmp_path):
   folder = tmp_path / "llama"
   shutil.copytree(os.path.join(REPO, "tests", "data", "hf", "llama"), folder)

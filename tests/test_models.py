@@ -201,8 +201,9 @@ def test_negative_targets_are_ignored_and_bad_ids_give_nan(model, chunk):
   """Targets < 0 (-100 in Hugging Face's labels) drop out of the mean: the loss and its grads
   equal optax's cross entropy averaged over the other targets (chunked and full-logits paths).
   A target past the vocabulary, or an input id outside it (negative too, which `jnp.take`
-  would count from the end), gives NaN instead of a loss on another token. Targets of another
-  shape than the inputs are refused by name."""
+  would count from the end), gives NaN, in the loss and in its grads, instead of a loss on
+  another token or grads towards no target. Targets of another shape than the inputs are
+  refused by name."""
   import optax
   from zinfjax.models import lm_loss
   net = GPT(get_config("tiny", num_layers=2), rngs=nnx.Rngs(4))
@@ -225,10 +226,12 @@ def test_negative_targets_are_ignored_and_bad_ids_give_nan(model, chunk):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_v, g_w)
   assert 0 < int(jnp.sum(keep)) < keep.size
   scored = jax.jit(lambda p, b: loss(nnx.merge(graph, p), b))
+  grads = jax.jit(jax.grad(lambda p, b: loss(nnx.merge(graph, p), b)))
   for bad in ({**batch, "targets": batch["targets"].at[0, 0].set(vocab)},
               {**batch, "inputs": tokens.at[1, 2].set(-1)},
               {**batch, "inputs": tokens.at[1, 2].set(vocab)}):
     assert np.isnan(float(scored(params, bad)))
+    assert np.isnan(float(optax.global_norm(grads(params, bad))))  # a step skips it
   assert float(scored(params, {**batch, "targets": jnp.full_like(targets, -100)})) == 0.0
   with pytest.raises(ValueError, match=r"targets of shape \(3, 12\) for inputs of shape \(3, 13\)"):
     scored(params, {**batch, "targets": batch["targets"][:, 1:]})
