@@ -23,6 +23,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from zinfjax.globalmean import mean_divisor
@@ -141,8 +142,9 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   is ignored: the mean is over the targets >= 0 of the whole batch, in a
   zinfjax step as on one device (`zinfjax.globalmean`). A target past the
   vocabulary gives a NaN loss and NaN grads (a skipped step under
-  `skip_nonfinite`), as does an input id outside it (`embedding.lookup`).
-  Targets of another shape than the inputs are refused.
+  `skip_nonfinite`), as does an input id outside it (`embedding.lookup`); in a
+  zinfjax step, a host batch with such an id is refused before it runs
+  (`check_ids`). Targets of another shape than the inputs are refused.
 
   A model with `features(tokens) -> [B, T, D]` and `head() -> (weight, project)`
   (GPT, Llama) is scored in chunks (`chunked_cross_entropy`); any other model
@@ -161,3 +163,33 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   targets = targets.reshape(-1)
   losses = _chunk_losses(logits.reshape(-1, logits.shape[-1]), jnp.maximum(targets, 0))
   return jnp.sum(jnp.where(targets >= 0, losses, 0.0)) / scored(targets)
+
+
+def check_ids(model, batch: dict) -> None:
+  """Refuse a host batch whose ids fall outside `model.config.vocab_size` (an input past it or
+  below 0, a target past it), naming the leaf, the id and where; zinfjax calls it on every
+  batch before the step (`lm_loss.check_batch`). On the device such an id only gives a NaN loss
+  and a skipped step. Leaves already on a device (`jax.Array`) are left to that NaN, as reading
+  them back would wait for them."""
+  vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+  if vocab is None or not isinstance(batch, dict):
+    return
+  for name, low in (("inputs", 0), ("targets", None)):  # a negative target is ignored
+    x = batch.get(name)
+    if x is None or isinstance(x, jax.Array):
+      continue
+    x = np.asarray(x)
+    if x.size == 0 or not np.issubdtype(x.dtype, np.integer):
+      continue
+    if int(x.max()) < vocab and (low is None or int(x.min()) >= low):
+      continue
+    bad = (x >= vocab) if low is None else (x >= vocab) | (x < low)
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+        f"lm_loss: batch[{name!r}] holds id {int(x[where])} at {where}, outside the model's "
+        f"vocabulary of {vocab} ids (0 to {vocab - 1}"
+        f"{'; a target of -100 is ignored' if low is None else ''}): the data was tokenized "
+        "for another vocabulary, or the model's vocab_size is too small for it.")
+
+
+lm_loss.check_batch = check_ids

@@ -3,6 +3,7 @@ or a wrong answer); swap stores are released and replaced within one process; op
 states move between every pair of tiers; bad input stops the CLI before any compute, with
 one line naming the problem; nothing saved is lost."""
 
+import functools
 import gc
 import json
 import os
@@ -24,6 +25,7 @@ from zinfjax.checkpoint import CheckpointError, Checkpointer
 from zinfjax.checkpoint.handler import open_checked, read
 from zinfjax.checkpoint.leaves import Leaf
 from zinfjax.engine import StoreReplacedWarning
+from zinfjax.fnkey import RecompileWarning
 from zinfjax.models import GPT, get_config, hf, lm_loss
 
 from helpers import REPO, load_script, random_batches, script_env
@@ -212,11 +214,23 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
         ({**good, "weight": np.float32(1.0)}, "a batch leaf is a scalar"),
         (BATCHES[0], "ZeroConfig.micro_batches=2 does not divide; use a batch size that is a "
          "multiple of 16"),
+        ({**good, "targets": np.where(np.arange(16)[:, None] == 9, 64, good["targets"])},
+         "lm_loss: batch['targets'] holds id 64 at (9, 0), outside the model's vocabulary of 64 "
+         "ids (0 to 63; a target of -100 is ignored)"),
+        ({**good, "inputs": np.where(np.arange(16) == 3, -1, good["inputs"])},
+         "lm_loss: batch['inputs'] holds id -1 at (0, 3), outside the model's vocabulary"),
     ]
     for batch, message in bad:
       with pytest.raises(ValueError, match=re.escape(message)):
         zinfjax.train_step(state, batch, lm_loss)
       state.check_usable("the test")
+    chunked = functools.partial(lm_loss, chunk=8)  # the check is found through a partial
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RecompileWarning)  # lm_loss's code, once more
+      with pytest.raises(ValueError, match=re.escape(bad[-1][1])):
+        zinfjax.train_step(state, bad[-1][0], chunked)
+    with pytest.raises(ValueError, match=re.escape(bad[-1][1])):
+      zinfjax.eval_step(state, bad[-1][0], lm_loss)
     state, metrics = zinfjax.train_step(state, good, lm_loss)
     assert np.isfinite(float(metrics["loss"]))
 

@@ -84,15 +84,17 @@ def test_skipping_can_be_turned_off(batches, mesh):
 
 
 def test_a_target_past_the_vocabulary_is_skipped_not_trained(batches, mesh):
-  """`lm_loss` with one target past the vocabulary: NaN grads, so the step changes nothing (a
-  gather past the end would otherwise drop that target's term from the grads alone)."""
+  """`lm_loss` with one target past the vocabulary, in a batch already on the device (which
+  `lm_loss.check_batch` leaves alone): NaN grads, so the step changes nothing (a gather past
+  the end would otherwise drop that target's term from the grads alone)."""
   good, _ = batches
   zero = zinfjax.ZeroConfig(precision="fp32", offload_optimizer="device")
   state = zinfjax.init(lambda r: GPT(CONFIG, rngs=r), optax.adamw(1e-3), zero, mesh, 0)
   targets = good[0]["targets"].copy()
   targets[3, 5] = CONFIG.vocab_size
   before = snapshot(state)
-  state, metrics = zinfjax.train_step(state, dict(good[0], targets=targets), lm_loss)
+  state, metrics = zinfjax.train_step(state, dict(good[0], targets=jax.numpy.asarray(targets)),
+                                      lm_loss)
   assert int(metrics["skipped"]) == 1 and np.isnan(float(metrics["loss"]))
   assert snapshot(state) == before
   state, metrics = zinfjax.train_step(state, good[0], lm_loss)

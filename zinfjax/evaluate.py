@@ -19,6 +19,7 @@ from .fnkey import fn_key, warn_if_recompiled
 from .globalmean import over_ranks
 from .grads import LossFn, local_model, param_specs, with_anchors
 from .layers import micro_batches
+from .losscheck import batch_check
 from .offload import swap
 from .ordering import needs_order, ordered_collectives
 from .state import TrainState
@@ -54,8 +55,12 @@ def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
                    out_shardings=NamedSharding(mesh, P()),
                    compiler_options=swap.compiler_options(mesh) if engine.store else None)
 
+  check = batch_check(engine, loss_fn)
+
   def run(state: TrainState, batch: Any) -> dict:
     state.check_usable("eval_step")
+    if check is not None:
+      check(batch)
     return checked(engine, jitted(state.params, shard_batch(engine, batch)))
 
   run.jitted = jitted

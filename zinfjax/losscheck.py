@@ -15,6 +15,11 @@ autodiff with jax's words rather than the loss's:
   dropped (JAX's dead-code elimination, inside loops, calls and `shard_map`
   too), shows which params can reach it.
 
+A loss may also check each host batch itself, before the step takes the state
+or spends compute: a `check_batch(model, batch)` attribute (`lm_loss` has one,
+its ids against the model's vocabulary), called with the model's abstract
+form (shapes and static attributes, no arrays) on every batch (`batch_check`).
+
 The loss is traced once on the plain model (abstract params: nothing runs), in a
 `shard_map` over the step's mesh, as each rank runs it. A loss that reads no
 trainable param, or returns anything but one float scalar, is refused with a
@@ -29,6 +34,7 @@ reports as a graph node of another trace.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -47,12 +53,17 @@ def _name(loss_fn: Callable) -> str:
   return getattr(loss_fn, "__name__", type(loss_fn).__name__)
 
 
+def abstract_params(plan) -> list[jax.ShapeDtypeStruct]:
+  """The model's params as shapes, one per plan leaf (whole, in the params' dtype)."""
+  return [jax.ShapeDtypeStruct(l.layout.shape, plan.dtype("params")) for l in plan.leaves]
+
+
 def traced(engine, loss_fn: Callable, batch: Any):
   """(closed jaxpr, output shapes) of `loss_fn(model, local batch)` on the plain model, or None
   where it cannot be traced there. `batch` is the step's whole batch (arrays, tracers or
   shapes)."""
   plan = engine.plan
-  params = [jax.ShapeDtypeStruct(l.layout.shape, plan.dtype("params")) for l in plan.leaves]
+  params = abstract_params(plan)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
 
   def local(ps, b):
@@ -133,3 +144,16 @@ def check_loss(engine, loss_fn: Callable, batch: Any) -> None:
       f"params ({', '.join(unread[:SHOWN])}{more}): their gradients are zero, so they do not "
       "train, while their optimizer states take memory. Freeze them with "
       "ZeroConfig(trainable=...), or check that the loss uses them.", stacklevel=2)
+
+
+def batch_check(engine, loss_fn: Callable) -> Callable[[Any], None] | None:
+  """`batch -> None`: the loss's own `check_batch(model, batch)` on the abstract model (through
+  `functools.partial`s), raising before any compute; None where the loss has none."""
+  fn = loss_fn
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  check = getattr(fn, "check_batch", None)
+  if check is None:
+    return None
+  model = nnx.merge(engine.graphdef, engine.plan.unflatten(abstract_params(engine.plan)))
+  return lambda batch: check(model, batch)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .fnkey import fn_key, warn_if_recompiled
 from .grads import LossFn, local_loss_and_grads, param_specs, sum_squares, with_anchors
 from .inputs import shard_batch
-from .losscheck import check_loss
+from .losscheck import batch_check, check_loss
 from .offload import swap
 from .ordering import needs_order, ordered_collectives
 from .runner import PipelineRunner, all_or_nothing, run_program
@@ -116,16 +116,19 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
     engine.life.closers.append(run.close)  # its thread joined at close()
   if engine.store is not None and engine.config.nvme_atomic_steps:
     run = all_or_nothing(engine, run)
-  guarded = consuming(run)
+  guarded = consuming(run, batch_check(engine, loss_fn))
   guarded.jitted = jitted
   engine.steps[key] = guarded
   return guarded
 
 
-def consuming(run: Step) -> Step:
-  """`run`, refusing a state that is no longer usable and marking the one it consumes."""
+def consuming(run: Step, check: Callable[[Any], None] | None = None) -> Step:
+  """`run`, refusing a state that is no longer usable, or a batch `check` refuses (before the
+  state is taken), and marking the state it consumes."""
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     state.check_usable("train_step")
+    if check is not None:
+      check(batch)
     try:
       new, metrics = run(state, batch)
     except BaseException:
