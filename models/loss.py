@@ -149,6 +149,10 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   A model with `features(tokens) -> [B, T, D]` and `head() -> (weight, project)`
   (GPT, Llama) is scored in chunks (`chunked_cross_entropy`); any other model
   through its full logits."""
+  if not (hasattr(batch, "keys") and {"inputs", "targets"} <= set(batch.keys())):
+    got = f"keys {sorted(batch.keys())}" if hasattr(batch, "keys") else type(batch).__name__
+    raise ValueError(f"lm_loss takes a batch dict with 'inputs' (token ids [B, T]) and 'targets' "
+                     f"(the next ids, -100 to ignore one), got {got}.")
   inputs, targets = batch["inputs"], batch["targets"]
   if targets.shape != inputs.shape:
     raise ValueError(f"lm_loss: targets of shape {targets.shape} for inputs of shape "

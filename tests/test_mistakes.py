@@ -18,6 +18,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import zinfjax
 from zinfjax import UnusableStateError
@@ -217,6 +218,10 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
         ({**good, "targets": np.where(np.arange(16)[:, None] == 9, 64, good["targets"])},
          "lm_loss: batch['targets'] holds id 64 at (9, 0), outside the model's vocabulary of 64 "
          "ids (0 to 63; a target of -100 is ignored)"),
+        ({**good, "name": np.array(["a"] * 16)}, "batch leaf ['name'] holds <U1 values: a batch "
+         "holds numeric arrays only"),
+        ({"inputs": good["inputs"]}, "lm_loss takes a batch dict with 'inputs' (token ids [B, T]) "
+         "and 'targets' (the next ids, -100 to ignore one), got keys ['inputs']"),
         ({**good, "inputs": np.where(np.arange(16) == 3, -1, good["inputs"])},
          "lm_loss: batch['inputs'] holds id -1 at (0, 3), outside the model's vocabulary"),
     ]
@@ -233,6 +238,17 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
       zinfjax.eval_step(state, bad[-1][0], lm_loss)
     state, metrics = zinfjax.train_step(state, good, lm_loss)
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_model_factory_that_builds_no_model_is_named(mesh):
+  """`init` calls `model_factory(rngs)`: one that takes no argument, or returns something that is
+  not an nnx module, is refused with the form it needs (not flax's error on what it returned)."""
+  cases = [(lambda: factory(nnx.Rngs(0)), "cannot be called with one argument"),
+           (lambda rngs: nnx.state(factory(rngs)), "returned State, not an nnx.Module")]
+  for make, message in cases:
+    for build in (zinfjax.init, zinfjax.abstract_init):
+      with pytest.raises(TypeError, match=re.escape(message)):
+        build(make, tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
 
 
 # ------------------------------------------------------------------ the CLI's input checks

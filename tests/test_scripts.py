@@ -260,6 +260,21 @@ def test_bench_gpu_runs_each_row_in_a_process_of_its_own(tmp_path):
   assert "| 64 | all on device (compute alone) | failed: stopped after 1 s" in out.stdout
 
 
+def test_bench_gpu_bounds_each_host_pipeline_row_by_the_host_step_of_its_moments():
+  """`ratios`: a host-pipeline row is bounded by the host's step alone with its own moments'
+  dtype (fp32, or bf16 where timed); a bf16 row gets no bound from the fp32 timing."""
+  mod = load_script("bench_gpu")
+  name = {key: label for key, *_, label in mod.PLACEMENTS}
+  times = {"device": 1.0, "pipeline-delayed-all": 3.0, "pipeline-delayed-all-bf16": 2.5}
+  rows = lambda: [{"tokens": 64, "placement": name[k], "step_s": s} for k, s in times.items()]
+  host = {"pipeline_s": 2.0, "pipeline_bf16_s": 1.5}
+  _, fp32, bf16 = mod.ratios(rows(), host)
+  assert (fp32["host_alone_s"], fp32["vs_bound"]) == (2.0, 1.5)
+  assert (bf16["host_alone_s"], bf16["vs_bound"]) == (1.5, 2.5 / 1.5)
+  _, fp32, bf16 = mod.ratios(rows(), {"pipeline_s": 2.0})
+  assert fp32["host_alone_s"] == 2.0 and "host_alone_s" not in bf16 and "vs_bound" not in bf16
+
+
 def largest_runs_are_the_largest_that_fit(result: dict) -> None:
   """largest_gpt.py's runs: one per placement, each trained with falling loss, at the most
   layers whose states fit every tier's room (one more does not)."""

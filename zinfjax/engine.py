@@ -5,6 +5,7 @@ states live, and (when a state is on NVMe) the swap store and the NVMe optimizer
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import shutil
 import threading
@@ -206,6 +207,25 @@ def _open_one(config: ZeroConfig, plan: Plan, tier: Tier) -> AioStore:
   return store
 
 
+def model_of(model_factory: ModelFactory, rngs: nnx.Rngs) -> nnx.Module:
+  """`model_factory(rngs)`, refusing a factory that takes no `rngs` or returns no nnx module,
+  with the fix (before flax fails on what it returned)."""
+  try:
+    inspect.signature(model_factory).bind(rngs)
+  except TypeError:
+    raise TypeError(
+        f"the model factory {getattr(model_factory, '__name__', model_factory)!r} cannot be "
+        "called with one argument: zinfjax calls it as model_factory(rngs) with an nnx.Rngs, "
+        "e.g. lambda rngs: GPT(config, rngs=rngs).") from None
+  except ValueError:  # a callable without a signature to read: called as it is
+    pass
+  model = model_factory(rngs)
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"the model factory returned {type(model).__name__}, not an nnx.Module: it "
+                    "must build and return the model, e.g. lambda rngs: GPT(config, rngs=rngs).")
+  return model
+
+
 def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
                  config: ZeroConfig, mesh: Mesh, *, open_store_: bool = True) -> Engine:
   """The `Engine` of a run: the plan of the model's leaves on `mesh`, and (with `open_store_`)
@@ -213,7 +233,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   if config.axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.shape)} have no {config.axis!r} axis; "
                      "build the mesh with zinfjax.make_mesh().")
-  abstract_model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+  abstract_model = nnx.eval_shape(lambda: model_of(model_factory, nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)
   _check_params_only(abstract_model)
   stack_paths = _stack_paths(abstract_model)

@@ -34,6 +34,11 @@ def shard_batch(engine, batch: Any) -> Any:
 
   leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
   arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in leaves]
+  for (path, _), x in zip(leaves, arrays):
+    if not (np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.bool_)):
+      raise ValueError(
+          f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds {x.dtype} values: a batch "
+          "holds numeric arrays only. Tokenize text, and keep other per-example data out of it.")
   check_examples([path for path, _ in leaves], arrays)
   return jax.tree.unflatten(treedef, [put(x) for x in arrays])
 

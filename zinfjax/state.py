@@ -287,9 +287,9 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
     init_missing: an nnx filter (e.g. `nnx.LoRAParam`): leaves it selects that `params` lacks
       (new adapters) come from the model's initializers (seeded by `rng`).
   """
+  engine = build_engine(model_factory, tx, config, mesh, open_store_=False)
   if params is None:
     params = existing_weights(model_factory)
-  engine = build_engine(model_factory, tx, config, mesh, open_store_=False)
   # bad weights are refused before the drive is touched
   weights = None if params is None else _matched(engine, model_factory, params, init_missing)
   engine = with_store(engine)
