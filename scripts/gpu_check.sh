@@ -103,6 +103,9 @@ stage_env() {
     uname -a
     nvidia-smi || echo "nvidia-smi: not available"
     nproc; free -g; df -h "$REPO" /dev/shm || true
+    # the host's CPU and vector ISA: the C++ AdamW's speed (bf16 moments above all) follows it
+    lscpu 2>/dev/null | grep -E "^(Model name|Socket|Core|Thread|NUMA node\(s\)|L3)" || true
+    if grep -qw avx512f /proc/cpuinfo; then echo "cpu: avx512f"; else echo "cpu: no avx512f"; fi
     $PY --version
     (cd /tmp && $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())")
     $PY -m pip list 2>/dev/null | grep -iE "^(jax|flax|optax|orbax|tensorstore|pybind11|scikit-build|torch|cupy|pytest)" || true
@@ -117,7 +120,7 @@ stage_build() {
   run build.log 480 $PY -m pip install --no-deps --no-build-isolation -v "$REPO"
   grep -q "building CUDA handlers" "$OUT/build.log" || { note "the CUDA toolkit was not found: no CUDA handlers built"; false; }
   (cd /tmp && $PY -c "from zinfjax import _engine_cuda; n = _engine_cuda.device_count(); print('CUDA devices:', n); assert n >= 1")
-  note "build: zinfjax installed with its CUDA handlers"
+  note "build: zinfjax installed with its CUDA handlers; the C++ AdamW runs $(cd /tmp && $PY -c "from zinfjax.optim.kernel import isa; print(isa())")"
 }
 
 stage_gpu_tests() {
