@@ -16,6 +16,7 @@ import sys
 import warnings
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -236,6 +237,8 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
         zinfjax.train_step(state, bad[-1][0], chunked)
     with pytest.raises(ValueError, match=re.escape(bad[-1][1])):
       zinfjax.eval_step(state, bad[-1][0], lm_loss)
+    # a leaf of bf16 (an ml_dtypes type, numpy kind "V") is numbers like any other
+    good["weight"] = np.ones(16, ml_dtypes.bfloat16)
     state, metrics = zinfjax.train_step(state, good, lm_loss)
     assert np.isfinite(float(metrics["loss"]))
 

@@ -34,8 +34,8 @@ def shard_batch(engine, batch: Any) -> Any:
 
   leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
   arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in leaves]
-  for (path, _), x in zip(leaves, arrays):
-    if not (np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.bool_)):
+  for (path, _), x in zip(leaves, arrays):  # bf16 and the other ml_dtypes are kind "V" too
+    if x.dtype.kind in "OSUMm" or x.dtype.fields is not None:
       raise ValueError(
           f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds {x.dtype} values: a batch "
           "holds numeric arrays only. Tokenize text, and keep other per-example data out of it.")
