@@ -299,7 +299,7 @@ def main(argv=None) -> int:
   from zinfjax.offload.mixed import used_by_medium
   from zinfjax.autoplace import need
   from zinfjax.engine import build_engine
-  from zinfjax.progress import Progress, human_bytes, parse_budgets
+  from zinfjax.progress import Progress, human_bytes, init_line, parse_budgets
 
   # the engine's errors already name the file and the fix: one line for the user, no traceback
   engine_errors = (EngineError, NoSpaceError, CorruptShardError, MissingShardError, CheckpointError)
@@ -442,7 +442,9 @@ def main(argv=None) -> int:
   if state is None:
     try:
       state = zinfjax.init(model_factory, tx, zero, mesh, args.seed, params=weights,
-                           init_missing=nnx.LoRAParam if args.lora_rank else None)
+                           init_missing=nnx.LoRAParam if args.lora_rank else None,
+                           progress=init_line(sys.stdout, "loading" if weights else "init")
+                           if main_process else None)
     except ValueError as e:  # weights that do not fit the model: named, before any step
       raise SystemExit(f"error: {e}") from None
     say(f"{'loaded' if weights else 'init'} {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)

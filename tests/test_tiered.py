@@ -309,3 +309,32 @@ def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, preci
   assert one.temp_size_in_bytes + one.output_size_in_bytes <= 5 * layer_bytes  # RNG temporaries
   assert whole.temp_size_in_bytes + whole.output_size_in_bytes >= 8 * layer_bytes
   engine.store.close()
+
+
+def test_init_and_load_report_the_params_placed(mesh, tmp_path, monkeypatch):
+  """`init(progress=...)` hears of the params placed as they are (layer by layer where the
+  stacks are drawn so), in order, ending at every param of the model: for a random init and
+  for a load of existing weights; `init_line` words it."""
+  import io
+  from flax import nnx
+  from zinfjax import progress
+  monkeypatch.setattr(progress, "REPORT_EVERY_S", 0.0)  # every layer and leaf reported
+  config = get_config("tiny", num_layers=4)
+  factory = lambda r: GPT(config, rngs=r)
+  total = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: factory(
+      nnx.Rngs(0))), nnx.Param)))
+  for i, weights in enumerate((None, nnx.state(factory(nnx.Rngs(3)), nnx.Param))):
+    heard = []
+    zero = zinfjax.ZeroConfig(offload_optimizer="nvme", nvme_path=str(tmp_path / f"nvme{i}"))
+    state = zinfjax.init(factory, zinfjax.optim.adamw(1e-3), zero, mesh, 0, params=weights,
+                         progress=lambda done, all_, s: heard.append((done, all_, s)))
+    done = [d for d, _, _ in heard]
+    assert len(heard) > config.num_layers and done == sorted(done) and done[0] > 0, heard
+    assert {a for _, a, _ in heard} == {total} and done[-1] == total
+    if weights is None:  # each stacked leaf drawn (and reported) one layer at a time
+      stacked = sum(l.stacked for l in state.engine.plan.leaves)
+      assert len(heard) >= stacked * config.num_layers, (len(heard), stacked)
+    state.engine.store.close()
+  out = io.StringIO()
+  progress.init_line(out, "loading")(7_800_000_000, 17_300_000_000, 12.0)
+  assert out.getvalue() == "loading  45% | 7.8B of 17.3B params | 12 s, about 15 s left\n"

@@ -8,6 +8,8 @@ memory does not grow with depth. Values equal the whole-model draw bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from .engine import Engine, ModelFactory
 from .layers import one_layer
 from .partition import norm_region
 from .placement import Plan, Tier
+from .progress import Tally
 from .rng import jit_unrolled
 from .shards import host_shards
 
@@ -107,7 +110,8 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
   return tuple(parts)
 
 
-def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> dict[str, tuple]:
+def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
+                    tally: Tally | None = None) -> dict[str, tuple]:
   """A stacked leaf drawn one layer at a time, each layer put on its tier as it comes: NVMe
   layers written (while the next is drawn), the layers of array segments copied into their
   devices' host buffers, which become the segment's arrays at the end. Host memory holds three
@@ -147,6 +151,8 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key) -> d
     for t in writing:  # the previous layer's writes ran while this one was drawn
       t.wait()
     writing = tickets
+    if tally is not None:
+      tally.add(math.prod(leaf.layout.shape[1:]))
   for t in writing:
     t.wait()
   out: dict[str, list] = {state: [] for state in _created(plan.stage)}
@@ -169,15 +175,16 @@ def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:
 
 
 def random_states(engine: Engine, model_factory: ModelFactory, key,
-                   only: list[int] | None = None) -> tuple[list, list]:
+                   only: list[int] | None = None,
+                   tally: Tally | None = None) -> tuple[list, list]:
   """(master parts, ZeRO-3 param parts) per leaf (all, or those in `only`, in that order) from
-  the factory's initializers."""
+  the factory's initializers; each layer or leaf counted into `tally` once placed."""
   plan = engine.plan
   chosen = list(range(len(plan.leaves))) if only is None else list(only)
   masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
   by_layer = [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]
   for i in by_layer:  # stacked leaves not all on the device: one layer at a time
-    parts = _place_by_layer(engine, model_factory, plan.leaves[i], key)
+    parts = _place_by_layer(engine, model_factory, plan.leaves[i], key, tally)
     masters[i] = parts["master"]
     params[i] = parts["params"] if plan.stage == 3 else None
   rest = [i for i in chosen if i not in by_layer]
@@ -197,6 +204,8 @@ def random_states(engine: Engine, model_factory: ModelFactory, key,
         t.wait()
       tickets.clear()
       del x
+      if tally is not None:
+        tally.add(math.prod(leaf.layout.shape))
   if engine.store is not None:
     engine.store.sync()
     if engine.pipeline is not None:

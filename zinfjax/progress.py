@@ -1,11 +1,16 @@
-"""Per-step progress: a bar on a terminal, a log line elsewhere, and a JSONL metrics file."""
+"""Progress of long work: per step, a bar on a terminal, a log line elsewhere, and a JSONL
+metrics file; for an init or a load, the params placed so far (`Tally`, `init_line`)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
+
+# `zinfjax.init(progress=...)`: called with (params placed, params in all, seconds so far)
+InitReport = Callable[[int, int, float], None]
+REPORT_EVERY_S = 2.0  # an init's reports: at most this often
 
 
 def human_bytes(n: float, digits: int = 1) -> str:
@@ -87,3 +92,46 @@ class Progress:
       self.jsonl.close()
     self.stream.write(f"done in {time.perf_counter() - self.start:.1f} s\n")
     self.stream.flush()
+
+
+class Tally:
+  """Counts the params an init or a load has placed, and reports them at most every `every_s`
+  seconds (the first after `every_s`, so a quick init says nothing) and once when done."""
+
+  def __init__(self, total: int, report: InitReport | None, every_s: float | None = None):
+    self.total, self.report = total, report
+    self.every_s = REPORT_EVERY_S if every_s is None else every_s
+    self.done, self.start = 0, time.perf_counter()
+    self.last = self.start
+
+  def add(self, params: int) -> None:
+    self.done += params
+    now = time.perf_counter()
+    if self.report is not None and now - self.last >= self.every_s:
+      self.last = now
+      self.report(self.done, self.total, now - self.start)
+
+  def close(self) -> None:
+    """The final report, where any came before it."""
+    if self.report is not None and self.last > self.start:
+      self.report(self.done, self.total, time.perf_counter() - self.start)
+
+
+def human_count(n: float) -> str:
+  """3.2B, 125.0M, 4.1K: a number of params."""
+  for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:.1f}{unit}"
+  return f"{n:.0f}"
+
+
+def init_line(stream: IO[str] = sys.stdout, what: str = "init") -> InitReport:
+  """An `InitReport` that writes `init 45% | 7.8B of 17.3B params | 12 s, about 15 s left`."""
+  def report(done: int, total: int, seconds: float) -> None:
+    share = done / max(total, 1)
+    left = f", about {seconds * (1 - share) / share:.0f} s left" if 0 < share < 1 else ""
+    stream.write(f"{what} {100 * share:3.0f}% | {human_count(done)} of {human_count(total)} "
+                 f"params | {seconds:.0f} s{left}\n")
+    stream.flush()
+
+  return report

@@ -8,6 +8,7 @@ array per segment of the leaf on `device` or `pinned_host` (see
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Any
 
@@ -24,6 +25,7 @@ from .draw import random_states
 from .engine import Engine, ModelFactory, build_engine, leaf_names, with_store
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
+from .progress import InitReport, Tally
 from .placement import Plan
 from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
@@ -222,10 +224,10 @@ def opt_state_shardings(engine: Engine, master: Any) -> Any:
 
 
 def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract: bool,
-                weights: list | None = None) -> TrainState:
+                weights: list | None = None, progress: InitReport | None = None) -> TrainState:
   """The initial `TrainState` of `engine` (or its sharded `ShapeDtypeStruct`s when `abstract`):
   from `model_factory`'s random init, or streamed from `weights` when given (a tensor or None
-  per plan leaf, as `_matched` gives them)."""
+  per plan leaf, as `_matched` gives them); the params placed reported to `progress`."""
   plan, mesh = engine.plan, engine.mesh
   rep = NamedSharding(mesh, P())
   key = rng if isinstance(rng, jax.Array) else jax.random.key(rng)
@@ -239,11 +241,13 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
       opt = HostAdamState(step, plan.abstract("mu"), plan.abstract("nu"))
     return TrainState(step, plan.abstract("params"), master, opt, engine, known_step=0)
 
+  tally = Tally(sum(math.prod(l.layout.shape) for l in plan.leaves), progress)
   if weights is not None:
     fresh = lambda i: tuple(x[0] for x in random_states(engine, model_factory, key, [i]))
-    masters, params = stream_states(engine, weights, fresh)
+    masters, params = stream_states(engine, weights, fresh, tally)
   else:
-    masters, params = random_states(engine, model_factory, key)
+    masters, params = random_states(engine, model_factory, key, tally=tally)
+  tally.close()
   master = plan.unflatten(masters)
   params = (plan.unflatten(params) if plan.stage == 3 else
             gather_params(plan, master, engine.config.ordered_collectives))
@@ -268,7 +272,7 @@ def _matched(engine: Engine, model_factory: ModelFactory, weights: Any, init_mis
 
 def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: ZeroConfig,
          mesh, rng: int | jax.Array = 0, *, params: Any = None,
-         init_missing: Any = None) -> TrainState:
+         init_missing: Any = None, progress: InitReport | None = None) -> TrainState:
   """Create a sharded `TrainState` without ever holding the whole model on one device.
 
   Args:
@@ -286,6 +290,8 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
       a time. A factory that returns an already built model is streamed the same way.
     init_missing: an nnx filter (e.g. `nnx.LoRAParam`): leaves it selects that `params` lacks
       (new adapters) come from the model's initializers (seeded by `rng`).
+    progress: called with (params placed, params in all, seconds so far) every 2 s or so of
+      a long init, and once at its end (`zinfjax.progress.init_line` prints a line).
   """
   engine = build_engine(model_factory, tx, config, mesh, open_store_=False)
   if params is None:
@@ -294,7 +300,8 @@ def init(model_factory: ModelFactory, tx: optax.GradientTransformation, config: 
   weights = None if params is None else _matched(engine, model_factory, params, init_missing)
   engine = with_store(engine)
   try:
-    return make_states(engine, model_factory, rng, abstract=False, weights=weights)
+    return make_states(engine, model_factory, rng, abstract=False, weights=weights,
+                       progress=progress)
   except BaseException:
     engine.close("its init failed")
     raise

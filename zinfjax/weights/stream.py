@@ -12,6 +12,7 @@ memory holds at most a few shards of one leaf.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 import jax
@@ -21,6 +22,7 @@ from flax import nnx
 
 from ..partition import Region, clip, local, norm_region, shifted
 from ..placement import LeafPlan, Plan, Segment
+from ..progress import Tally
 from .source import Tensor
 
 IN_FLIGHT = 256 << 20   # bytes of NVMe writes in flight while streaming
@@ -91,9 +93,11 @@ def _array(plan: Plan, leaf: LeafPlan, tensor: Tensor, seg: Segment, dtype) -> j
   return jax.make_array_from_callback(shape, plan.sharding(leaf, seg.tier), read, dtype=dtype)
 
 
-def stream_states(engine, tensors: list[Tensor | None], fresh=None) -> tuple[list, list]:
+def stream_states(engine, tensors: list[Tensor | None], fresh=None,
+                  tally: Tally | None = None) -> tuple[list, list]:
   """(master parts, ZeRO-3 param parts) per leaf of `engine.plan`, filled from `tensors`; a leaf
-  without one (None) from `fresh(index) -> (master parts, param parts)`."""
+  without one (None) from `fresh(index) -> (master parts, param parts)`. Each leaf is counted
+  into `tally` once placed (its writes under way)."""
   plan, store, pipeline = engine.plan, engine.store, engine.pipeline
   masters, params = [], []
   writes = _Writes()
@@ -102,10 +106,12 @@ def stream_states(engine, tensors: list[Tensor | None], fresh=None) -> tuple[lis
       m, p = fresh(leaf.index)
       masters.append(m)
       params.append(p)
-      continue
-    masters.append(place(plan, leaf, tensor, "master", store, pipeline, writes))
-    params.append(place(plan, leaf, tensor, "params", store, pipeline, writes)
-                  if plan.stage == 3 else None)
+    else:
+      masters.append(place(plan, leaf, tensor, "master", store, pipeline, writes))
+      params.append(place(plan, leaf, tensor, "params", store, pipeline, writes)
+                    if plan.stage == 3 else None)
+    if tally is not None:
+      tally.add(math.prod(leaf.layout.shape))
   writes.drain()
   if store is not None:
     store.sync()
