@@ -19,6 +19,7 @@ differentiated (a frozen head) gets no gradient computed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Callable
 
 import jax
@@ -169,14 +170,14 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   return jnp.sum(jnp.where(targets >= 0, losses, 0.0)) / scored(targets)
 
 
-def check_ids(model, batch: dict) -> None:
+def check_ids(model, batch: Mapping) -> None:
   """Refuse a host batch whose ids fall outside `model.config.vocab_size` (an input past it or
   below 0, a target past it), naming the leaf, the id and where; zinfjax calls it on every
   batch before the step (`lm_loss.check_batch`). On the device such an id only gives a NaN loss
   and a skipped step. Leaves already on a device (`jax.Array`) are left to that NaN, as reading
   them back would wait for them."""
   vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-  if vocab is None or not isinstance(batch, dict):
+  if vocab is None or not isinstance(batch, Mapping):
     return
   for name, low in (("inputs", 0), ("targets", None)):  # a negative target is ignored
     x = batch.get(name)
