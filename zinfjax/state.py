@@ -25,8 +25,8 @@ from .draw import random_states
 from .engine import Engine, ModelFactory, build_engine, leaf_names, with_store
 from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
-from .progress import InitReport, Tally
 from .placement import Plan
+from .progress import InitReport, Tally
 from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
 
