@@ -8,8 +8,6 @@ memory does not grow with depth. Values equal the whole-model draw bit for bit.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,7 +150,7 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
       t.wait()
     writing = tickets
     if tally is not None:
-      tally.add(math.prod(leaf.layout.shape[1:]))
+      tally.add(leaf.size // leaf.num_layers)
   for t in writing:
     t.wait()
   out: dict[str, list] = {state: [] for state in _created(plan.stage)}
@@ -205,7 +203,7 @@ def random_states(engine: Engine, model_factory: ModelFactory, key,
       tickets.clear()
       del x
       if tally is not None:
-        tally.add(math.prod(leaf.layout.shape))
+        tally.add(leaf.size)
   if engine.store is not None:
     engine.store.sync()
     if engine.pipeline is not None:

@@ -59,8 +59,7 @@ def make_eval_step(state: TrainState, loss_fn: LossFn) -> Eval:
 
   def run(state: TrainState, batch: Any) -> dict:
     state.check_usable("eval_step")
-    if check is not None:
-      check(batch)
+    check(batch)
     return checked(engine, jitted(state.params, shard_batch(engine, batch)))
 
   run.jitted = jitted

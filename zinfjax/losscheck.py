@@ -146,14 +146,14 @@ def check_loss(engine, loss_fn: Callable, batch: Any) -> None:
       "ZeroConfig(trainable=...), or check that the loss uses them.", stacklevel=2)
 
 
-def batch_check(engine, loss_fn: Callable) -> Callable[[Any], None] | None:
+def batch_check(engine, loss_fn: Callable) -> Callable[[Any], None]:
   """`batch -> None`: the loss's own `check_batch(model, batch)` on the abstract model (through
-  `functools.partial`s), raising before any compute; None where the loss has none."""
+  `functools.partial`s), raising before any compute; nothing where the loss has none."""
   fn = loss_fn
   while isinstance(fn, functools.partial):
     fn = fn.func
   check = getattr(fn, "check_batch", None)
   if check is None:
-    return None
+    return lambda batch: None
   model = nnx.merge(engine.graphdef, engine.plan.unflatten(abstract_params(engine.plan)))
   return lambda batch: check(model, batch)

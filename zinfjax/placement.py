@@ -102,6 +102,11 @@ class LeafPlan:
   def local_size(self) -> int:
     return math.prod(self.local_shape)
 
+  @property
+  def size(self) -> int:
+    """The whole leaf's elements (logical shape, every layer, no padding)."""
+    return math.prod(self.layout.shape)
+
   def segments(self, state: str) -> tuple[Segment, ...]:
     if state == "grads" and not self.trainable:
       return ()

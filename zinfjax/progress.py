@@ -95,12 +95,13 @@ class Progress:
 
 
 class Tally:
-  """Counts the params an init or a load has placed, and reports them at most every `every_s`
-  seconds (the first after `every_s`, so a quick init says nothing) and once when done."""
+  """Counts the params an init or a load has placed, and reports them at most every
+  `REPORT_EVERY_S` seconds (the first after that long, so a quick init says nothing) and once
+  when done."""
 
-  def __init__(self, total: int, report: InitReport | None, every_s: float | None = None):
+  def __init__(self, total: int, report: InitReport | None):
     self.total, self.report = total, report
-    self.every_s = REPORT_EVERY_S if every_s is None else every_s
+    self.every_s = REPORT_EVERY_S
     self.done, self.start = 0, time.perf_counter()
     self.last = self.start
 

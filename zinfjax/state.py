@@ -8,7 +8,6 @@ array per segment of the leaf on `device` or `pinned_host` (see
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from typing import Any
 
@@ -241,7 +240,7 @@ def make_states(engine: Engine, model_factory: ModelFactory, rng=0, *, abstract:
       opt = HostAdamState(step, plan.abstract("mu"), plan.abstract("nu"))
     return TrainState(step, plan.abstract("params"), master, opt, engine, known_step=0)
 
-  tally = Tally(sum(math.prod(l.layout.shape) for l in plan.leaves), progress)
+  tally = Tally(sum(l.size for l in plan.leaves), progress)
   if weights is not None:
     fresh = lambda i: tuple(x[0] for x in random_states(engine, model_factory, key, [i]))
     masters, params = stream_states(engine, weights, fresh, tally)

@@ -122,13 +122,12 @@ def make_train_step(state: TrainState, loss_fn: LossFn) -> Step:
   return guarded
 
 
-def consuming(run: Step, check: Callable[[Any], None] | None = None) -> Step:
+def consuming(run: Step, check: Callable[[Any], None]) -> Step:
   """`run`, refusing a state that is no longer usable, or a batch `check` refuses (before the
   state is taken), and marking the state it consumes."""
   def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
     state.check_usable("train_step")
-    if check is not None:
-      check(batch)
+    check(batch)
     try:
       new, metrics = run(state, batch)
     except BaseException:

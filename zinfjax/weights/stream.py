@@ -12,7 +12,6 @@ memory holds at most a few shards of one leaf.
 from __future__ import annotations
 
 import collections
-import math
 from typing import Any
 
 import jax
@@ -111,7 +110,7 @@ def stream_states(engine, tensors: list[Tensor | None], fresh=None,
       params.append(place(plan, leaf, tensor, "params", store, pipeline, writes)
                     if plan.stage == 3 else None)
     if tally is not None:
-      tally.add(math.prod(leaf.layout.shape))
+      tally.add(leaf.size)
   writes.drain()
   if store is not None:
     store.sync()
