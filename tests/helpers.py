@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -108,3 +109,17 @@ def assert_same_training(losses, state, want_losses, want, rtol: float = 0.0) ->
   for got, expected in zip(arrays(state.full_params()) + compute_params(state),
                            arrays(want.full_params()) + compute_params(want)):
     same(got, expected)
+
+
+def scalar_threads(pipeline) -> set[str]:
+  """The names of the threads that make the host pipeline's update scalars (a jax computation)
+  from now on. Made on its own thread, under the step's program, they would queue on a GPU
+  behind the whole program (XLA:GPU runs a device's programs one at a time)."""
+  made, names = pipeline._scalars, set()
+
+  def record(count):
+    names.add(threading.current_thread().name)
+    return made(count)
+
+  pipeline._scalars = record
+  return names

@@ -3,6 +3,8 @@ pipeline makes runs one step late, beside the next step's program. Checked again
 single-device AdamW that applies each step's grads one step later (clipped by their own step's
 norm, a non-finite step's grads dropped), and through a checkpoint."""
 
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -10,7 +12,7 @@ import pytest
 
 import zinfjax
 
-from helpers import text_batches, zero_training
+from helpers import scalar_threads, text_batches, zero_training
 from test_delayed import (DECAY, LR, STEPS, check_params, factory, reference_grads,
                           scaled_loss)
 
@@ -68,11 +70,14 @@ def test_every_update_one_step_late_equals_the_reference(param, optimizer, extra
   check_params(state, want)
   # nothing speculative: no step redone, whatever the norm
   before = dict(pipeline.held.grads)
+  threads = scalar_threads(pipeline)
   state, metrics = zinfjax.train_step(state, batches[STEPS], scaled_loss)
   assert metrics.get("nvme_redone", 0) == 0
   # the held grads' host arrays serve again two steps later (no fresh pages each step)
   state, _ = zinfjax.train_step(state, batches[0], scaled_loss)
   assert all(a is before[k] for k, a in pipeline.held.grads.items())
+  # the held update's scalars and this step's are made before the program is dispatched
+  assert threads == {threading.main_thread().name}
   # the host arrays kept between steps are what the memory count says (new params in arrays
   # are handed to them each step, not kept: a third of the count, fp32 grads and params)
   from zinfjax.autoplace import delayed_bytes

@@ -3,6 +3,8 @@ updated in place by the host pipeline (the C++ AdamW on host threads). It trains
 like the update inside XLA's host computation, checkpoints move between the two, and the
 memory store itself lends its shards without copies and without outliving its owner."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from zinfjax.offload import AioStore
 from zinfjax.placement import Tier
 
 from helpers import (arrays, assert_same_training, clipped_adamw, compute_params, four_layer_gpt,
-                     text_batches, zero_training)
+                     scalar_threads, text_batches, zero_training)
 
 STEPS = 6
 factory, tx = four_layer_gpt, clipped_adamw
@@ -59,12 +61,15 @@ def test_host_pipeline_updates_under_backward(param, mesh, batches):
                             offload_optimizer="pinned_host", skip_nonfinite=False)
   xla_losses, xla = zero_training(factory, tx(None), zero, mesh, batches, lm_loss)
   state = zinfjax.init(factory, tx(None), zero.replace(host_optimizer="pipeline"), mesh, 0)
+  threads = scalar_threads(state.engine.pipeline)
   losses = []
   for batch in batches:
     state, metrics = zinfjax.train_step(state, batch, lm_loss)
     losses.append(float(metrics["loss"]))
     assert "nvme_grad_waits" in metrics  # the update ran beside the program, gated per grad
   assert_same_training(losses, state, xla_losses, xla)
+  # its device work is done before the program is dispatched, none on the pipeline's thread
+  assert threads == {threading.main_thread().name}
   state.close()
   xla.close()
 

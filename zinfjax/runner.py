@@ -102,6 +102,7 @@ class PipelineRunner:
     engine, pipeline = self.engine, self.engine.pipeline
     t0 = time.perf_counter()
     count = int(state.opt_state.count)
+    pipeline.prepare(count)  # nothing the pipeline does under the program waits on the device
     batch = shard_batch(engine, batch)
     if self.under_backward:
       if not self.ordered:  # backward writes the grads in the reverse of the forward's order

@@ -82,6 +82,7 @@ class NvmePipeline(StreamAdam):
                      "grads": layers(moves.select(Phase.BACKWARD, "grads"))}
     self._nvme = self._on_nvme["master"]
     self._scalars = jax.jit(hyper.scalars)
+    self._hyper: dict[int, tuple] = {}  # (lr, bc1, bc2, step) by count, made by `prepare`
     self.set_order(moves.grad_order)  # the plan's stack order, until the step finds the forward's
 
   def set_order(self, order: Sequence[tuple[int, int]]) -> None:
@@ -183,9 +184,21 @@ class NvmePipeline(StreamAdam):
     self.last_step = {k: sum(r.get(k, 0.0) for r in runs) for k in STATS}
     return outs
 
+  def prepare(self, count: int) -> None:
+    """Make the scalars of the step after `count` steps (and of the held update) now, before
+    the step's program is dispatched. Made later, on the pipeline's thread, their computation
+    would queue on the device behind the whole program (XLA:GPU runs a device's programs one
+    after another), and the update meant to run under backward would start after it."""
+    counts = {count} | ({self.held.count} if self.held is not None else set())
+    self._hyper = {c: self._hyper.get(c) or self._compute_hyper(c) for c in counts}
+
   def _hyper_at(self, count: int) -> tuple:
-    """(lr, bc1, bc2, step) of the update after `count` steps, as Python scalars (jitted, like
-    in the step: XLA's compiled pow/schedule can differ from eager by an ulp)."""
+    """(lr, bc1, bc2, step) of the update after `count` steps, as Python scalars: those
+    `prepare` made, else made now."""
+    return self._hyper.get(count) or self._compute_hyper(count)
+
+  def _compute_hyper(self, count: int) -> tuple:
+    """Jitted, like in the step: XLA's compiled pow/schedule can differ from eager by an ulp."""
     return tuple(x.item() for x in self._scalars(jnp.int32(count)))
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
