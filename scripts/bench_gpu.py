@@ -67,6 +67,9 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("nvme", "nvme", "nvme", "params + optimizer on nvme"),
               ("mixed", "pinned_host", "nvme", "params on pinned_host, optimizer on nvme, host "
                "pipeline under backward (RAM + drive stores), rewritten in place")]
+# untimed steps before each row's: the compile, and under "all" the first lends of the RAM
+# store's twins (each page-locked on a GPU the first time: steps 2 and 3)
+WARMUP = 3
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
 OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "stream", "pipeline-delayed-all-bf16"}
 
@@ -87,7 +90,7 @@ def parse_args(argv=None):
   p.add_argument("--pinned-budget", type=int, default=8192,
                  help="MiB of page-locked buffers the store keeps (hold a few layers: buffers it "
                       "cannot keep are unpinned and pinned again)")
-  p.add_argument("--steps", type=int, default=3, help="timed steps per row (after one warm-up)")
+  p.add_argument("--steps", type=int, default=3, help="timed steps per row (after WARMUP untimed)")
   p.add_argument("--sections", default="copies,matmul,disk,host,steps",
                  help="comma-separated sections to run, or single parts of one (copies.ceiling, "
                       "copies.memory_kinds, copies.swap); a failing part is recorded and the rest run")
@@ -261,10 +264,9 @@ def disk(folder: str, nbytes: int) -> dict:
 
 def peaks(jax) -> dict:
   """The process's peak device memory (None where the backend keeps no count) and peak RSS."""
-  import resource
+  from zinfjax.progress import peak_rss
   stats = jax.devices()[0].memory_stats() or {}
-  return {"peak_hbm": stats.get("peak_bytes_in_use"),
-          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10}
+  return {"peak_hbm": stats.get("peak_bytes_in_use"), "peak_rss": peak_rss()}
 
 
 def delay_of(name: str) -> str:
@@ -352,7 +354,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
     batch_size = max(1, tokens // config.seq_len)
     rng = np.random.default_rng(tokens)
     batches = [{k: rng.integers(0, config.vocab_size, (batch_size, config.seq_len)).astype(np.int32)
-                for k in ("inputs", "targets")} for _ in range(args.steps + 1)]
+                for k in ("inputs", "targets")} for _ in range(args.steps + WARMUP)]
     flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
     for _, param, optimizer, name in [p for t, p in specs if t == tokens]:
       os.environ["ZINFJAX_ATTENTION"] = "explicit" if "explicit attention" in name else "auto"
@@ -373,7 +375,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
         moments = "bfloat16" if "bf16 moments" in name else "float32"
         state = zinfjax.init(lambda r: GPT(config, rngs=r),
                              zinfjax.optim.adamw(1e-4, moment_dtype=moments), zero, mesh, 0)
-        step, state, metrics = median_step(state, batches, lm_loss)
+        step, state, metrics = median_step(state, batches, lm_loss, WARMUP)
         rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
                      "tokens_per_s": batch_size * config.seq_len / step,
                      # MFU needs the matmul rate: a row run in its own process gets it from its parent
@@ -383,7 +385,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
                      "loss": float(metrics["loss"]), **peaks(jax),
                      # write_many's grads through the copy stream (swap_cuda.cc), or XLA's stream
                      "copy_stream": os.environ.get("ZINFJAX_COPY_STREAM") == "1"})
-        rows[-1].update(where_it_went(state, metrics, args.steps + 1))
+        rows[-1].update(where_it_went(state, metrics, args.steps + WARMUP))
         if param == "nvme":  # the same bytes through the store with nothing else running
           rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]
         print(f"  {name} at {tokens} tokens: {step:.3f} s{phase_line(rows[-1])}", flush=True)

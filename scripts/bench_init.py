@@ -28,6 +28,7 @@ def worker(args) -> None:
   import jax
   import zinfjax
   from zinfjax.models import GPT, get_config
+  from zinfjax.progress import peak_rss
 
   config = get_config(args.preset, num_layers=args.worker)
   zero = zinfjax.ZeroConfig(offload_param=args.offload_param,
@@ -39,8 +40,7 @@ def worker(args) -> None:
   jax.block_until_ready(jax.tree.leaves(state.master))
   seconds = time.perf_counter() - start
   used = state.engine.store.stats()["bytes_used"]
-  with open("/proc/self/status") as fh:
-    rss = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:"))
+  rss = peak_rss()
   state.engine.store.close()
   draw = draw_alone(state.engine, lambda r: GPT(config, rngs=r))
   print(json.dumps({"layers": args.worker, "seconds": seconds, "peak_rss": rss, "draw_s": draw,

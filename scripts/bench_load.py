@@ -58,6 +58,7 @@ def worker(mode: str, folder: str, swap: str) -> None:
   import jax
   import zinfjax
   from zinfjax.models import hf
+  from zinfjax.progress import peak_rss
 
   config, make, weights = hf.load(folder)
   # the optimizer must fit one rank's whole embedding shard (one device): 3 x 262 MB
@@ -70,8 +71,7 @@ def worker(mode: str, folder: str, swap: str) -> None:
   jax.block_until_ready(jax.tree.leaves(state.master))
   seconds = time.perf_counter() - start
   used = state.engine.store.stats()["bytes_used"]
-  with open("/proc/self/status") as fh:
-    rss = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:"))
+  rss = peak_rss()
   print(json.dumps({"mode": mode, "seconds": seconds, "peak_rss": rss, "store_bytes": used,
                     "params": config.num_params, "import_s": start - t0}), flush=True)
   state.engine.store.close()

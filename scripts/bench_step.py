@@ -197,8 +197,8 @@ def main(argv=None) -> int:
   return 0
 
 
-def median_step(state, batches, loss_fn) -> tuple:
-  """(median seconds of every step after the first, final state, last metrics)."""
+def median_step(state, batches, loss_fn, warmup: int = 1) -> tuple:
+  """(median seconds of every step after the first `warmup`, final state, last metrics)."""
   import jax
   import zinfjax
   times, metrics = [], {}
@@ -206,7 +206,7 @@ def median_step(state, batches, loss_fn) -> tuple:
     t0 = time.perf_counter()
     state, metrics = zinfjax.train_step(state, batch, loss_fn)
     jax.block_until_ready(metrics)
-    if i:
+    if i >= warmup:
       times.append(time.perf_counter() - t0)
   return statistics.median(times), state, metrics
 

@@ -6,16 +6,18 @@
 # STAGES, comma-separated, run in the order given (default env,build,gpu-tests,bench,cpu-suite):
 #   env          the machine, the driver, the versions (env.txt)
 #   build        zinfjax with its CUDA handlers (build.log)
-#   gpu-tests    tests/gpu, the tests never yet passed on a GPU first (gpu_tests.log)
-#   speed        the numbers of the GPU speed issue: MFU and pinned host (the update on the device
-#                a layer at a time, the host pipeline after and under backward; XLA's host AdamW
-#                is in bench) at 16k and 64k tokens, with the host's side alone, each row in its
-#                own process (speed.log, speed/bench_gpu.json)
+#   gpu-tests    tests/gpu, the tests never yet passed on a GPU first (gpu_tests.log); GPU_TESTS_K
+#                picks some by pytest's -k (all 26 take about 330 s on an H100)
+#   speed        the numbers of the GPU speed issue: MFU and pinned host (the host pipeline under
+#                backward, with the embedding's update or every update one step late, and with
+#                bf16 moments; SPEED_PLACEMENTS picks other bench_gpu.py rows) at 16k and 64k
+#                tokens, with the host's side alone, each row in its own process (speed.log,
+#                speed/bench_gpu.json)
 #   bench        every row of bench_gpu.py: copies, disk, steps, NVMe's against I/O alone, each step
 #                row in its own process (bench_gpu.log, bench_gpu.json)
 #   copy-stream  the host-pipeline step (and NVMe's with COPY_PLACEMENTS=device,pipeline-under,nvme)
 #                with grads leaving the device on XLA's stream, then through the copy stream:
-#                ZINFJAX_COPY_STREAM=0/1 (copy_stream_*.log)
+#                ZINFJAX_COPY_STREAM=0/1, or those COPY_MODES names (copy_stream_*.log)
 #   profile      a jax.profiler trace of the bench GPT, all on device and on pinned host under the
 #                host pipeline, and the top kernels by time as text (profile_device.txt,
 #                profile_pinned_host.txt)
@@ -32,9 +34,11 @@
 #   cpu-confirm  the CPU tests that failed under jax 0.11 before their fixes, on this machine's
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
-#   first        the plan for one call of a 15-minute device budget:
-#                env,build,speed,gpu-tests,profile,copy-stream with DEADLINE=560, KEEP_GOING=1
-#                and PACK=1 (run it with the device tool's timeout_s=600)
+#   first        the plan for one call of a 15-minute device budget: env,build,speed,copy-stream,
+#                gpu-tests with DEADLINE=560, KEEP_GOING=1 and PACK=1, the copy stream's rows alone
+#                (COPY_MODES=1: speed's rows are on XLA's stream) for the pipeline under backward
+#                and one step late, the host pipeline's GPU tests alone (run it with the device
+#                tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
 #               is left, a stage with under 30 s left is not started (listed in the summary)
@@ -62,8 +66,10 @@ elif [[ "${3:-}" == "--dry-run" ]]; then
   DRY=1
 fi
 if [[ "$STAGES" == first ]]; then
-  STAGES=env,build,speed,gpu-tests,profile,copy-stream
-  DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
+  STAGES=env,build,speed,copy-stream,gpu-tests
+  DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1} COPY_MODES=${COPY_MODES:-1}
+  COPY_PLACEMENTS=${COPY_PLACEMENTS:-device,pipeline-under,pipeline-delayed-all}
+  GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
 KNOWN=" env build gpu-tests speed bench copy-stream profile ckpt largest peer cpu-confirm cpu-suite "
@@ -133,6 +139,7 @@ stage_gpu_tests() {
   # xdist starts another worker for the tests after it
   if $PY -c "import xdist" 2>/dev/null; then per_test+=(-n 1); fi
   # -v: a line per test as it ends, so a run cut at its time limit still says which passed
+  if [[ -n "${GPU_TESTS_K:-}" ]]; then per_test+=(-k "$GPU_TESTS_K"); fi
   run gpu_tests.log 450 $PY -P -m pytest -v -p no:cacheprovider tests/gpu -ra "${per_test[@]}"
   if [[ $DRY == 0 ]] && grep -qE "[0-9]+ skipped" "$OUT/gpu_tests.log"; then
     note "GPU tests were skipped on a GPU machine: see gpu_tests.log"
@@ -148,9 +155,10 @@ stage_speed() {
   # the issue's shape for the MFU target: hidden 2048, seq 2048 (--tiny shrinks both)
   local sizes=(--tokens 16384,65536 --seq-len 2048)
   if [[ $DRY == 1 ]]; then sizes=("${TINY[@]}"); fi
+  local rows=device,pipeline-under,pipeline-delayed,pipeline-delayed-all,pipeline-delayed-all-bf16
   run speed.log 390 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
-    --sections matmul,copies.memory_kinds,host,steps \
-    --placements device,stream,pipeline,pipeline-under,pipeline-delayed-all "${sizes[@]}"
+    --sections matmul,copies.memory_kinds,host,steps --placements "${SPEED_PLACEMENTS:-$rows}" \
+    "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
 }
 
@@ -165,12 +173,12 @@ stage_bench() {
 
 stage_copy_stream() {
   local mode sizes placements=${COPY_PLACEMENTS:-device,pipeline-under}
-  for mode in 0 1; do
+  for mode in ${COPY_MODES:-0 1}; do
     if [[ $DRY == 1 ]]; then sizes=("${TINY[@]}"); else sizes=(--tokens 16384); fi
     ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py --isolate 200 \
       --out "$OUT/copy_stream_$mode" --sections steps --placements "$placements" "${sizes[@]}"
   done
-  note "copy-stream: copy_stream_0.log (XLA's stream), copy_stream_1.log (the copy stream)"
+  note "copy-stream: copy_stream_{${COPY_MODES:-0 1}}.log (0: XLA's stream, 1: the copy stream)"
 }
 
 stage_profile() {

@@ -31,7 +31,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -181,7 +180,14 @@ def one(args) -> dict:
           "mfu_spec": flops / step / 1e12 / SPEC_TFLOPS, "loss": losses[-1], "losses": losses,
           "init_s": init_s, "params": config.num_params,
           "peak_hbm": torch.cuda.max_memory_allocated() if gpu else None,
-          "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10}
+          "peak_rss": peak_rss()}
+
+
+def peak_rss() -> int:
+  """This process's peak RSS in bytes: VmHWM, as zinfjax.progress.peak_rss reads it (this script
+  imports no zinfjax); ru_maxrss would carry a large parent's peak over the exec."""
+  with open("/proc/self/status") as f:
+    return next((int(l.split()[1]) << 10 for l in f if l.startswith("VmHWM:")), 0)
 
 
 def matmul_rate(n: int = 8192) -> float | None:

@@ -147,15 +147,6 @@ def peak_hbm() -> int | None:
   return max((p for p in peaks if p is not None), default=None)
 
 
-def peak_rss() -> int:
-  """Peak resident memory of this process in bytes (VmHWM)."""
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  return 0
-
-
 def check_args(args) -> None:
   """Numbers and flags that cannot work, refused before anything is loaded or compiled."""
   for name in ("steps", "batch_size", "seq_len", "devices", "layers", "hidden", "heads",
@@ -299,7 +290,7 @@ def main(argv=None) -> int:
   from zinfjax.offload.mixed import used_by_medium
   from zinfjax.autoplace import need
   from zinfjax.engine import build_engine
-  from zinfjax.progress import Progress, human_bytes, init_line, parse_budgets
+  from zinfjax.progress import Progress, human_bytes, init_line, parse_budgets, peak_rss
 
   # the engine's errors already name the file and the fix: one line for the user, no traceback
   engine_errors = (EngineError, NoSpaceError, CorruptShardError, MissingShardError, CheckpointError)

@@ -128,14 +128,24 @@ def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:
   """Host RAM per device that `config.delay_update`'s arrays take (`memory.DELAY_BYTES` a
   delayed param, in the plan's dtypes: the held grads twice and the new params), for the
   layers whose optimizer is in a swap store: all of them under "all"; under "tail" those of
-  the leaves outside the stacks (all of them: a bound)."""
+  the leaves outside the stacks (all of them: a bound). Under "all" with steps rewritten in
+  place, a RAM store keeps the held grads and new params it holds in twins instead: once
+  each."""
   if config.delay_update == "none":
     return 0
-  per = 2 * plan.dtype("grads").itemsize + plan.dtype("params").itemsize
+  grads, params = plan.dtype("grads").itemsize, plan.dtype("params").itemsize
   in_store = lambda tier: not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
-  return sum(seg.layers * leaf.local_size * per for leaf in plan.leaves
-             if config.delay_update == "all" or not leaf.stacked
-             for seg in leaf.optimizer if in_store(seg.tier))
+  ram = lambda tier: tier is Tier.HOST_STORE or (tier is Tier.PINNED_HOST and config.host_store)
+  drive = any(Tier.NVME in plan.tiers(state) for state in ("params", "grads", "master"))
+  twins = config.delay_update == "all" and not config.nvme_atomic_steps and not drive
+  total = 0
+  for leaf in plan.leaves:
+    if config.delay_update == "all" or not leaf.stacked:
+      for seg in leaf.optimizer:
+        if in_store(seg.tier):
+          kept = twins and ram(leaf.tier("grads", seg.start))  # in its twin, not in arrays
+          total += seg.layers * leaf.local_size * (grads * (1 if kept else 2) + params)
+  return total
 
 
 def _split(fast: list[tuple[str, int]], slow: str, depth: int) -> str:

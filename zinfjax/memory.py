@@ -24,7 +24,8 @@ STATE_BYTES = {"params": PARAM_BYTES, "grads": GRAD_BYTES, "optimizer": 12}
 # with adamw(moment_dtype="bfloat16"): the fp32 master and two bf16 moments
 BF16_MOMENTS_OPTIMIZER_BYTES = 8
 # `ZeroConfig.delay_update`'s host arrays per delayed param: its held grads twice (the ones
-# applied and the step's own, copied out of the store as backward writes them) and its new params
+# applied and the step's own, copied out of the store as backward writes them) and its new
+# params; in a RAM store alone, the grads once (in their twins, `optim.pipeline.TWIN`)
 DELAY_BYTES = 2 * GRAD_BYTES + PARAM_BYTES
 
 
@@ -57,7 +58,10 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
   in_store = offload_optimizer == Tier.NVME or (offload_optimizer == Tier.PINNED_HOST
                                                  and host_optimizer == "pipeline")
   if delay_update == "all" and in_store:
-    out[Tier.PINNED_HOST] += DELAY_BYTES
+    # a RAM store alone, rewritten in place, keeps the grads it holds in their twins: once
+    twins = host_optimizer == "pipeline" and Tier.NVME not in tiers.values() and not atomic_host
+    kept = twins and tiers["grads"] == Tier.PINNED_HOST
+    out[Tier.PINNED_HOST] += DELAY_BYTES - (GRAD_BYTES if kept else 0)
   return out
 
 

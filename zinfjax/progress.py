@@ -13,6 +13,17 @@ InitReport = Callable[[int, int, float], None]
 REPORT_EVERY_S = 2.0  # an init's reports: at most this often
 
 
+def peak_rss() -> int:
+  """This process's peak resident memory in bytes (VmHWM; 0 where /proc is missing). Not
+  `ru_maxrss`: Linux carries that over an exec, so a child started by a large process would
+  report the parent's peak."""
+  try:
+    with open("/proc/self/status") as f:
+      return next((int(l.split()[1]) << 10 for l in f if l.startswith("VmHWM:")), 0)
+  except OSError:
+    return 0
+
+
 def human_bytes(n: float, digits: int = 1) -> str:
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(n) < 1024 or unit == "TiB":

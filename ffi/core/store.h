@@ -193,6 +193,10 @@ class SwapStore {
   // updating in place: valid while the store lives and the key is not written
   // again (a write in a transaction moves it to a fresh extent).
   uint8_t* View(const std::string& key, ShardEntry* entry) const;
+  // A memory store's shards trade places, pair by pair: each key names the bytes the other
+  // named, nothing is copied. Both keys of a pair must hold shards of one dtype and shape,
+  // with no transfer of them in flight, outside a transaction. All pairs are checked first.
+  void Exchange(const std::vector<std::pair<std::string, std::string>>& pairs);
   // A memory store's shard `key` for an update that reads it and rewrites it whole: the bytes
   // to write (returned) and the bytes to read (`*from`). Inside a transaction that versions
   // the key, its first stage takes the step's fresh extent as its first write would (the new

@@ -101,6 +101,26 @@ uint8_t* SwapStore::View(const std::string& key, ShardEntry* entry) const {
   return map_ + entry->offset;  // one "file": logical offsets are file offsets
 }
 
+void SwapStore::Exchange(const std::vector<std::pair<std::string, std::string>>& pairs) {
+  if (!config_.memory) throw EngineError("only a host-memory store exchanges its shards");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (txn_) throw EngineError("swap store: Exchange inside a transaction (Commit or Rollback first)");
+  for (const auto& [a, b] : pairs) {
+    WaitWritten(lock, a);
+    WaitWritten(lock, b);
+  }
+  for (const auto& [a, b] : pairs) {
+    auto ia = manifest_.find(a), ib = manifest_.find(b);
+    if (ia == manifest_.end() || ib == manifest_.end())
+      throw MissingShard("no shard '" + (ia == manifest_.end() ? a : b) + "' to exchange");
+    const ShardEntry &ea = ia->second, &eb = ib->second;
+    if (ea.dtype != eb.dtype || ea.shape != eb.shape || ea.nbytes != eb.nbytes)
+      throw ShardMismatch("shards '" + a + "' (" + Describe(ea.dtype, ea.shape) + ") and '" + b +
+                          "' (" + Describe(eb.dtype, eb.shape) + ") differ: they cannot trade places");
+  }
+  for (const auto& [a, b] : pairs) std::swap(manifest_[a], manifest_[b]);
+}
+
 std::vector<std::string> SwapStore::files() const {
   std::vector<std::string> out;
   for (const auto& f : folders_) out.push_back(f + "/swap.bin");

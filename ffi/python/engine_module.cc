@@ -315,6 +315,8 @@ PYBIND11_MODULE(_engine, m) {
       }, py::arg("key"), py::arg("generation"), py::arg("timeout_s"),
          py::call_guard<py::gil_scoped_release>())
       .def("has", &SwapStore::Has)
+      .def("exchange", &SwapStore::Exchange, py::arg("pairs"),
+           py::call_guard<py::gil_scoped_release>())
       .def("keys", &SwapStore::Keys)
       .def("entry", [](const SwapStore& s, const std::string& key) {
         ShardEntry e = s.Entry(key);

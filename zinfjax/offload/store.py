@@ -223,6 +223,15 @@ class AioStore:
   def entry(self, key: str) -> dict:
     return self._store.entry(key)
 
+  def has(self, key: str) -> bool:
+    return self._store.has(key)
+
+  def exchange(self, pairs: Sequence[tuple[str, str]]) -> None:
+    """A memory store's shards trade places, pair by pair: each key then names the bytes the
+    other named (a double buffer's halves swapped, nothing copied). Both keys hold shards of
+    one dtype and shape, with no transfer of them in flight, outside a transaction."""
+    self._store.exchange([(a, b) for a, b in pairs])
+
   def generation(self, key: str) -> int:
     """Completed writes of `key` so far (by any thread, XLA custom calls included)."""
     return self._store.generation(key)

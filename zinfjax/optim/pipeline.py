@@ -18,6 +18,13 @@ has written the part's grads (the program reads its params no more), and
 reach a tier of arrays after the program. With `delay="all"` every part is:
 the whole update runs while the next step's program does (ZeRO-Offload's
 delayed parameter update).
+
+Under "all" in a RAM store outside transactions, the held grads and the new params
+stay in the store, double-buffered: each such key has a twin (`TWIN` + key). Backward
+writes a step's grads to the key while the held update reads the last step's from the
+twin and writes the new params to the params key's twin while the program reads the
+key; once the program is done the pairs trade places (`AioStore.exchange`), so nothing
+is copied.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
 
 
+TWIN = "t/"  # + a store key: the key's twin (its other buffer), under "all" in a RAM store
 # what one step's streams report (`StreamAdam.last_step`), summed over them
 STATS = ("step_s", "compute_s", "read_wait_s", "write_wait_s", "bytes_read", "bytes_written")
 
@@ -47,6 +55,7 @@ class Held:
   grads: dict[PartKey, np.ndarray]
   count: int                # the optimizer count of the step that made them
   norm: float | None = None  # that step's global grad norm (for clipping)
+  in_store: tuple[Part, ...] = ()  # parts whose grads stay in the store: in their twins
 
 
 class NvmePipeline(StreamAdam):
@@ -70,6 +79,7 @@ class NvmePipeline(StreamAdam):
     self.tail: list[Unit] = []  # the sub-groups updated one step late (first in `units`)
     self.held: Held | None = None  # the grads they wait with
     self._pending: Held | None = None  # this step's, held once the step stands
+    self._new_in_twins = False  # the held update wrote new params to the params keys' twins
     # host arrays of held grads and written params a step is done with, for a later step's
     # (fresh pages cost a page fault each: two bytes a param, twice a step, under "all")
     self._spare: dict[tuple[str, PartKey], np.ndarray] = {}
@@ -163,24 +173,28 @@ class NvmePipeline(StreamAdam):
       return known[0]
 
     held = self.held if self.tail else None
+    twins = self.twins
     # new params in host arrays: those the store does not keep, and the tail's (written to the
-    # store once the program is past them, `_grads_of`)
+    # store once the program is past them, `_grads_of`; or to their twins)
     made = [p for u in now for p in u.parts if not self.on_store("params", p)]
     if held is not None:
-      made += [p for u in self.tail for p in u.parts]
+      made += [p for u in self.tail for p in u.parts if not (twins and self.on_store("params", p))]
     outs = {p.id: self._array("params", p) for p in made}
-    out_of = lambda p: outs[p.id].reshape(-1)
+    out_of = lambda p: outs[p.id].reshape(-1) if p.id in outs else self._twin("params", p)
     runs = []  # each stream's stats, summed for the step
     if held is not None:  # the delayed parts, with the grads held from the step before
       h_lr, h_bc1, h_bc2, h_step = self._hyper_at(held.count)
       self.stream(h_lr, h_bc1, h_bc2, self.decays, lambda p: held.grads[p.id], out_of, None,
                   lambda: held.norm, clip, h_step, units=self.tail, held=True)
       runs.append(self.last_step)
+      self._new_in_twins = twins
     if now:
       self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
       runs.append(self.last_step)
     if self.tail:
-      self._pending = Held(self._grads_of(self.tail, grad_of, gate, outs), count)
+      kept = tuple(p for u in self.tail for p in u.parts if twins and self.on_store("grads", p))
+      self._pending = Held(self._grads_of(self.tail, grad_of, gate, outs, kept), count,
+                           in_store=kept)
     self.last_step = {k: sum(r.get(k, 0.0) for r in runs) for k in STATS}
     return outs
 
@@ -202,14 +216,16 @@ class NvmePipeline(StreamAdam):
     return tuple(x.item() for x in self._scalars(jnp.int32(count)))
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
-                gate: "GradGate | None",
-                outs: dict[PartKey, np.ndarray]) -> dict[PartKey, np.ndarray]:
+                gate: "GradGate | None", outs: dict[PartKey, np.ndarray],
+                kept: Sequence[Part] = ()) -> dict[PartKey, np.ndarray]:
     """Copies of the grads of `units`' parts: from the store (in the order backward writes
     them, each run of written ones read at once while backward goes on), then from `grad_of`
     (once the program is done). A part's grads written, the program reads its params no more:
     its new params in `outs` whose tier is the store (the held update's) are written there
-    then, not after the program, and leave `outs`."""
-    parts = [p for u in units for p in u.parts]
+    then, not after the program, and leave `outs`. The grads of `kept` are not copied: they
+    stay in the store (`advance` moves them to their twins)."""
+    left = {p.id for p in kept}
+    parts = [p for u in units for p in u.parts if p.id not in left]
     out = {p.id: self._array("grads", p) for p in parts}
     tickets: list = []
     sent: list[tuple[Part, np.ndarray]] = []  # new params written to the store
@@ -248,7 +264,14 @@ class NvmePipeline(StreamAdam):
     applied them, and they are spent."""
     pending, self._pending = self._pending, None
     before = self.held
+    if self._new_in_twins:  # the held update applied, skipped or not: its params are current
+      self._exchange("params", [p for u in self.tail for p in u.parts if self.on_store("params", p)])
+      self._new_in_twins = False
     if pending is not None and not skipped:
+      if pending.in_store:  # this step's grads to the twins, where the next backward leaves them
+        self._exchange("grads", pending.in_store)
+        pending.grads.update((p.id, self._twin("grads", p).reshape(self.shape(p)))
+                             for p in pending.in_store)
       pending.norm = norm
       self.held = pending
     elif skipped and self.delay == "all":
@@ -257,6 +280,27 @@ class NvmePipeline(StreamAdam):
       if spent is not None and spent is not self.held:
         self._spare.update((("grads", k), a) for k, a in spent.grads.items()
                            if a.base is None and a.flags.writeable)
+
+  @property
+  def twins(self) -> bool:
+    """Whether this step's held grads and new params stay in the store, double-buffered:
+    every update one step late, in a RAM store, outside a transaction (whose rollback would
+    not undo an exchange)."""
+    return (self.delay == "all" and self.store.memory and not self.store.in_transaction
+            and hasattr(self.store, "exchange"))
+
+  def _twin(self, state: str, part: Part) -> np.ndarray:
+    """The flat bytes of `part`'s `state` twin in the store (made on first use)."""
+    key = TWIN + self.key(state, part)
+    if not self.store.has(key):
+      dtype = self.grads_dtype if state == "grads" else self.params_dtype
+      self.store.write(key, np.zeros(self.shape(part), dtype)).wait()
+    return self.store.view(key).reshape(-1)
+
+  def _exchange(self, state: str, parts: Sequence[Part]) -> None:
+    for p in parts:
+      self._twin(state, p)  # both halves exist
+    self.store.exchange([(self.key(state, p), TWIN + self.key(state, p)) for p in parts])
 
   def _array(self, state: str, part: Part) -> np.ndarray:
     """A host array for `part`'s held "grads" or new "params": one a step is done with, else
