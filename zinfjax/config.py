@@ -165,7 +165,8 @@ class ZeroConfig:
       AdamW hides behind forward and backward, with nothing speculative (the
       held grads' norm is known, clipping and skip_nonfinite need no redo);
       it holds a copy of those grads and of the new params in host RAM
-      between steps. The trade: those params see each step's grads one step
+      between steps (a RAM store alone keeps a second buffer of each, and the
+      two trade places after each step: no copy). The trade: those params see each step's grads one step
       later (the first step leaves them as they were; checkpoints keep the
       held grads, and a run resumed with the same delay applies them).
       "none" (default): no delay.
