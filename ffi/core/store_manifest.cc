@@ -104,7 +104,8 @@ uint8_t* SwapStore::View(const std::string& key, ShardEntry* entry) const {
 void SwapStore::Exchange(const std::vector<std::pair<std::string, std::string>>& pairs) {
   if (!config_.memory) throw EngineError("only a host-memory store exchanges its shards");
   std::unique_lock<std::mutex> lock(mu_);
-  if (txn_) throw EngineError("swap store: Exchange inside a transaction (Commit or Rollback first)");
+  if (txn_)
+    throw EngineError("swap store: Exchange inside a transaction (Commit or Rollback first)");
   for (const auto& [a, b] : pairs) {
     WaitWritten(lock, a);
     WaitWritten(lock, b);
@@ -116,7 +117,8 @@ void SwapStore::Exchange(const std::vector<std::pair<std::string, std::string>>&
     const ShardEntry &ea = ia->second, &eb = ib->second;
     if (ea.dtype != eb.dtype || ea.shape != eb.shape || ea.nbytes != eb.nbytes)
       throw ShardMismatch("shards '" + a + "' (" + Describe(ea.dtype, ea.shape) + ") and '" + b +
-                          "' (" + Describe(eb.dtype, eb.shape) + ") differ: they cannot trade places");
+                          "' (" + Describe(eb.dtype, eb.shape) +
+                          ") differ: they cannot trade places");
   }
   for (const auto& [a, b] : pairs) std::swap(manifest_[a], manifest_[b]);
 }
