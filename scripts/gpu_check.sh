@@ -156,7 +156,7 @@ stage_speed() {
   local sizes=(--tokens 16384,65536 --seq-len 2048)
   if [[ $DRY == 1 ]]; then sizes=("${TINY[@]}"); fi
   local rows=device,pipeline-under,pipeline-delayed,pipeline-delayed-all,pipeline-delayed-all-bf16
-  run speed.log 390 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
+  run speed.log 420 $PY scripts/bench_gpu.py --out "$OUT/speed" --isolate 150 \
     --sections matmul,copies.memory_kinds,host,steps --placements "${SPEED_PLACEMENTS:-$rows}" \
     "${sizes[@]}"
   note "speed: table in speed.log, numbers in speed/bench_gpu.json"
