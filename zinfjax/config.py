@@ -166,9 +166,10 @@ class ZeroConfig:
       held grads' norm is known, clipping and skip_nonfinite need no redo);
       it holds a copy of those grads and of the new params in host RAM
       between steps (a RAM store alone keeps a second buffer of each, and the
-      two trade places after each step: no copy). The trade: those params see each step's grads one step
-      later (the first step leaves them as they were; checkpoints keep the
-      held grads, and a run resumed with the same delay applies them).
+      two trade places after each step: no copy). The trade: those params see
+      each step's grads one step later (the first step leaves them as they
+      were; checkpoints keep the held grads, and a run resumed with the same
+      delay applies them).
       "none" (default): no delay.
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the

@@ -286,8 +286,7 @@ class NvmePipeline(StreamAdam):
     """Whether this step's held grads and new params stay in the store, double-buffered:
     every update one step late, in a RAM store, outside a transaction (whose rollback would
     not undo an exchange)."""
-    return (self.delay == "all" and self.store.memory and not self.store.in_transaction
-            and hasattr(self.store, "exchange"))
+    return self.delay == "all" and self.store.memory and not self.store.in_transaction
 
   def _twin(self, state: str, part: Part) -> np.ndarray:
     """The flat bytes of `part`'s `state` twin in the store (made on first use)."""
@@ -298,6 +297,7 @@ class NvmePipeline(StreamAdam):
     return self.store.view(key).reshape(-1)
 
   def _exchange(self, state: str, parts: Sequence[Part]) -> None:
+    """`parts`' `state` shards and their twins trade places (the program that used them done)."""
     for p in parts:
       self._twin(state, p)  # both halves exist
     self.store.exchange([(self.key(state, p), TWIN + self.key(state, p)) for p in parts])
