@@ -94,7 +94,8 @@ def test_init_never_materializes_the_whole_model(mesh):
     ("device", "pinned_host", True, "xla"),
     # the host pipeline: pinned-host states in the RAM store, twice when steps are all or nothing
     ("pinned_host", "nvme", True, "pipeline"), ("pinned_host", "pinned_host", True, "pipeline"),
-    ("device", "pinned_host", False, "pipeline"), ("pinned_host", "pinned_host", False, "pipeline")])
+    ("device", "pinned_host", False, "pipeline"),
+    ("pinned_host", "pinned_host", False, "pipeline")])
 def test_bytes_per_param_match_the_plan(param, optimizer, atomic, host, tmp_path):
   """`bytes_per_param` times the params equals what the plan keeps on each tier (the swap
   stores' copies of all-or-nothing steps included), to the stores' alignment padding."""

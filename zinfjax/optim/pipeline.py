@@ -265,7 +265,8 @@ class NvmePipeline(StreamAdam):
     pending, self._pending = self._pending, None
     before = self.held
     if self._new_in_twins:  # the held update applied, skipped or not: its params are current
-      self._exchange("params", [p for u in self.tail for p in u.parts if self.on_store("params", p)])
+      self._exchange("params",
+                     [p for u in self.tail for p in u.parts if self.on_store("params", p)])
       self._new_in_twins = False
     if pending is not None and not skipped:
       if pending.in_store:  # this step's grads to the twins, where the next backward leaves them
