@@ -178,7 +178,7 @@ stage_copy_stream() {
     ZINFJAX_COPY_STREAM=$mode run "copy_stream_$mode.log" 280 $PY scripts/bench_gpu.py --isolate 200 \
       --out "$OUT/copy_stream_$mode" --sections steps --placements "$placements" "${sizes[@]}"
   done
-  note "copy-stream: copy_stream_{${COPY_MODES:-0 1}}.log (0: XLA's stream, 1: the copy stream)"
+  note "copy-stream: $(printf 'copy_stream_%s.log ' ${COPY_MODES:-0 1})(0: XLA's stream, 1: the copy stream)"
 }
 
 stage_profile() {
