@@ -180,7 +180,8 @@ class NvmePipeline(StreamAdam):
     if held is not None:
       made += [p for u in self.tail for p in u.parts if not (twins and self.on_store("params", p))]
     outs = {p.id: self._array("params", p) for p in made}
-    out_of = lambda p: outs[p.id].reshape(-1) if p.id in outs else self._twin("params", p)
+    out_of = lambda p: (outs[p.id] if p.id in outs
+                        else self.store.view(self._twin_key("params", p))).reshape(-1)
     runs = []  # each stream's stats, summed for the step
     if held is not None:  # the delayed parts, with the grads held from the step before
       h_lr, h_bc1, h_bc2, h_step = self._hyper_at(held.count)
@@ -271,7 +272,7 @@ class NvmePipeline(StreamAdam):
     if pending is not None and not skipped:
       if pending.in_store:  # this step's grads to the twins, where the next backward leaves them
         self._exchange("grads", pending.in_store)
-        pending.grads.update((p.id, self._twin("grads", p).reshape(self.shape(p)))
+        pending.grads.update((p.id, self.store.view(TWIN + self.key("grads", p)))
                              for p in pending.in_store)
       pending.norm = norm
       self.held = pending
@@ -289,19 +290,17 @@ class NvmePipeline(StreamAdam):
     not undo an exchange)."""
     return self.delay == "all" and self.store.memory and not self.store.in_transaction
 
-  def _twin(self, state: str, part: Part) -> np.ndarray:
-    """The flat bytes of `part`'s `state` twin in the store (made on first use)."""
+  def _twin_key(self, state: str, part: Part) -> str:
+    """The store key of `part`'s `state` twin, its shard made on first use."""
     key = TWIN + self.key(state, part)
     if not self.store.has(key):
       dtype = self.grads_dtype if state == "grads" else self.params_dtype
       self.store.write(key, np.zeros(self.shape(part), dtype)).wait()
-    return self.store.view(key).reshape(-1)
+    return key
 
   def _exchange(self, state: str, parts: Sequence[Part]) -> None:
     """`parts`' `state` shards and their twins trade places (the program that used them done)."""
-    for p in parts:
-      self._twin(state, p)  # both halves exist
-    self.store.exchange([(self.key(state, p), TWIN + self.key(state, p)) for p in parts])
+    self.store.exchange([(self.key(state, p), self._twin_key(state, p)) for p in parts])
 
   def _array(self, state: str, part: Part) -> np.ndarray:
     """A host array for `part`'s held "grads" or new "params": one a step is done with, else
