@@ -412,10 +412,12 @@ def main(argv=None) -> int:
                          "device, then save again to move it to other tiers.")
       tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
       tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
+    restoring = init_line(sys.stdout, "restore", unit="bytes") if main_process else None
     if args.resume_step is not None:
-      state, extra = ckpt.restore(model_factory, tx, zero, mesh, step=args.resume_step)
+      state, extra = ckpt.restore(model_factory, tx, zero, mesh, step=args.resume_step,
+                                  progress=restoring)
     else:
-      state, extra, skipped = ckpt.restore_newest(model_factory, tx, zero, mesh)
+      state, extra, skipped = ckpt.restore_newest(model_factory, tx, zero, mesh, restoring)
       for step, why in skipped:
         say(f"skipped checkpoint step {step}: it does not restore ({why})")
     saved = extra.get("model")

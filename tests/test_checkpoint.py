@@ -133,6 +133,33 @@ def test_nvme_streams_in_groups_of_one_layer_equal_one_group(straight, tmp_path,
   assert len(chunks_one) > 10 and chunks_one == chunks_many
 
 
+def test_restore_reports_the_bytes_placed(straight, tmp_path, mesh, monkeypatch):
+  """`restore(progress=...)` hears of the bytes placed as each group of shards is (the NVMe
+  stream's, then the arrays'), in order, ending at all of them: at least the fp32 master and
+  both moments of every param; `init_line(unit="bytes")` words it."""
+  import io
+  from zinfjax import progress
+  from zinfjax.checkpoint import handler
+  monkeypatch.setattr(progress, "REPORT_EVERY_S", 0.0)  # every group reported
+  monkeypatch.setattr(handler, "GROUP_BYTES", 1)  # every layer its own group
+  run = straight("nvme")
+  heard = []
+  zero = W.zero_config("pinned_host", "nvme", "fp32", str(tmp_path / "nvme"))
+  state, _ = Checkpointer(run["ckpt"]).restore(
+      W.model_factory, W.make_tx("nvme"), zero, mesh,
+      progress=lambda done, all_, s: heard.append((done, all_, s)))
+  params = sum(v.size for v in run["params"].values())
+  done = [d for d, _, _ in heard]
+  total = {a for _, a, _ in heard}
+  assert len(total) == 1 and done[-1] == total.pop() >= 12 * params, (heard[-1], params)
+  assert len(heard) > 10 and done == sorted(done) and 0 < done[0] < done[-1], heard
+  assert int(state.step) == SAVE_AT
+  state.engine.store.close()
+  out = io.StringIO()
+  progress.init_line(out, "restore", unit="bytes")(3 << 30, 12 << 30, 10.0)
+  assert out.getvalue() == "restore  25% | 3.0 GiB of 12.0 GiB | 10 s, about 30 s left\n"
+
+
 def chunk_files(folder) -> dict[str, bytes]:
   """Every chunk file of the step saved at `SAVE_AT` under `folder`, by path."""
   chunks = {}

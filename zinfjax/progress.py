@@ -137,13 +137,17 @@ def human_count(n: float) -> str:
   return f"{n:.0f}"
 
 
-def init_line(stream: IO[str] = sys.stdout, what: str = "init") -> InitReport:
-  """An `InitReport` that writes `init 45% | 7.8B of 17.3B params | 12 s, about 15 s left`."""
+def init_line(stream: IO[str] = sys.stdout, what: str = "init", unit: str = "params") -> InitReport:
+  """An `InitReport` that writes `init 45% | 7.8B of 17.3B params | 12 s, about 15 s left`;
+  with `unit="bytes"` (a restore's counts) `restore 45% | 12.1 GiB of 26.9 GiB | ...`."""
+  amount = human_bytes if unit == "bytes" else human_count
+  suffix = "" if unit == "bytes" else f" {unit}"
+
   def report(done: int, total: int, seconds: float) -> None:
     share = done / max(total, 1)
     left = f", about {seconds * (1 - share) / share:.0f} s left" if 0 < share < 1 else ""
-    stream.write(f"{what} {100 * share:3.0f}% | {human_count(done)} of {human_count(total)} "
-                 f"params | {seconds:.0f} s{left}\n")
+    stream.write(f"{what} {100 * share:3.0f}% | {amount(done)} of {amount(total)}{suffix} "
+                 f"| {seconds:.0f} s{left}\n")
     stream.flush()
 
   return report

@@ -21,6 +21,7 @@ import numpy as np
 from .. import _engine
 from ..offload.aligned import aligned_empty
 from ..partition import Region, bounding, clip, norm_region, shifted, size
+from ..progress import Tally
 from .errors import CheckpointError
 from .leaves import Leaf, Source
 from .zarr import Array, Part, each
@@ -141,10 +142,11 @@ class LeafRead:
     return out
 
 
-def read_leaves(reads: list[LeafRead]) -> list[list[jax.Array]]:
+def read_leaves(reads: list[LeafRead], tally: Tally | None = None) -> list[list[jax.Array]]:
   """`arrays()` of every read, the reads of a group of leaves (about `GROUP_BYTES`) in one
-  stream over the I/O threads. Where every array is a copy, the groups' host buffers come
-  from two `Staging` regions in turn, each reused once the arrays made from it are ready."""
+  stream over the I/O threads; each group's bytes counted to `tally` once placed. Where every
+  array is a copy, the groups' host buffers come from two `Staging` regions in turn, each
+  reused once the arrays made from it are ready."""
   out: list[list[jax.Array]] = []
   staged = bool(reads) and all(r.copied for r in reads)
   stages = [(Staging(), []), (Staging(), [])]  # (region, the arrays made from it last)
@@ -164,6 +166,8 @@ def read_leaves(reads: list[LeafRead]) -> list[list[jax.Array]]:
     each(lambda job: job(), [job for r in group for job in r.jobs(alloc)])
     arrays = [r.arrays(copy=staged) for r in group]
     out += arrays
+    if tally is not None:
+      tally.add(size)
     if staged:
       stages = [stages[1], (stages[0][0], arrays)]
     start = stop

@@ -24,6 +24,7 @@ from orbax.checkpoint._src.futures import future
 from ..offload.aligned import aligned_empty
 from ..placement import Plan, Tier, shard_key
 from ..partition import Region, bounding, clip, norm_region, shifted, size
+from ..progress import Tally
 from .arrays import LeafRead, fill, host_buffer, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
@@ -44,6 +45,8 @@ class Run:
   leaves: list[Leaf]
   plan: Plan
   store: Any = None     # the process's swap store (NVMe sources)
+  # a restore's reports: (bytes placed, bytes in all, seconds so far), as `Tally` paces them
+  progress: Callable[[int, int, float], None] | None = None
 
 
 def block_ranks(plan: Plan) -> int:
@@ -158,16 +161,20 @@ class StateHandler(ocp.AsyncCheckpointHandler):
     out = {}
     try:  # every array is checked before any is read
       arrs = [open_checked(os.fspath(directory / leaf.name), leaf) for leaf in run.leaves]
-      _stream_to_nvme([(arr, leaf, src) for leaf, arr in zip(run.leaves, arrs)
-                       for src in leaf.sources if src.keys], run)
+      groups = _groups(_units_of([(arr, leaf, src) for leaf, arr in zip(run.leaves, arrs)
+                                  for src in leaf.sources if src.keys], run))
       reads, names = [], []
       for leaf, arr in zip(run.leaves, arrs):
         arrays = [(k, src) for k, src in enumerate(leaf.sources) if src.array is not None]
         if arrays:
           reads.append(LeafRead(arr, leaf, [src for _, src in arrays]))
           names.append([f"{leaf.name}#{k}" for k, _ in arrays])
-      for keys, xs in zip(names, read_leaves(reads)):
+      tally = Tally(sum(u.nbytes for g in groups for u in g) + sum(r.nbytes for r in reads),
+                    run.progress)
+      _stream_to_nvme(groups, run, tally)
+      for keys, xs in zip(names, read_leaves(reads, tally)):
         out.update(zip(keys, xs))
+      tally.close()
     finally:
       trim()
     return out
@@ -298,12 +305,12 @@ def _groups(units: list[_Unit]) -> list[list[_Unit]]:
   return groups
 
 
-def _stream_to_nvme(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
-  """Write this process's swap-store shards of NVMe sources (array, leaf, source) from the
-  checkpoint, all in one stream: each layer's chunks read once (`IN_FLIGHT` groups ahead)
+def _stream_to_nvme(groups: list[list[_Unit]], run: Run, tally: Tally) -> None:
+  """Write this process's swap-store shards of NVMe sources (`_groups` of their units) from
+  the checkpoint, all in one stream: each layer's chunks read once (`IN_FLIGHT` groups ahead)
   and scattered by the engine into every rank's shard in every stored dtype, each group's
-  shards written as one transfer (`WRITES_AHEAD` groups in flight)."""
-  groups = _groups(_units_of(items, run))
+  shards written as one transfer (`WRITES_AHEAD` groups in flight); each group's bytes
+  counted to `tally` once read."""
 
   def start(group: list[_Unit]) -> Callable[[], list]:
     shards, waits = [], []
@@ -315,7 +322,8 @@ def _stream_to_nvme(items: list[tuple[Array, Leaf, Source]], run: Run) -> None:
     return lambda: ([w() for w in waits], shards)[1]
 
   writing: list = []
-  for shards in _ahead([lambda g=g: start(g) for g in groups], IN_FLIGHT):
+  for group, shards in zip(groups, _ahead([lambda g=g: start(g) for g in groups], IN_FLIGHT)):
+    tally.add(sum(u.nbytes for u in group))
     writing.append(run.store.write_many(shards))
     if len(writing) > WRITES_AHEAD:
       writing.pop(0).wait()

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..engine import build_engine
 from ..optim.host import HostAdamState
 from ..partition import key_name
+from ..progress import InitReport
 from ..state import TrainState, make_states
 from . import lock as dirlock
 from .errors import CheckpointError, CheckpointMismatch
@@ -201,9 +202,12 @@ class Checkpointer:
     return step
 
   def restore(self, model_factory: Callable, tx: optax.GradientTransformation, config, mesh, *,
-              step: int | None = None):
+              step: int | None = None, progress: InitReport | None = None):
     """`(state, extra)`: the training state of `step` (default: the latest) placed as `config`
-    says on `mesh`, whatever placement and device count it was saved from."""
+    says on `mesh`, whatever placement and device count it was saved from. `progress` is
+    called with (bytes placed, bytes in all, seconds so far) every 2 s or so of a long restore
+    (this process's shards), and once at its end (`zinfjax.progress.init_line(unit="bytes")`
+    prints a line)."""
     meta = self.metadata(step)
     step = meta["step"]
     engine = build_engine(model_factory, tx, config, mesh)
@@ -212,7 +216,7 @@ class Checkpointer:
       leaves = _restore_targets(target)
       _check_compatible(meta, leaves, self.directory, step)
       held = held_targets(engine, meta)
-      run = Run(leaves + held, engine.plan, engine.store)
+      run = Run(leaves + held, engine.plan, engine.store, progress)
       restored = self.manager.restore(step, args=ocp.args.Composite(state=StateRestore(run)))["state"]
       if engine.store is not None:
         engine.store.sync()
@@ -250,14 +254,15 @@ class Checkpointer:
     return state, meta.get("extra", {})
 
   def restore_newest(self, model_factory: Callable, tx: optax.GradientTransformation, config,
-                     mesh) -> tuple[Any, dict, list[tuple[int, str]]]:
+                     mesh, progress: InitReport | None = None
+                     ) -> tuple[Any, dict, list[tuple[int, str]]]:
     """`(state, extra, skipped)`: the newest step that restores (every chunk checked), and
     the newer steps skipped, each with the reason. A checkpoint of another model or optimizer
-    is raised at once (an older step would not fit either)."""
+    is raised at once (an older step would not fit either). `progress`: as `restore`'s."""
     skipped = []
     for step in reversed(self.all_steps()):
       try:
-        state, extra = self.restore(model_factory, tx, config, mesh, step=step)
+        state, extra = self.restore(model_factory, tx, config, mesh, step=step, progress=progress)
         return state, extra, skipped
       except CheckpointMismatch:
         raise
