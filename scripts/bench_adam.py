@@ -200,11 +200,12 @@ def bench_host(n: int, sub_group: int, repeats: int, moments=np.float32,
                atomic: bool = True) -> dict[str, float]:
   """Seconds of one host-pipeline step over `n` params in the RAM store (bf16 grads in, bf16
   params out, `moments` the moments' dtype), best of `repeats`: in place, and with `atomic`,
-  all or nothing, and all or nothing through buffers."""
+  all or nothing, and all or nothing through buffers. The params go to one buffer kept over
+  the steps, as the engine's go to the store's (a new one each step would add its first
+  touch, about 10% of the step)."""
   import ml_dtypes
-  import jax.numpy as jnp
   from zinfjax.optim.kernel import AdamConstants
-  from zinfjax.optim.nvme import NvmeAdam
+  from zinfjax.optim.nvme import NvmeAdam, _slice
   from zinfjax.placement import PREFIX
   pipe = NvmeAdam("", sub_group_size=sub_group, constants=AdamConstants(0.9, 0.999, 1e-8),
                   moment_dtype=moments, memory=True)
@@ -212,13 +213,15 @@ def bench_host(n: int, sub_group: int, repeats: int, moments=np.float32,
   params = np.random.default_rng(0).standard_normal(n, np.float32)
   pipe.host_init(params)
   grad = params.astype(ml_dtypes.bfloat16)
+  out = np.zeros(n, ml_dtypes.bfloat16)
   del params
   store = pipe.store
 
   def step(atomic: bool) -> None:
     if atomic:
       store.begin([PREFIX[s] for s in ("master", "mu", "nu")])
-    pipe.host_step([0.01], [jnp.bfloat16], 1e-3, 0.1, 0.001, 1, grad)
+    pipe.stream(1e-3, 0.1, 0.001, [0.01], lambda p: _slice(grad, p), lambda p: _slice(out, p),
+                step=1)
     if atomic:
       store.commit()
 
@@ -232,6 +235,41 @@ def bench_host(n: int, sub_group: int, repeats: int, moments=np.float32,
     pipe.store = store
   pipe.close()
   return rows
+
+
+def kernel_pass(pipeline, repeats: int = 2, sample: int = 1 << 26) -> dict:
+  """The C++ AdamW over the parts a RAM-store pipeline updates, with nothing else running, in
+  seconds (best of `repeats`): over all of them on the store's own shards (`views_s`, the
+  memory the step's update uses; on a GPU the params and grads among it are lent to the
+  device), and over the largest parts up to `sample` elements both there (`sample_views_s`)
+  and on host copies of them made beforehand (`sample_copies_s`). Beside the step's `adam_s`
+  it splits the update's time in the step into the kernel on that memory alone and what the
+  step adds, and the store's memory from plain host memory. It updates the store's states: a
+  bench row's last act."""
+  from zinfjax.optim.kernel import adamw_numpy
+  states = ("master", "mu", "nu", "grads", "params")
+  parts = [p for p in pipeline.parts if all(pipeline.on_store(s, p) for s in ("grads", "params"))]
+  views = [{s: pipeline.store.view(pipeline.key(s, p)) for s in states} for p in parts]
+  largest, n = [], 0
+  for i in sorted(range(len(parts)), key=lambda i: -parts[i].size):
+    if n >= sample:
+      break
+    largest.append(views[i])
+    n += parts[i].size
+  copies = [{s: np.array(a) for s, a in v.items()} for v in largest]
+
+  def run(shards) -> float:
+    t0 = time.perf_counter()
+    for v in shards:
+      adamw_numpy(v["master"], v["mu"], v["nu"], v["grads"], v["params"], 1e-6, 0.1, 0.001,
+                  pipeline.constants, 0.0)
+    return time.perf_counter() - t0
+
+  found: dict = {"views_s": [], "sample_views_s": [], "sample_copies_s": []}
+  for _ in range(repeats):
+    for name, shards in zip(found, (views, largest, copies)):
+      found[name].append(run(shards))
+  return {"parts": len(parts), "sample_params": n, **{k: min(v) for k, v in found.items()}}
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adam import bench_calls, bench_host, bench_zinfjax, copy_bandwidth  # noqa: E402
+from bench_adam import (bench_calls, bench_host, bench_zinfjax, copy_bandwidth,  # noqa: E402
+                        kernel_pass)
 from bench_step import io_alone, median_step  # noqa: E402
 
 # dense bf16 TFLOP/s of an H100 / H200 SXM (NVIDIA's datasheet): the second MFU denominator
@@ -57,6 +58,8 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
               ("pipeline-delayed-all-bf16", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline beside the step, every update "
                "one step late, bf16 moments"),
+              ("pipeline-under-bf16", "pinned_host", "pinned_host",
+               "params + optimizer on pinned_host, host pipeline under backward, bf16 moments"),
               # after the pipeline rows: a row XLA:GPU has yet to compile runs last at its tokens
               ("stream", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, update streamed through the device a layer at a time"),
@@ -71,7 +74,8 @@ PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
 # store's twins (each page-locked on a GPU the first time: steps 2 and 3)
 WARMUP = 3
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
-OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "stream", "pipeline-delayed-all-bf16"}
+OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "stream", "pipeline-delayed-all-bf16",
+          "pipeline-under-bf16"}
 
 
 def parse_args(argv=None):
@@ -412,6 +416,8 @@ def where_it_went(state, metrics: dict, steps: int) -> dict:
     out["buffers_made"] = {"count": sum(s["buffers_made"][0] for s in stores),
                            "bytes": sum(s["buffers_made"][1] for s in stores), "steps": steps}
     out["mapping_pinned_bytes"] = sum(s.get("mapping_pinned_bytes", 0) for s in stores)
+    if getattr(state.engine, "pipeline", None) is not None and state.engine.store.memory:
+      out["kernel_pass"] = kernel_pass(state.engine.pipeline)  # last: it updates the states
   return out
 
 
@@ -422,6 +428,11 @@ def phase_line(row: dict) -> str:
     parts.append(f"lent buffers made {b['count']} ({b['bytes'] / 2**30:.2f} GiB) in {b['steps']} steps")
   if row.get("mapping_pinned_bytes"):
     parts.append(f"RAM store page-locked {row['mapping_pinned_bytes'] / 2**30:.2f} GiB")
+  if "kernel_pass" in row:
+    k = row["kernel_pass"]
+    parts.append(f"kernel alone on the store {k['views_s']:.3f} s (its largest "
+                 f"{k['sample_params'] / 1e6:.0f}M params: {k['sample_views_s']:.3f} s there, "
+                 f"{k['sample_copies_s']:.3f} s on host copies)")
   return f" ({', '.join(parts)})" if parts else ""
 
 

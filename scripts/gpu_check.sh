@@ -37,8 +37,8 @@
 #   first        the plan for one call of a 15-minute device budget: env,build,speed,copy-stream,
 #                gpu-tests with DEADLINE=560, KEEP_GOING=1 and PACK=1, the copy stream's rows alone
 #                (COPY_MODES=1: speed's rows are on XLA's stream) for the pipeline under backward
-#                and one step late, the host pipeline's GPU tests alone (run it with the device
-#                tool's timeout_s=600)
+#                (fp32 and bf16 moments) and one step late, the host pipeline's GPU tests alone
+#                (run it with the device tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
 #               is left, a stage with under 30 s left is not started (listed in the summary)
@@ -68,7 +68,7 @@ fi
 if [[ "$STAGES" == first ]]; then
   STAGES=env,build,speed,copy-stream,gpu-tests
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1} COPY_MODES=${COPY_MODES:-1}
-  COPY_PLACEMENTS=${COPY_PLACEMENTS:-device,pipeline-under,pipeline-delayed-all}
+  COPY_PLACEMENTS=${COPY_PLACEMENTS:-device,pipeline-under,pipeline-delayed-all,pipeline-under-bf16}
   GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}

@@ -212,6 +212,10 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
       alone = speed["host"]["pipeline_bf16_s" if "bf16 moments" in r["placement"] else "pipeline_s"]
       assert r["host_alone_s"] == alone and r["vs_bound"] > 0
       assert r["phases"]["optimizer_s"] > 0
+      # the kernel alone over the parts the row's pipeline updates, on the store and on copies
+      k = r["kernel_pass"]
+      assert k["parts"] > 0 and k["sample_params"] > 0, k
+      assert k["views_s"] > 0 and k["sample_views_s"] > 0 and k["sample_copies_s"] > 0, k
   assert "tests collected" in (out / "cpu_confirm.log").read_text()
   failed = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(tmp_path / "real"),
                            "gpu-tests"], capture_output=True, text=True, timeout=300, cwd=REPO)
