@@ -430,7 +430,7 @@ def phase_line(row: dict) -> str:
     parts.append(f"RAM store page-locked {row['mapping_pinned_bytes'] / 2**30:.2f} GiB")
   if "kernel_pass" in row:
     k = row["kernel_pass"]
-    parts.append(f"kernel alone on the store {k['views_s']:.3f} s (its largest "
+    parts.append(f"kernel alone on the store {k['views_s']:.3f} s (its largest block tensors, "
                  f"{k['sample_params'] / 1e6:.0f}M params: {k['sample_views_s']:.3f} s there, "
                  f"{k['sample_copies_s']:.3f} s on host copies)")
   return f" ({', '.join(parts)})" if parts else ""
