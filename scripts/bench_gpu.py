@@ -416,7 +416,7 @@ def where_it_went(state, metrics: dict, steps: int) -> dict:
     out["buffers_made"] = {"count": sum(s["buffers_made"][0] for s in stores),
                            "bytes": sum(s["buffers_made"][1] for s in stores), "steps": steps}
     out["mapping_pinned_bytes"] = sum(s.get("mapping_pinned_bytes", 0) for s in stores)
-    if getattr(state.engine, "pipeline", None) is not None and state.engine.store.memory:
+    if state.engine.pipeline is not None and state.engine.store.memory:
       out["kernel_pass"] = kernel_pass(state.engine.pipeline)  # last: it updates the states
   return out
 

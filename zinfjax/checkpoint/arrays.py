@@ -142,7 +142,7 @@ class LeafRead:
     return out
 
 
-def read_leaves(reads: list[LeafRead], tally: Tally | None = None) -> list[list[jax.Array]]:
+def read_leaves(reads: list[LeafRead], tally: Tally) -> list[list[jax.Array]]:
   """`arrays()` of every read, the reads of a group of leaves (about `GROUP_BYTES`) in one
   stream over the I/O threads; each group's bytes counted to `tally` once placed. Where every
   array is a copy, the groups' host buffers come from two `Staging` regions in turn, each
@@ -166,8 +166,7 @@ def read_leaves(reads: list[LeafRead], tally: Tally | None = None) -> list[list[
     each(lambda job: job(), [job for r in group for job in r.jobs(alloc)])
     arrays = [r.arrays(copy=staged) for r in group]
     out += arrays
-    if tally is not None:
-      tally.add(size)
+    tally.add(size)
     if staged:
       stages = [stages[1], (stages[0][0], arrays)]
     start = stop

@@ -24,7 +24,7 @@ from orbax.checkpoint._src.futures import future
 from ..offload.aligned import aligned_empty
 from ..placement import Plan, Tier, shard_key
 from ..partition import Region, bounding, clip, norm_region, shifted, size
-from ..progress import Tally
+from ..progress import InitReport, Tally
 from .arrays import LeafRead, fill, host_buffer, read_leaves
 from .errors import CheckpointError
 from .leaves import Leaf, Source, chunks
@@ -46,7 +46,7 @@ class Run:
   plan: Plan
   store: Any = None     # the process's swap store (NVMe sources)
   # a restore's reports: (bytes placed, bytes in all, seconds so far), as `Tally` paces them
-  progress: Callable[[int, int, float], None] | None = None
+  progress: InitReport | None = None
 
 
 def block_ranks(plan: Plan) -> int:
