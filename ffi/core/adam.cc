@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
-#include <vector>
+
+#include "core/workers.h"
 
 namespace zinfjax {
 namespace {
@@ -135,24 +135,13 @@ void AdamW(float* master, void* m, void* v, Precision moment_type, const void* g
   const AdamSources sources = from ? *from : AdamSources{master, m, v};
   Chunk chunk = from ? PickMoments<true>(moment_type, grad_type, params_type)
                      : PickMoments<false>(moment_type, grad_type, params_type);
-  constexpr size_t kMinPerThread = 1 << 16;
-  size_t workers = threads > 0 ? static_cast<size_t>(threads)
-                               : std::max(1u, std::thread::hardware_concurrency());
-  workers = std::max<size_t>(1, std::min(workers, n / kMinPerThread));
-  if (workers == 1) {
-    chunk(master, m, v, grad, params_out, 0, n, h, sources);
-    return;
-  }
-  // Split on 64-element boundaries so every thread's slice stays vector-aligned.
-  size_t per = ((n + workers - 1) / workers + 63) & ~size_t(63);
-  std::vector<std::thread> pool;
-  for (size_t w = 1; w < workers; ++w) {
-    size_t b = std::min(n, w * per), e = std::min(n, b + per);
-    if (b < e) pool.emplace_back(chunk, master, m, v, grad, params_out, b, e, std::cref(h),
-                          std::cref(sources));
-  }
-  chunk(master, m, v, grad, params_out, 0, std::min(n, per), h, sources);
-  for (auto& t : pool) t.join();
+  // Pieces of 32K elements (a multiple of 64, so each stays vector-aligned) that the threads
+  // claim one at a time: a preempted thread holds up one piece, not a share of the call.
+  // A thread per 64K elements at most: below that, a worker's wake-up costs more than it saves.
+  constexpr size_t kPiece = 1 << 15, kMinPerThread = 1 << 16;
+  ParallelBlocks(n, kPiece, kMinPerThread, threads, [&](size_t begin, size_t end) {
+    chunk(master, m, v, grad, params_out, begin, end, h, sources);
+  });
 }
 
 }  // namespace zinfjax

@@ -5,7 +5,8 @@
 // fp32) in the same pass, so each byte crosses memory once. The arithmetic
 // follows optax.adamw operation by operation (no fused multiply-adds); on fp32
 // inputs it agrees with optax to float32 rounding (~1e-7 relative). SIMD: AVX-512 or AVX2
-// builds of the same loop, chosen at run time; threads split the elements.
+// builds of the same loop, chosen at run time; the shared workers (core/workers.h)
+// claim the elements in pieces.
 #ifndef ZINFJAX_CORE_ADAM_H_
 #define ZINFJAX_CORE_ADAM_H_
 
