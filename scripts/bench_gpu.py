@@ -387,8 +387,8 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
                      "mfu": flops / step / 1e12 / peak_tflops if peak_tflops else None,
                      "mfu_spec": flops / step / 1e12 / SPEC_TFLOPS,
                      "loss": float(metrics["loss"]), **peaks(jax),
-                     # write_many's grads through the copy stream (swap_cuda.cc), or XLA's stream
-                     "copy_stream": os.environ.get("ZINFJAX_COPY_STREAM") == "1"})
+                     # the swap copies on the copy stream (the default), or XLA's stream (=0)
+                     "copy_stream": os.environ.get("ZINFJAX_COPY_STREAM", "1") != "0"})
         rows[-1].update(where_it_went(state, metrics, args.steps + WARMUP))
         if param == "nvme":  # the same bytes through the store with nothing else running
           rows[-1]["io_alone_s"] = io_alone(state.engine.store)["seconds"]

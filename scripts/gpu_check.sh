@@ -16,8 +16,9 @@
 #   bench        every row of bench_gpu.py: copies, disk, steps, NVMe's against I/O alone, each step
 #                row in its own process (bench_gpu.log, bench_gpu.json)
 #   copy-stream  the host-pipeline step (and NVMe's with COPY_PLACEMENTS=device,pipeline-under,nvme)
-#                with grads leaving the device on XLA's stream, then through the copy stream:
-#                ZINFJAX_COPY_STREAM=0/1, or those COPY_MODES names (copy_stream_*.log)
+#                with the swap copies on XLA's stream, then on the copy stream (every other stage
+#                runs them there, the default): ZINFJAX_COPY_STREAM=0/1, or those COPY_MODES
+#                names (copy_stream_*.log)
 #   profile      a jax.profiler trace of the bench GPT, all on device and on pinned host under the
 #                host pipeline, and the top kernels by time as text (profile_device.txt,
 #                profile_pinned_host.txt)
@@ -34,11 +35,9 @@
 #   cpu-confirm  the CPU tests that failed under jax 0.11 before their fixes, on this machine's
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
-#   first        the plan for one call of a 15-minute device budget: env,build,speed,copy-stream,
-#                gpu-tests with DEADLINE=560, KEEP_GOING=1 and PACK=1, the copy stream's rows alone
-#                (COPY_MODES=1: speed's rows are on XLA's stream) for the pipeline under backward
-#                (fp32 and bf16 moments) and one step late, the host pipeline's GPU tests alone
-#                (run it with the device tool's timeout_s=600)
+#   first        the plan for one call of a 15-minute device budget: env,build,speed,gpu-tests
+#                with DEADLINE=560, KEEP_GOING=1 and PACK=1, the GPU tests of the host pipeline
+#                and of the copy stream alone (run it with the device tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
 #               is left, a stage with under 30 s left is not started (listed in the summary)
@@ -66,10 +65,9 @@ elif [[ "${3:-}" == "--dry-run" ]]; then
   DRY=1
 fi
 if [[ "$STAGES" == first ]]; then
-  STAGES=env,build,speed,copy-stream,gpu-tests
-  DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1} COPY_MODES=${COPY_MODES:-1}
-  COPY_PLACEMENTS=${COPY_PLACEMENTS:-device,pipeline-under,pipeline-delayed-all,pipeline-under-bf16}
-  GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update}
+  STAGES=env,build,speed,gpu-tests
+  DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
+  GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update or copy_stream}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
 KNOWN=" env build gpu-tests speed bench copy-stream profile ckpt largest peer cpu-confirm cpu-suite "

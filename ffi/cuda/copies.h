@@ -1,7 +1,7 @@
 // The CUDA swap handlers' copies between the store's page-locked buffers and
 // device memory, and what outlives a handler call: buffers handed back to
-// their store once their copies are done, and (ZINFJAX_COPY_STREAM=1) a
-// device's copy stream with its staging buffers in device memory.
+// their store once their copies are done, and a device's copy stream with its
+// staging buffers in device memory (on unless ZINFJAX_COPY_STREAM=0).
 //
 // With the copy stream, no host<->device copy runs on XLA's stream:
 //
@@ -23,6 +23,8 @@
 // A staging buffer is refilled only after its last contents were drained
 // (stream-ordered by events); each ring holds ZINFJAX_COPY_STAGING buffers
 // (default 2) as large as the largest transfer: HBM outside XLA's accounting.
+// Where that HBM cannot be had, a transfer crosses on XLA's stream instead, as
+// with ZINFJAX_COPY_STREAM=0: slower, never an error.
 #ifndef ZINFJAX_CUDA_COPIES_H_
 #define ZINFJAX_CUDA_COPIES_H_
 
@@ -115,19 +117,26 @@ class Ring {
   }
 
   // The next slot, of at least `bytes`, once stream `filler` may write it (nullptr in *out:
-  // its last contents wait to be drained). The caller records `filled`, and `drained` with
-  // `draining = true` once it has enqueued the drain.
+  // its last contents wait to be drained, or HBM had no room for it). The caller records
+  // `filled`, and `drained` with `draining = true` once it has enqueued the drain.
   cudaError_t Acquire(cudaStream_t filler, size_t bytes, Slot** out) {
     Slot& s = slots_[next_ % slots_.size()];
     *out = nullptr;
     if (!s.draining) return cudaSuccess;
     cudaError_t err = cudaSuccess;
     if (s.bytes < bytes) {  // first use or a larger transfer (sizes are static per call site)
+      if (bytes >= unfit_) return cudaSuccess;  // failed before: not asked for at every call
       if (s.used) err = cudaEventSynchronize(s.drained);
       if (err == cudaSuccess && s.data != nullptr) err = cudaFree(s.data);
       s.data = nullptr;
       s.bytes = 0;
       if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void**>(&s.data), bytes);
+      if (err == cudaErrorMemoryAllocation) {  // HBM is XLA's: the caller uses XLA's stream
+        cudaGetLastError();  // clears the error, which is not sticky
+        s.data = nullptr;
+        unfit_ = bytes;
+        return cudaSuccess;
+      }
       if (err != cudaSuccess) return err;
       s.bytes = bytes;
     } else if (s.used) {
@@ -144,6 +153,7 @@ class Ring {
  private:
   std::vector<Slot> slots_;
   size_t next_ = 0;
+  size_t unfit_ = SIZE_MAX;  // the smallest size cudaMalloc refused
 };
 
 // Where shards of these sizes sit packed in a staging buffer: each at a 256-byte boundary.
@@ -176,7 +186,7 @@ class CopyLane {
   static bool Enabled() {
     static const bool on = [] {
       const char* v = std::getenv("ZINFJAX_COPY_STREAM");
-      return v != nullptr && std::string(v) == "1";
+      return v == nullptr || std::string(v) != "0";
     }();
     return on;
   }
@@ -296,11 +306,23 @@ struct DeviceSpan {
   size_t bytes;
 };
 
+// A write's copies on XLA's `stream` alone: each shard `xs[i]` to `host + at[i]`, then the
+// host function `done(arg)`.
+inline cudaError_t CopyOutDirect(cudaStream_t stream, const std::vector<DeviceSpan>& xs,
+                                 uint8_t* host, const std::vector<size_t>& at, cudaHostFn_t done,
+                                 void* arg) {
+  cudaError_t err = cudaSuccess;
+  for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i)
+    err = cudaMemcpyAsync(host + at[i], xs[i].data, xs[i].bytes, cudaMemcpyDeviceToHost, stream);
+  return err == cudaSuccess ? cudaLaunchHostFunc(stream, done, arg) : err;
+}
+
 // A write's copies through the lane: the shards `xs` device to device into a staging buffer
 // on XLA's `stream`, then to `host + at[i]` on the copy stream, then the host function
 // `done(arg)` there. `in_place` (a memory store's lent mapping, the shards in extents of their
 // own): packed in the staging buffer, one copy each to the host; else (a lent buffer) at their
-// offsets `at`, gaps included, and one copy of the span.
+// offsets `at`, gaps included, and one copy of the span. No HBM for a staging buffer: on
+// XLA's stream alone (CopyOutDirect).
 inline cudaError_t CopyOut(CopyLane& lane, cudaStream_t stream, const std::vector<DeviceSpan>& xs,
                            uint8_t* host, const std::vector<size_t>& at, bool in_place,
                            cudaHostFn_t done, void* arg) {
@@ -309,8 +331,9 @@ inline cudaError_t CopyOut(CopyLane& lane, cudaStream_t stream, const std::vecto
   std::vector<size_t> staged = in_place ? Packed(bytes) : at;
   size_t span = 0;
   for (size_t i = 0; i < xs.size(); ++i) span = std::max(span, staged[i] + xs[i].bytes);
-  Slot* slot = nullptr;  // never null here: each write's drain is enqueued with it
+  Slot* slot = nullptr;  // null only where HBM had no room: each write's drain is enqueued with it
   cudaError_t err = lane.writes().Acquire(stream, span, &slot);
+  if (err == cudaSuccess && slot == nullptr) return CopyOutDirect(stream, xs, host, at, done, arg);
   for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i)
     err = cudaMemcpyAsync(slot->data + staged[i], xs[i].data, xs[i].bytes,
                           cudaMemcpyDeviceToDevice, stream);

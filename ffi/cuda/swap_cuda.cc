@@ -11,8 +11,8 @@
 //     copies into a page-locked buffer the store lends, and a host function
 //     that hands the filled buffer to the store's I/O threads when the copies
 //     are done; reads of those keys wait for the write from the launch on.
-//     With ZINFJAX_COPY_STREAM=1 both directions leave XLA's stream for the
-//     device's copy stream (cuda/copies.h);
+//     Both directions leave XLA's stream for the device's copy stream
+//     (cuda/copies.h) unless ZINFJAX_COPY_STREAM=0;
 //   * read_start_many starts reading into a page-locked buffer the store owns;
 //     read_wait_many takes it (waiting on the launch thread only if the read
 //     is still on the disk: the schedule starts reads layers ahead), enqueues
@@ -84,28 +84,22 @@ std::shared_ptr<SwapStore> Prepared(const SwapSite& at) {
 }
 
 // write_many's copies: the shards `xs` into the lent host buffer of `write`, then the host
-// function `CommitWrite(pending)`: on XLA's stream, or through a staging buffer on the copy stream.
+// function `CommitWrite(pending)`: through a staging buffer on the copy stream, or on XLA's
+// stream (ZINFJAX_COPY_STREAM=0).
 cudaError_t EnqueueWrite(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs xs,
                          PendingWrite* pending) {
   SwapStore::DetachedWrite& w = pending->write;
-  cudaError_t err = cudaSuccess;
-  if (!CopyLane::Enabled()) {
-    for (size_t i = 0; i < xs.size() && err == cudaSuccess; ++i) {
-      ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
-      err = cudaMemcpyAsync(w.base + w.at[i], x.untyped_data(), x.size_bytes(),
-                            cudaMemcpyDeviceToHost, stream);
-    }
-    return err == cudaSuccess ? cudaLaunchHostFunc(stream, CommitWrite, pending) : err;
-  }
-  CopyLane* lane = CopyLane::For(ordinal, &err);
-  if (lane == nullptr) return err;
-  std::lock_guard<std::mutex> lock(lane->mu());
-  if ((err = lane->Pump()) != cudaSuccess) return err;
   std::vector<DeviceSpan> spans;
   for (size_t i = 0; i < xs.size(); ++i) {
     ffi::AnyBuffer x = xs.get<ffi::AnyBuffer>(i).value();
     spans.push_back({x.untyped_data(), x.size_bytes()});
   }
+  if (!CopyLane::Enabled()) return CopyOutDirect(stream, spans, w.base, w.at, CommitWrite, pending);
+  cudaError_t err = cudaSuccess;
+  CopyLane* lane = CopyLane::For(ordinal, &err);
+  if (lane == nullptr) return err;
+  std::lock_guard<std::mutex> lock(lane->mu());
+  if ((err = lane->Pump()) != cudaSuccess) return err;
   return CopyOut(*lane, stream, spans, w.base, w.at, /*in_place=*/!w.buffer, CommitWrite, pending);
 }
 

@@ -1,7 +1,7 @@
 // ffi/cuda/copies.h against the stand-in CUDA runtime (cuda_runtime_api.h here) and a real
 // swap store: data lands where it should, host<->device copies run on the copy stream and
 // never on XLA's, staging buffers are reused only once drained, and a read with no free
-// staging buffer or a mismatched shape is handled. Usage: copies_test FOLDER|memory.
+// staging buffer or a mismatched shape is handled, as is HBM with no room for staging. Usage: copies_test FOLDER|memory.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -202,6 +202,38 @@ void TestNoFreeBuffer(CopyLane& one, std::shared_ptr<SwapStore> store) {
   Consume(one, 0, true);
 }
 
+int Mallocs(size_t from) {
+  int n = 0;
+  for (size_t i = from; i < fake_log().size(); ++i) n += fake_log()[i].what == "malloc";
+  return n;
+}
+
+// HBM has no room for a staging buffer: writes and reads cross on XLA's stream, intact, and
+// the refused size is not asked for again.
+void TestNoRoomForStaging(CopyLane& fresh, std::shared_ptr<SwapStore> store) {
+  fake_malloc_limit() = 0;
+  for (int step = 0; step < 2; ++step) {
+    Grads g = GradsOf(step, 0.75f);
+    auto c = std::make_unique<Commit>(Commit{store, store->BeginDetached(g.shards)});
+    size_t from = fake_log().size();
+    CHECK(CopyOut(fresh, kXla, g.xs, c->write.buffer->data(), c->write.at, false, CommitWrite,
+                  c.get()) == cudaSuccess, "CopyOut without room for staging");
+    c.release();
+    CHECK(Copies(kXla->id, cudaMemcpyDeviceToHost, from) == static_cast<int>(kSizes.size()) &&
+          HostCopies(fresh.stream()->id, from) == 0, "grads cross on XLA's stream");
+    CHECK(Mallocs(from) == (step == 0 ? 1 : 0), "write %d asked for HBM %d times", step,
+          Mallocs(from));
+    CheckStored(*store, step, g.values);
+  }
+  fresh.Started(Start(store, 0));
+  CHECK(fresh.Pump() == cudaSuccess && fresh.staged() == 0, "no room: no read staged");
+  size_t from = fake_log().size();
+  Consume(fresh, 0, false);
+  CHECK(Copies(kXla->id, cudaMemcpyHostToDevice, from) == static_cast<int>(kSizes.size()),
+        "unstaged: from the host on XLA's stream");
+  fake_malloc_limit() = SIZE_MAX;
+}
+
 void TestMismatch(CopyLane& lane, std::shared_ptr<SwapStore> store) {
   lane.Started(Start(store, 2));
   cudaError_t err;
@@ -386,6 +418,9 @@ int main(int argc, char** argv) {
   TestStagedReads(*lane, store);
   TestNoFreeBuffer(*one, store);
   TestMismatch(*lane, store);
+  CopyLane* fresh = CopyLane::For(2, &err);
+  CHECK(fresh != nullptr, "a third lane");
+  TestNoRoomForStaging(*fresh, store);
   returns().Drain();  // every host buffer goes back to the store
   if (config.memory) {
     TestPinnedExtents();

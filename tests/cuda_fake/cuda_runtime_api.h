@@ -6,6 +6,7 @@
 #define ZINFJAX_TESTS_CUDA_FAKE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -15,6 +16,7 @@
 
 typedef int cudaError_t;
 constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorMemoryAllocation = 2;
 constexpr unsigned cudaStreamNonBlocking = 1;
 constexpr unsigned cudaEventDisableTiming = 2;
 enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
@@ -61,11 +63,17 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t) {
   fake_log().push_back({"sync", -1});
   return cudaSuccess;
 }
-inline cudaError_t cudaMalloc(void** p, size_t bytes) {
-  *p = std::malloc(bytes);
-  fake_log().push_back({"malloc", -1, 0, bytes});
-  return *p ? cudaSuccess : 2;
+// The most one cudaMalloc gives ("HBM" left outside XLA's share); a larger one fails.
+inline size_t& fake_malloc_limit() {
+  static size_t limit = SIZE_MAX;
+  return limit;
 }
+inline cudaError_t cudaMalloc(void** p, size_t bytes) {
+  *p = bytes <= fake_malloc_limit() ? std::malloc(bytes) : nullptr;
+  fake_log().push_back({"malloc", -1, 0, bytes});
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline cudaError_t cudaFree(void* p) {
   std::free(p);
   fake_log().push_back({"free", -1});
