@@ -1,6 +1,8 @@
 """The C++ AdamW's shared workers: every thread count, concurrent callers and a forked child
-give the single-threaded update bit for bit."""
+give the single-threaded update bit for bit, and a lower-priority caller gets workers of its
+priority."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -88,3 +90,39 @@ def test_a_forked_child_updates_without_the_parents_workers(tmp_path):
   done = subprocess.run([sys.executable, "-P", "-W", "ignore", "-c", code], cwd=tmp_path,
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
+
+
+def thread_nices() -> dict[int, int]:
+  """Each thread of this process (Linux /proc) and its nice value."""
+  found = {}
+  for task in pathlib.Path("/proc/self/task").iterdir():
+    try:
+      fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # the thread ended meanwhile
+      continue
+    found[int(task.name)] = int(fields[16])  # stat's 19th field; the first two are cut
+  return found
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_lower_priority_caller_gets_workers_of_its_priority():
+  """ZeroConfig.host_nice lowers the host pipeline's thread; the kernel it calls then runs on
+  workers of that nice value, not on those a normal-priority caller started (whose priority
+  would outrank the threads driving the step)."""
+  base = states(8 * PIECE, np.float32, seed=41)
+  want = update(*base, threads=1)
+  update(*base, threads=4)  # this thread's priority: its workers
+  mine = os.getpriority(os.PRIO_PROCESS, 0)
+  lowered, got = min(19, mine + 3), []
+
+  def caller() -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), lowered)
+    got.append(update(*base, threads=4))
+
+  before = {t for t, nice in thread_nices().items() if nice == lowered}
+  t = threading.Thread(target=caller)
+  t.start()
+  t.join(timeout=120)
+  assert got and all(np.array_equal(a, b) for a, b in zip(got[0], want))
+  workers = {t for t, nice in thread_nices().items() if nice == lowered} - before
+  assert len(workers) >= 1, f"no worker at nice {lowered}: {thread_nices()}"

@@ -1,9 +1,11 @@
 #include "core/workers.h"
 
 #include <pthread.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -70,11 +72,6 @@ class Pool {
     if (it != jobs_.end()) jobs_.erase(it);
   }
 
-  size_t Count() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return workers_;
-  }
-
  private:
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -95,18 +92,31 @@ class Pool {
   size_t workers_ = 0;
 };
 
-// The process's pool, made on first use. A child of fork() has none of the parent's worker
-// threads (and maybe a mutex one of them held): it drops the parent's pool, leaked, and makes
-// its own.
-std::atomic<Pool*> g_pool{nullptr};
+// A pool per nice value of the callers (Linux keeps nice per thread), made on first use by a
+// caller of that value, whose workers inherit it: a call from a thread zinfjax runs at a lower
+// priority (ZeroConfig.host_nice) is done at that priority, as with threads it started
+// itself. A child of fork() has none of the parent's worker threads (and maybe a mutex one of
+// them held): it drops the parent's pools, leaked, and makes its own.
+constexpr int kNiceMin = -20, kNiceMax = 19;
+std::atomic<Pool*> g_pools[kNiceMax - kNiceMin + 1];
+
+int CallerNice() {
+  errno = 0;
+  int nice = getpriority(PRIO_PROCESS, 0);  // Linux: the calling thread's
+  if (errno != 0) nice = 0;
+  return std::min(kNiceMax, std::max(kNiceMin, nice));
+}
 
 Pool& SharedPool() {
-  static const int registered = pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); });
+  static const int registered = pthread_atfork(nullptr, nullptr, [] {
+    for (auto& pool : g_pools) pool.store(nullptr);
+  });
   (void)registered;
-  Pool* pool = g_pool.load(std::memory_order_acquire);
+  std::atomic<Pool*>& slot = g_pools[CallerNice() - kNiceMin];
+  Pool* pool = slot.load(std::memory_order_acquire);
   if (pool) return *pool;
   Pool* fresh = new Pool();
-  if (g_pool.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
+  if (slot.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
   delete fresh;
   return *pool;
 }
@@ -125,11 +135,6 @@ void ParallelBlocks(size_t n, size_t block, size_t min_share, int threads,
     return;
   }
   SharedPool().Run(n, block, want, body);
-}
-
-size_t WorkerCount() {
-  Pool* pool = g_pool.load(std::memory_order_acquire);
-  return pool ? pool->Count() : 0;
 }
 
 }  // namespace zinfjax

@@ -6,6 +6,7 @@
 // runtime, the copy threads beside a GPU step) delays only the block it holds, not a fixed
 // 1/threads share of every call. Several callers may run at once; each call's blocks are
 // done by the caller and by whichever workers are free, up to the call's thread count.
+// Callers of different nice values (ZeroConfig.host_nice) get workers of their own value.
 #ifndef ZINFJAX_CORE_WORKERS_H_
 #define ZINFJAX_CORE_WORKERS_H_
 
@@ -21,9 +22,6 @@ namespace zinfjax {
 // call's work.
 void ParallelBlocks(size_t n, size_t block, size_t min_share, int threads,
                     const std::function<void(size_t, size_t)>& body);
-
-// The worker threads started so far (0 before the first call that needs one).
-size_t WorkerCount();
 
 }  // namespace zinfjax
 
