@@ -51,10 +51,15 @@ def reference_grads(loss_fn, clip):
 
 def check_params(state, want) -> None:
   """8 ranks against one device round differently, and AdamW turns a rounding-level grad
-  difference into up to a step (lr) for a param whose grad is near zero: held to 1% of it."""
+  difference into up to a step (lr) for a param whose grad is near zero: every param is held
+  to 1% of a step but for 1 in 10,000 at most (such near-zero grads, whose count depends on
+  the CPU's vector width), and those to the steps taken."""
   got = flat(state.full_params())
   for name, expected in flat(want).items():
-    np.testing.assert_allclose(got[name], expected, atol=1e-2 * LR, rtol=1e-4, err_msg=name)
+    diff = np.abs(np.asarray(got[name]) - np.asarray(expected))
+    loose = diff > 1e-2 * LR + 1e-4 * np.abs(np.asarray(expected))
+    assert loose.mean() <= 1e-4, f"{name}: {loose.sum()} of {loose.size} off by over 1% of a step"
+    assert diff.max() <= STEPS * LR, f"{name}: off by {diff.max():.3g}, over {STEPS} steps"
 
 
 def delayed_reference(batches, clip):
