@@ -77,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-atomic-steps", action="store_true",
                  help="rewrite NVMe states in place (nvme_atomic_steps=False): half the drive "
                       "space, but a step that fails on NVMe is not rolled back")
-  p.add_argument("--host-optimizer", default="xla", choices=("xla", "pipeline", "stream"),
-                 help="who updates the optimizer states in pinned host memory: the step's XLA "
+  p.add_argument("--host-optimizer", default="auto", choices=("auto", "xla", "pipeline", "stream"),
+                 help="who updates the optimizer states in pinned host memory: 'auto' (the "
+                      "default), 'pipeline' on a GPU and 'xla' elsewhere; the step's XLA "
                       "program on the host ('xla'), zinfjax's host pipeline (C++ AdamW on host "
                       "threads, states in a store in RAM, updated in place; beside the drive's "
                       "store when states are on NVMe too), or the step's program on the device, "

@@ -94,8 +94,24 @@ def test_checkpoints_move_between_the_host_pipeline_and_xla(mesh, batches, tmp_p
   np.testing.assert_array_equal(np.concatenate([half, losses]), straight)
 
 
+def test_auto_picks_the_pipeline_on_a_gpu_alone(mesh):
+  """host_optimizer="auto" (the default) is the host pipeline on a GPU with zinfjax's CUDA
+  handlers and XLA's host update elsewhere; a value given is kept. The engine settles it for
+  its mesh: on this CPU mesh the pinned-host states stay arrays, no store."""
+  zero = zinfjax.ZeroConfig(offload_param="pinned_host", offload_optimizer="pinned_host")
+  assert zero.host_optimizer == "auto"
+  picked = lambda z, *where: z.for_platform(*where).host_optimizer
+  assert picked(zero, "gpu", True) == picked(zero, "cuda", True) == "pipeline"
+  assert picked(zero, "gpu", False) == picked(zero, "cpu", True) == "xla"
+  for given in ("xla", "stream", "pipeline"):
+    assert picked(zero.replace(host_optimizer=given), "gpu", True) == given
+  planned = zinfjax.abstract_init(four_layer_gpt, zinfjax.optim.adamw(1e-3), zero, mesh)
+  assert planned.engine.config.host_optimizer == "xla" and planned.engine.store is None
+
+
 def test_host_pipeline_config_is_checked(mesh, tmp_path):
-  with pytest.raises(ValueError, match="host_optimizer must be one of 'xla', 'pipeline', 'stream'"):
+  with pytest.raises(ValueError,
+                     match="host_optimizer must be one of 'auto', 'xla', 'pipeline', 'stream'"):
     zinfjax.ZeroConfig(host_optimizer="cpu")
   # the RAM store's tier is made by with_host_pipeline, never named
   with pytest.raises(ValueError, match="must be one of"):

@@ -42,7 +42,9 @@ def check_ffi_api(built: tuple[int, int], installed: tuple[int, int] | None) -> 
       "--no-deps --force-reinstall <zinfjax source folder> (or upgrade jax and jaxlib).")
 
 
-def register() -> None:
+def register() -> bool:
+  """Registers the CPU handlers, and the CUDA ones where they were built; returns whether
+  those were."""
   check_ffi_api(tuple(_engine.ffi_api_version()), installed_ffi_api())
   cpu = _engine.registrations()
   for name, capsule in cpu.items():
@@ -50,9 +52,11 @@ def register() -> None:
   try:
     from . import _engine_cuda  # built only where the CUDA toolkit was found
   except ImportError:  # not built, or its CUDA runtime is missing on this machine
-    return
+    return False
   for name, capsule in _engine_cuda.registrations(_engine.store_lookup()).items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  return True
 
 
-register()
+# whether the CUDA swap handlers are registered (the host pipeline needs them on a GPU)
+CUDA_HANDLERS = register()

@@ -10,7 +10,7 @@ from .tier import TIERS, Tier, TierSplit, parse_split, split_tiers  # noqa: F401
 
 Precision = Literal["bf16", "fp32"]
 # who updates the optimizer states in pinned host (`ZeroConfig.host_optimizer`)
-HOST_OPTIMIZERS = ("xla", "pipeline", "stream")
+HOST_OPTIMIZERS = ("auto", "xla", "pipeline", "stream")
 
 
 def host_pipeline_applies(host_optimizer: str, param_tiers: Sequence[str],
@@ -127,8 +127,10 @@ class ZeroConfig:
       step's metrics say `skipped` = 1. On NVMe this rests on all-or-nothing
       steps (`nvme_atomic_steps`). False applies the update whatever it holds.
     host_optimizer: who updates the optimizer states placed in pinned host
-      memory. "xla" (the default): the step's program, in XLA's host
-      computation. "stream": the step's program on the device, after
+      memory. "auto" (the default): "pipeline" on a GPU with zinfjax's CUDA
+      handlers (on an H200 its step ran 1.5-1.9x faster than "xla"'s, at half
+      the RAM), "xla" elsewhere (`for_platform`). "xla": the step's program,
+      in XLA's host computation. "stream": the step's program on the device, after
       backward, a layer at a time: each layer's master and moments cross to
       the device and back (twice their bytes over the host link per step, no
       CPU work, one layer's states in device memory at a time); needs
@@ -201,7 +203,7 @@ class ZeroConfig:
   layer_residuals: str = "auto"
   residual_budget: int | None = None
   skip_nonfinite: bool = True
-  host_optimizer: str = "xla"
+  host_optimizer: str = "auto"
   host_atomic_steps: bool = False
   delay_update: str = "none"
 
@@ -336,6 +338,16 @@ class ZeroConfig:
   def host_store(self) -> bool:
     """Whether a state is in the swap store in host RAM (`with_host_pipeline`)."""
     return Tier.HOST_STORE in split_tiers(self.param_split) + split_tiers(self.optimizer_split)
+
+  def for_platform(self, platform: str, cuda_handlers: bool) -> "ZeroConfig":
+    """The config with host_optimizer="auto" settled for the mesh's `platform`: "pipeline" on a
+    GPU where zinfjax's CUDA handlers are built (the C++ AdamW on host threads beside the
+    step, instead of XLA:GPU's host computation), else "xla" (on XLA:CPU the host
+    computation is the program's own). Other values are kept."""
+    if self.host_optimizer != "auto":
+      return self
+    gpu = platform in ("gpu", "cuda") and cuda_handlers
+    return self.replace(host_optimizer="pipeline" if gpu else "xla")
 
   def with_host_pipeline(self) -> "ZeroConfig":
     """The config the engine plans with: under host_optimizer="pipeline", with an optimizer

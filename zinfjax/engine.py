@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from .autoplace import AutoPlan, plan_placement
-from . import hostlimit
+from . import _ffi, hostlimit
 from .config import ZeroConfig
 from .layers import Stack
 from .offload.mixed import MixedStore
@@ -233,6 +233,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   if config.axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.shape)} have no {config.axis!r} axis; "
                      "build the mesh with zinfjax.make_mesh().")
+  config = config.for_platform(mesh.devices.flat[0].platform, _ffi.CUDA_HANDLERS)
   abstract_model = nnx.eval_shape(lambda: model_of(model_factory, nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)
   _check_params_only(abstract_model)

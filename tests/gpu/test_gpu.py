@@ -98,25 +98,38 @@ def reference(gpu_mesh, batches):
                        zinfjax.ZeroConfig(precision="fp32"), gpu_mesh, batches, lm_loss)[0]
 
 
-@pytest.mark.parametrize("param", TIERS)
-@pytest.mark.parametrize("optimizer", TIERS)
-def test_every_placement_trains_like_all_device(param, optimizer, gpu_mesh, batches, reference,
-                                                tmp_path):
+# the placements whose pinned-host states the host pipeline takes on a GPU (host_optimizer
+# "auto"): each also runs with XLA's host update, given
+PIPELINED = [("device", "pinned_host"), ("pinned_host", "pinned_host"), ("nvme", "pinned_host"),
+             ("pinned_host", "nvme")]
+
+
+@pytest.mark.parametrize("param,optimizer,host", [(p, o, "auto") for o in TIERS for p in TIERS]
+                         + [(p, o, "xla") for p, o in PIPELINED])
+def test_every_placement_trains_like_all_device(param, optimizer, host, gpu_mesh, batches,
+                                                reference, tmp_path):
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param=param, offload_optimizer=optimizer,
-                            nvme_path=str(tmp_path / "nvme"))
+                            nvme_path=str(tmp_path / "nvme"), host_optimizer=host)
   losses, state = zero_training(lambda r: GPT(TINY, rngs=r),
                                 zinfjax.optim.adamw(schedule(), weight_decay=0.1), zero, gpu_mesh,
                                 batches, lm_loss)
   assert losses[-1] < losses[0] - 0.3
   rel = np.abs(losses - reference) / reference
   assert np.all(rel < 1e-5), rel
+  # "auto" is the host pipeline on a GPU (not in a dry run on the CPU): its pinned-host states
+  # live in the RAM store
+  on_gpu = gpu_mesh.devices.flat[0].platform != "cpu"
+  piped = host == "auto" and (param, optimizer) in PIPELINED and on_gpu
+  assert state.engine.config.host_store == piped
+  stored = {"nvme"} | ({"pinned_host"} if piped else set())
   want = {"device": {"device"}, "pinned_host": {"pinned_host"}, "nvme": set()}
   kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
   assert kinds(state.params) <= want[param] | {"device"}  # leaves outside the stacks: first tier
   if param != "device":
-    assert want[param] <= kinds(state.params) or param == "nvme"
+    assert want[param] <= kinds(state.params) or param in stored
   if optimizer == "pinned_host":
-    assert kinds(state.master) == {"pinned_host"}
+    master = kinds(state.master)
+    assert master <= {"pinned_host"} if piped else master == {"pinned_host"}
 
 
 @pytest.mark.parametrize("param", ["device", "pinned_host"])
