@@ -36,8 +36,9 @@
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
 #   first        the plan for one call of a 15-minute device budget: env,build,speed,gpu-tests
-#                with DEADLINE=560, KEEP_GOING=1 and PACK=1, the GPU tests of the host pipeline
-#                and of the copy stream alone (run it with the device tool's timeout_s=600)
+#                with DEADLINE=560, KEEP_GOING=1 and PACK=1, the GPU tests of the host pipeline,
+#                the copy stream and every placement (host_optimizer "auto" and "xla") alone (run
+#                it with the device tool's timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
 #               is left, a stage with under 30 s left is not started (listed in the summary)
@@ -67,7 +68,7 @@ fi
 if [[ "$STAGES" == first ]]; then
   STAGES=env,build,speed,gpu-tests
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
-  GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update or copy_stream}
+  GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update or copy_stream or every_placement}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
 KNOWN=" env build gpu-tests speed bench copy-stream profile ckpt largest peer cpu-confirm cpu-suite "
