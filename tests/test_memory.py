@@ -191,7 +191,7 @@ def test_host_room_leaves_xla_gpu_host_update_its_copies(monkeypatch):
   assert hostlimit.host_room(ram, "gpu", "pipeline") == ram
   assert hostlimit.host_room(ram, "cpu", "xla") == ram
   monkeypatch.setattr(autoplace, "_available_ram", lambda: 2 * ram)
-  config = zinfjax.ZeroConfig(offload="auto")
+  config = zinfjax.ZeroConfig(offload="auto", host_optimizer="xla")
   want = (int(autoplace.HOST_SHARE * 2 * ram) - config.pinned_budget) // len(jax.local_devices())
   assert autoplace.default_budgets(config)["pinned_host"] == want  # CPU: no copies to leave room for
   monkeypatch.setattr(autoplace, "host_room", lambda r, platform, h: hostlimit.host_room(r, "gpu", h))
