@@ -1,7 +1,8 @@
 // ffi/cuda/copies.h against the stand-in CUDA runtime (cuda_runtime_api.h here) and a real
 // swap store: data lands where it should, host<->device copies run on the copy stream and
 // never on XLA's, staging buffers are reused only once drained, and a read with no free
-// staging buffer or a mismatched shape is handled, as is HBM with no room for staging. Usage: copies_test FOLDER|memory.
+// staging buffer or a mismatched shape is handled, as is HBM with no room for staging.
+// Usage: copies_test FOLDER|memory.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

@@ -289,7 +289,8 @@ np.savez(sys.argv[2], **out)
 def test_grads_through_the_copy_stream_train_bit_for_bit(tmp_path):
   """The copy stream (the default; ZINFJAX_COPY_STREAM=0 turns it off): write_many's grads leave
   the device through a staging buffer and the copy stream instead of XLA's stream; training
-  (host pipeline, NVMe) is bit for bit the same. In child processes: a crash is this test's failure, not the suite's."""
+  (host pipeline, NVMe) is bit for bit the same. In child processes: a crash is this test's
+  failure, not the suite's."""
   script = tmp_path / "copy_stream.py"
   script.write_text(COPY_STREAM)
   out = {}
