@@ -56,8 +56,9 @@ def check_params(state, want) -> None:
   the CPU's vector width), and those to the steps taken."""
   got = flat(state.full_params())
   for name, expected in flat(want).items():
-    diff = np.abs(np.asarray(got[name]) - np.asarray(expected))
-    loose = diff > 1e-2 * LR + 1e-4 * np.abs(np.asarray(expected))
+    expected = np.asarray(expected)
+    diff = np.abs(np.asarray(got[name]) - expected)
+    loose = diff > 1e-2 * LR + 1e-4 * np.abs(expected)
     assert loose.mean() <= 1e-4, f"{name}: {loose.sum()} of {loose.size} off by over 1% of a step"
     assert diff.max() <= STEPS * LR, f"{name}: off by {diff.max():.3g}, over {STEPS} steps"
 
