@@ -246,6 +246,8 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--batch-size", type=int, default=8, help="global batch (examples per step)")
   p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--layers", type=int, default=None,
+                 help="train this many layers instead of the most that fit (checked to fit first)")
   p.add_argument("--bf16-moments", action="store_true",
                  help="Adam's moments in bf16 (8 optimizer bytes per parameter instead of 12)")
   p.add_argument("--host-optimizer", default="pipeline", choices=("xla", "pipeline", "stream"),
@@ -280,9 +282,16 @@ def main(argv=None) -> int:
   for tier in args.placements:
     placed = None
     if tier == "mixed":
-      layers, placed = search_mixed(room, args, folder)
+      layers, placed = search_mixed(room, args, folder, args.layers)
     else:
       layers = largest(tier, room, args)
+    if args.layers is not None:  # a given count: trained only where its states fit
+      fits = placed is not None if tier == "mixed" else args.layers <= layers
+      if not fits:
+        print(f"{tier}: {args.layers} layers of {args.hidden} do not fit (at most {layers}); "
+              "pass fewer --layers", flush=True)
+        continue
+      layers = args.layers
     for _ in range(args.tries):
       if layers < 1:
         print(f"{tier}: not even one layer of {args.hidden} fits", flush=True)
