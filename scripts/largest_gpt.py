@@ -151,7 +151,8 @@ def mixed_plan(layers: int, room: dict[str, int], args, folder: str) -> dict | N
   except PlacementError:
     return None
   return {"offload_param": auto.offload_param, "offload_optimizer": auto.offload_optimizer,
-          "need": {str(t): int(b) for t, b in auto.need.items()}, "budgets": auto.budgets}
+          "need": {str(t): int(b) for t, b in auto.need.items()}, "budgets": auto.budgets,
+          "host_arrays": auto.host_arrays}
 
 
 def search_mixed(room: dict[str, int], args, folder: str,
@@ -306,8 +307,9 @@ def main(argv=None) -> int:
       run = train(tier, layers, args, folder,
                   mixed_budgets(layers, room, args) if tier == "mixed" else None)
       run["need"] = states
-      if placed:
-        run["placement"] = {k: placed[k] for k in ("offload_param", "offload_optimizer")}
+      if placed:  # host_arrays: of pinned host's need, the host pipeline's arrays, not states
+        run["placement"] = {k: placed[k] for k in ("offload_param", "offload_optimizer",
+                                                   "host_arrays")}
       runs.append(run)
       with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:  # after every run: a cut
         json.dump({"room": room, "args": vars(args), "runs": runs}, f, indent=1)  # call keeps it

@@ -12,6 +12,7 @@ from zinfjax.autoplace import PlacementError, need
 from zinfjax.engine import build_engine
 from zinfjax.memory import tier_bytes
 from zinfjax.models import GPT, get_config, lm_loss
+from zinfjax.placement import Tier
 
 from helpers import text_batches
 
@@ -133,3 +134,26 @@ def test_auto_counts_the_ram_store_of_the_host_pipeline(mesh, tmp_path, atomic):
   rows = {line.split()[0]: line for line in auto.table().splitlines()[1:]}
   for tier in ("device", "pinned_host", "nvme"):
     assert ("second copy" in rows[tier]) == (tier in auto.copies), rows[tier]
+
+
+def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_path):
+  """Params on the device, their optimizer in RAM's store: the host pipeline makes every new
+  param in host RAM before the step puts it back, one param in the params' dtype a layer.
+  The budgets count them (else a 13B placement that fitted on paper took its step out of
+  RAM), once: under the delayed update they are the delayed parts' arrays already."""
+  from zinfjax.autoplace import delayed_bytes, returned_bytes
+  zero = zinfjax.ZeroConfig(offload_param="device:6,pinned_host", offload_optimizer="pinned_host",
+                            host_optimizer="pipeline", nvme_path=str(tmp_path / "nvme"))
+  plan = build_engine(gpt, tx(), zero, mesh, open_store_=False).plan
+  mapped = zero.with_host_pipeline()
+  # layers 0-5 of each stack and the leaves outside them (with the first tier) on the device
+  want = sum((6 if leaf.stacked else 1) * leaf.local_size * 2 for leaf in plan.leaves)
+  assert returned_bytes(plan, mapped) == want > 0
+  store = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
+                                   tier=Tier.HOST_STORE).values())
+  assert need(plan, zero)[Tier.PINNED_HOST] == store + want
+  late = mapped.replace(delay_update="all")
+  assert returned_bytes(plan, late) == 0 and delayed_bytes(plan, late) > want
+  # XLA's host update keeps pinned-host optimizer states in arrays: nothing comes back
+  xla = zero.replace(host_optimizer="xla")
+  assert returned_bytes(build_engine(gpt, tx(), xla, mesh, open_store_=False).plan, xla) == 0

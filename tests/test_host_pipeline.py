@@ -5,6 +5,7 @@ memory store itself lends its shards without copies and without outliving its ow
 
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -291,3 +292,35 @@ def test_memory_store_moves_shards_by_copy_and_lends_its_mapping(monkeypatch):
   # another of its size in flight), where 10 a step were made before
   assert made["borrowed"][0] > 0 and made["borrowed"][-1] - made["borrowed"][0] <= 1, made
   assert losses["lent"] == losses["borrowed"] == losses["xla"]
+
+
+def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monkeypatch):
+  """Params on the device, their optimizer in the RAM store: the step reads the grads to the
+  host a layer at a time (not a whole segment of layers) and makes each new param once, in
+  one buffer a segment that goes back to the device as it is (no stacked second copy). At
+  13B params both took the step out of host RAM on an H100."""
+  import tracemalloc
+  from zinfjax import runner
+  zero = zinfjax.ZeroConfig(precision="bf16", offload_param="device",
+                            offload_optimizer="pinned_host", host_optimizer="pipeline")
+  wide = get_config("tiny", num_layers=4, hidden=256, num_heads=4)  # the params outweigh the rest
+  state = zinfjax.init(lambda r: GPT(wide, rngs=r), tx(None), zero, mesh, 0)
+  state, _ = zinfjax.train_step(state, batches[0], lm_loss)  # compiled
+  read, host_shards = [], runner.host_shards
+  monkeypatch.setattr(runner, "host_shards",
+                      lambda x, m: read.append(x.shape) or host_shards(x, m))
+  tracemalloc.start()
+  try:
+    state, _ = zinfjax.train_step(state, batches[1], lm_loss)
+    jax.block_until_ready(state.params)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  plan = state.engine.plan
+  shapes = {l.layout.storage_shape[1:] if l.stacked else l.layout.storage_shape
+            for l in plan.leaves}
+  assert read and all(s in shapes for s in read), read  # one layer's grads a read
+  # the new params of every layer once, in bf16 (one copy: 1x; stacked again: about 1.3x)
+  params = sum(l.local_size * l.num_layers for l in plan.leaves) * len(plan.ranks) * 2
+  assert peak < 1.15 * params, (peak, params)
+  state.close()

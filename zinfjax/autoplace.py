@@ -90,6 +90,8 @@ class AutoPlan:
   need: dict[str, int]
   pinned_budget: int
   copies: tuple[str, ...] = ()  # tiers whose `need` holds a second copy (all-or-nothing steps)
+  host_arrays: int = 0  # of pinned host's `need`: the host pipeline's arrays of held grads and
+  # new params (`delayed_bytes`, `returned_bytes`), not states
 
   def resolve(self, config: ZeroConfig) -> ZeroConfig:
     """`config` with the tiers (and pinned budget) this plan chose, ready to build."""
@@ -104,7 +106,9 @@ class AutoPlan:
       share = self.need[tier] / self.budgets[tier] if self.budgets[tier] else 0.0
       rows.append(f"  {tier:<11} {_gb(self.need[tier]):>11} of {_gb(self.budgets[tier]):>11} "
                   f"per device ({share:.0%})" + (", with the second copy of all-or-nothing steps"
-                                                 if tier in self.copies else ""))
+                                                 if tier in self.copies else "")
+                  + (f", with {_gb(self.host_arrays)} of the host pipeline's grads and new params"
+                     if tier == Tier.PINNED_HOST and self.host_arrays else ""))
     return "\n".join(rows)
 
 
@@ -120,8 +124,25 @@ def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   out[Tier.NVME] = store(Tier.NVME)
   if mapped.host_store:  # every pinned-host state is in the RAM store
     out[Tier.PINNED_HOST] = store(Tier.PINNED_HOST) + store(Tier.HOST_STORE)
-  out[Tier.PINNED_HOST] += delayed_bytes(plan, mapped)
+  out[Tier.PINNED_HOST] += delayed_bytes(plan, mapped) + returned_bytes(plan, mapped)
   return out
+
+
+def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
+  """Host RAM per device the host pipeline's new compute params take until the step puts them
+  back into their arrays: a param, in the plan's dtype, of every layer whose optimizer is in a
+  swap store and whose params are arrays (on the device, say). The delayed parts' are counted
+  by `delayed_bytes`."""
+  stored = lambda tier: not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
+  item, total = plan.dtype("params").itemsize, 0
+  for leaf in plan.leaves:
+    if config.delay_update == "all" or (config.delay_update == "tail" and not leaf.stacked):
+      continue
+    for opt in (s for s in leaf.optimizer if stored(s.tier)):
+      for seg in (s for s in leaf.params if not stored(s.tier)):
+        layers = min(opt.stop, seg.stop) - max(opt.start, seg.start)
+        total += max(0, layers) * leaf.local_size * item
+  return total
 
 
 def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:
@@ -241,7 +262,9 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
   mapped = chosen.with_host_pipeline()
   stores = ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
   copies = tuple(t for t, held in stores if held and mapped.nvme_atomic_steps)
-  return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget, copies)
+  plan = build(chosen)
+  arrays = delayed_bytes(plan, mapped) + returned_bytes(plan, mapped)
+  return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget, copies, arrays)
 
 
 @dataclasses.dataclass(frozen=True)

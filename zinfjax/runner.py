@@ -27,7 +27,7 @@ import numpy as np
 from .grads import forward_order
 from .inputs import shard_batch
 from .optim.pipeline import STATS, GradGate
-from .placement import PREFIX
+from .placement import PREFIX, Tier
 from .schedule import timeline
 from .shards import from_host_shards, host_shards
 
@@ -185,20 +185,31 @@ class PipelineRunner:
 
 def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
   """`grad_of(part)`: a part's grad from the program's grad arrays (`grads()`, asked once),
-  as a host array; each array segment copied to the host once."""
-  cache: dict[tuple[int, int], dict] = {}
+  as a host array. Grads on the device are copied a layer at a time, each let go once every
+  rank of this process has had it: the host holds a few layers' grads, not a whole segment
+  of them (two bytes a param of every layer whose params are on the device). Grads in pinned
+  host (no device op slices them) are read a segment at a time, once."""
+  cache: dict[tuple[int, int], dict] = {}  # (leaf, layer or -1 - segment) -> rank -> shard
   flat: list = []  # the grads per plan leaf, once asked for
 
   def grad_of(p):
     leaf = plan.leaves[p.leaf]
-    j = next(k for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
-    if (p.leaf, j) not in cache:
+    j, seg = next((k, s) for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
+    by_layer = seg.tier is Tier.DEVICE  # let go once taken
+    key = (p.leaf, p.layer) if by_layer else (p.leaf, -1 - j)
+    if p.rank not in cache.get(key, {}):  # not read yet (or read again: a redone update)
       if not flat:
         flat.append(plan.flatten(grads()))
-      cache[(p.leaf, j)] = host_shards(flat[0][p.leaf][j], plan.mesh)
-    seg = leaf.array_segments("grads")[j]
-    g = cache[(p.leaf, j)][p.rank]
-    return g[p.layer - seg.start] if leaf.stacked else g
+      x = flat[0][p.leaf][j]
+      cache[key] = host_shards(x[p.layer - seg.start] if by_layer and leaf.stacked else x,
+                               plan.mesh)
+    if not by_layer:
+      g = cache[key][p.rank]
+      return g[p.layer - seg.start] if leaf.stacked else g
+    g = cache[key].pop(p.rank)
+    if not cache[key]:
+      del cache[key]
+    return g
 
   return grad_of
 
@@ -215,7 +226,7 @@ def merge_params(plan, params: Any, outs: dict) -> Any:
         continue
       x = flat[leaf.index][j]
       if len(layers) == seg.layers:  # all of it is new: no need to read the old values back
-        shards = {r: (np.stack([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
+        shards = {r: (stacked([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
                       else outs[(leaf.index, r, layers[0])]) for r in plan.ranks}
         flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
         continue
@@ -228,6 +239,19 @@ def merge_params(plan, params: Any, outs: dict) -> Any:
             shard[...] = outs[(leaf.index, r, l)]
       flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
   return plan.unflatten([tuple(p) for p in flat])
+
+
+def stacked(layers: list[np.ndarray]) -> np.ndarray:
+  """`np.stack(layers)`, or the buffer they are consecutive views of (the pipeline makes a
+  whole segment's new params so, `NvmePipeline._new_params`): no second copy."""
+  base = layers[0].base
+  at = lambda a: a.__array_interface__["data"][0]
+  if (isinstance(base, np.ndarray) and base.shape == (len(layers), *layers[0].shape)
+      and base.dtype == layers[0].dtype and base.flags.c_contiguous
+      and all(a.base is base and at(a) == at(base) + i * base.strides[0]
+              for i, a in enumerate(layers))):
+    return base
+  return np.stack(layers)
 
 
 def lower_priority(nice: int, name: bytes = b"zinfjax-optim") -> None:

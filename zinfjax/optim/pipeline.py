@@ -179,7 +179,7 @@ class NvmePipeline(StreamAdam):
     made = [p for u in now for p in u.parts if not self.on_store("params", p)]
     if held is not None:
       made += [p for u in self.tail for p in u.parts if not (twins and self.on_store("params", p))]
-    outs = {p.id: self._array("params", p) for p in made}
+    outs = self._new_params(made)
     out_of = lambda p: (outs[p.id] if p.id in outs
                         else self.store.view(self._twin_key("params", p))).reshape(-1)
     runs = []  # each stream's stats, summed for the step
@@ -301,6 +301,24 @@ class NvmePipeline(StreamAdam):
   def _exchange(self, state: str, parts: Sequence[Part]) -> None:
     """`parts`' `state` shards and their twins trade places (the program that used them done)."""
     self.store.exchange([(self.key(state, p), self._twin_key(state, p)) for p in parts])
+
+  def _new_params(self, made: Sequence[Part]) -> dict[PartKey, np.ndarray]:
+    """Host arrays for the new compute params of `made`. Where a rank's parts cover a whole
+    stacked segment of arrays, they are views into one [layers, ...] buffer, which the step
+    puts back as it is (`runner.merge_params`) instead of stacking a second copy."""
+    ids, outs = {p.id for p in made}, {}
+    for p in made:
+      if p.id in outs:
+        continue
+      leaf = self.plan.leaves[p.leaf]
+      seg = next((s for s in leaf.array_segments("params") if p.layer in s), None)
+      if (leaf.stacked and seg is not None
+          and all((p.leaf, p.rank, l) in ids for l in range(seg.start, seg.stop))):
+        whole = np.empty((seg.layers, *self.shape(p)), self.params_dtype)
+        outs.update(((p.leaf, p.rank, l), whole[l - seg.start]) for l in range(seg.start, seg.stop))
+      else:
+        outs[p.id] = self._array("params", p)
+    return outs
 
   def _array(self, state: str, part: Part) -> np.ndarray:
     """A host array for `part`'s held "grads" or new "params": one a step is done with, else
