@@ -25,8 +25,8 @@
 #   ckpt         checkpoint save/restore per tier on the GPU, about 3 minutes (bench_checkpoint.log)
 #   largest      the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
 #                placements (one per call fits); LARGEST_ARGS adds flags, e.g.
-#                "--bf16-moments --hidden 5120" (largest_gpt.log); under DEADLINE, one run per
-#                placement, stopped 30 s before it (the steps it finished are in the table)
+#                "--bf16-moments --hidden 5120 --layers 42" (largest_gpt.log); under DEADLINE, one
+#                run per placement, stopped 30 s before it (the steps it finished are in the table)
 #   peer         DeepSpeed ZeRO-3 offload and zinfjax on the same GPT and shapes, one table
 #                (peer_table.txt); deepspeed comes from the bundle scripts/peer_bundle.sh makes in
 #                build/peer (carry it); PEER_PLACEMENTS a subset of device,cpu,nvme (split the
