@@ -248,7 +248,8 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
                 (Tier.DEVICE, Tier.PINNED_HOST))
   optimizer = lay(o_dev, o_host)
   chosen = candidate(param, optimizer)
-  got = need(build(chosen), chosen)
+  plan = build(chosen)
+  got = need(plan, chosen)
   short = {t: got[t] - budget[t] for t in TIERS if got[t] > budget[t]}
   if short:
     total = need(build(base), base)[Tier.DEVICE]
@@ -262,7 +263,6 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
   mapped = chosen.with_host_pipeline()
   stores = ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
   copies = tuple(t for t, held in stores if held and mapped.nvme_atomic_steps)
-  plan = build(chosen)
   arrays = delayed_bytes(plan, mapped) + returned_bytes(plan, mapped)
   return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget, copies, arrays)
 

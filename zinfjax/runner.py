@@ -200,9 +200,8 @@ def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
     if p.rank not in cache.get(key, {}):  # not read yet (or read again: a redone update)
       if not flat:
         flat.append(plan.flatten(grads()))
-      x = flat[0][p.leaf][j]
-      cache[key] = host_shards(x[p.layer - seg.start] if by_layer and leaf.stacked else x,
-                               plan.mesh)
+      layer = p.layer - seg.start if by_layer and leaf.stacked else None
+      cache[key] = host_shards(flat[0][p.leaf][j], plan.mesh, layer)
     if not by_layer:
       g = cache[key][p.rank]
       return g[p.layer - seg.start] if leaf.stacked else g

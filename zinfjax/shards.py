@@ -8,10 +8,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 
-def host_shards(x: jax.Array, mesh: Mesh) -> dict[int, np.ndarray]:
-  """rank -> this process's local shard of `x`, as numpy."""
+def host_shards(x: jax.Array, mesh: Mesh,
+                layer: int | None = None) -> dict[int, np.ndarray]:
+  """rank -> this process's local shard of `x` (of its `layer` along the first axis alone,
+  sliced on each shard's own device), as numpy."""
   devices = list(mesh.devices.reshape(-1))
-  return {devices.index(s.device): np.asarray(s.data) for s in x.addressable_shards}
+  return {devices.index(s.device): np.asarray(s.data if layer is None else s.data[layer])
+          for s in x.addressable_shards}
 
 
 def from_host_shards(shards: dict[int, np.ndarray], sharding: NamedSharding, shape) -> jax.Array:
