@@ -147,8 +147,8 @@ def test_bytes_per_param_match_the_plan(param, optimizer, atomic, host, tmp_path
 def test_the_delayed_update_counts_its_host_arrays():
   """delay_update="all" adds the held grads twice and the new params (6 B a param) to host RAM
   where the optimizer is in a store, nowhere else; a RAM store alone, rewritten in place, holds
-  the grads once (in their twins: 4 B); params on the device had their new params counted
-  without the delay (4 B more); the estimate passes it on."""
+  the grads once (in their twins: 4 B); params on the device count their new params without
+  the delay too, so it adds 4 B there; the estimate passes it on."""
   from zinfjax.memory import bytes_per_param, estimate_memory
   for param, optimizer, host, atomic, extra in [
       ("pinned_host", "pinned_host", "pipeline", False, 4),
