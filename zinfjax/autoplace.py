@@ -128,18 +128,23 @@ def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   return out
 
 
+def _in_store(tier: Tier, config: ZeroConfig) -> bool:
+  """Whether states planned on `tier` live in a swap store (the drive's, or RAM's under the
+  host pipeline) rather than in arrays."""
+  return not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
+
+
 def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
   """Host RAM per device the host pipeline's new compute params take until the step puts them
   back into their arrays: a param, in the plan's dtype, of every layer whose optimizer is in a
   swap store and whose params are arrays (on the device, say). The delayed parts' are counted
   by `delayed_bytes`."""
-  stored = lambda tier: not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
   item, total = plan.dtype("params").itemsize, 0
   for leaf in plan.leaves:
     if config.delay_update == "all" or (config.delay_update == "tail" and not leaf.stacked):
       continue
-    for opt in (s for s in leaf.optimizer if stored(s.tier)):
-      for seg in (s for s in leaf.params if not stored(s.tier)):
+    for opt in (s for s in leaf.optimizer if _in_store(s.tier, config)):
+      for seg in (s for s in leaf.params if not _in_store(s.tier, config)):
         layers = min(opt.stop, seg.stop) - max(opt.start, seg.start)
         total += max(0, layers) * leaf.local_size * item
   return total
@@ -155,7 +160,6 @@ def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:
   if config.delay_update == "none":
     return 0
   grads, params = plan.dtype("grads").itemsize, plan.dtype("params").itemsize
-  in_store = lambda tier: not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
   ram = lambda tier: tier is Tier.HOST_STORE or (tier is Tier.PINNED_HOST and config.host_store)
   drive = any(Tier.NVME in plan.tiers(state) for state in ("params", "grads", "master"))
   twins = config.delay_update == "all" and not config.nvme_atomic_steps and not drive
@@ -163,7 +167,7 @@ def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:
   for leaf in plan.leaves:
     if config.delay_update == "all" or not leaf.stacked:
       for seg in leaf.optimizer:
-        if in_store(seg.tier):
+        if _in_store(seg.tier, config):
           kept = twins and ram(leaf.tier("grads", seg.start))  # in its twin, not in arrays
           total += seg.layers * leaf.local_size * (grads * (1 if kept else 2) + params)
   return total
