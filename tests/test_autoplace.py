@@ -137,18 +137,21 @@ def test_auto_counts_the_ram_store_of_the_host_pipeline(mesh, tmp_path, atomic):
 
 
 def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_path):
-  """Params on the device, their optimizer in RAM's store: the host pipeline makes every new
-  param in host RAM before the step puts it back, one param in the params' dtype a layer.
-  The budgets count them (else a 13B placement that fitted on paper took its step out of
-  RAM), once: under the delayed update they are the delayed parts' arrays already."""
-  from zinfjax.autoplace import delayed_bytes, returned_bytes
+  """Params in arrays, their optimizer in a store: the host pipeline makes their new params in
+  host RAM. On the device they go back as they are made (`RETURNING` layers of a leaf on
+  their way); in pinned-host arrays the step puts them back after the update, one param in
+  the params' dtype a layer. The budgets count them (else a 13B placement that fitted on paper
+  took its step out of RAM), once: under the delayed update they are the delayed parts'
+  arrays already."""
+  from zinfjax.autoplace import RETURNING, delayed_bytes, returned_bytes
   zero = zinfjax.ZeroConfig(offload_param="device:6,pinned_host", offload_optimizer="pinned_host",
                             host_optimizer="pipeline", nvme_path=str(tmp_path / "nvme"))
   plan = build_engine(gpt, tx(), zero, mesh, open_store_=False).plan
   mapped = zero.with_host_pipeline()
-  # layers 0-5 of each stack and the leaves outside them (with the first tier) on the device
-  want = sum((6 if leaf.stacked else 1) * leaf.local_size * 2 for leaf in plan.leaves)
-  assert returned_bytes(plan, mapped) == want > 0
+  # layers 0-5 of each stack and the leaves outside them (with the first tier) on the device:
+  # RETURNING (< 6) layers of each at a time
+  want = sum((RETURNING if leaf.stacked else 1) * leaf.local_size * 2 for leaf in plan.leaves)
+  assert RETURNING < 6 and returned_bytes(plan, mapped) == want > 0
   store = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
                                    tier=Tier.HOST_STORE).values())
   assert need(plan, zero)[Tier.PINNED_HOST] == store + want
@@ -157,3 +160,8 @@ def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_pa
   # XLA's host update keeps pinned-host optimizer states in arrays: nothing comes back
   xla = zero.replace(host_optimizer="xla")
   assert returned_bytes(build_engine(gpt, tx(), xla, mesh, open_store_=False).plan, xla) == 0
+  # params in pinned-host arrays (XLA's), their optimizer on the drive: every layer, whole
+  drive = xla.replace(offload_param="device:6,pinned_host", offload_optimizer="nvme")
+  plan = build_engine(gpt, tx(), drive, mesh, open_store_=False).plan
+  hosted = sum((leaf.num_layers - 6) * leaf.local_size * 2 for leaf in plan.leaves if leaf.stacked)
+  assert returned_bytes(plan, drive) == want + hosted and hosted > 0

@@ -296,9 +296,10 @@ def test_memory_store_moves_shards_by_copy_and_lends_its_mapping(monkeypatch):
 
 def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monkeypatch):
   """Params on the device, their optimizer in the RAM store: the step reads the grads to the
-  host a layer at a time (not a whole segment of layers) and makes each new param once, in
-  one buffer a segment that goes back to the device as it is (no stacked second copy). At
-  13B params both took the step out of host RAM on an H100."""
+  host a layer at a time (not a whole segment of layers), and each layer's new params go back
+  to the device as soon as they are made, so the host holds about one layer of them, not
+  every layer until the update ends. At 13B params the whole segments took the step out of
+  host RAM on an H100."""
   import tracemalloc
   from zinfjax import runner
   zero = zinfjax.ZeroConfig(precision="bf16", offload_param="device",
@@ -320,7 +321,8 @@ def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monk
   shapes = {l.layout.storage_shape[1:] if l.stacked else l.layout.storage_shape
             for l in plan.leaves}
   assert read and all(s in shapes for s in read), read  # one layer's grads a read
-  # the new params of every layer once, in bf16 (one copy: 1x; stacked again: about 1.5x)
-  params = sum(l.local_size * l.num_layers for l in plan.leaves) * len(plan.ranks) * 2
-  assert peak < 1.15 * params, (peak, params)
+  # about one layer's new params in bf16 at a time (0.8 of a layer measured; every layer in
+  # one buffer a segment, put back after the update: 4.1 layers; stacked again: 6)
+  layer = sum(l.local_size for l in plan.leaves if l.stacked) * len(plan.ranks) * 2
+  assert peak < 1.5 * layer, (peak / layer, layer)
   state.close()

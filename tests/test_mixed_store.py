@@ -56,7 +56,10 @@ def streamed_bytes(plan) -> int:
 # in place, the RAM shards updated where they lie while the drive's stream
 CASES = [("pinned_host", "nvme", "fp32", 0.5, True, True),
          ("pinned_host:2,nvme", "device:1,pinned_host:1,nvme", "bf16", None, False, True),
-         ("pinned_host:2,nvme", "pinned_host:2,nvme", "fp32", None, False, False)]
+         ("pinned_host:2,nvme", "pinned_host:2,nvme", "fp32", None, False, False),
+         # params of two layers on the device, their new params put back as they are made
+         # once the step stands (the update under backward redone, or its norm predicted)
+         ("device:2,pinned_host", "pinned_host:2,nvme", "fp32", 0.5, True, True)]
 
 
 @pytest.mark.parametrize("param,optimizer,precision,clip,skip,atomic", CASES)
@@ -89,10 +92,19 @@ def test_mixed_store_trains_bit_for_bit_like_xla(param, optimizer, precision, cl
   xla.close()
 
 
-def test_a_skipped_step_leaves_both_stores_as_they_were(mesh, batches, tmp_path):
+@pytest.mark.parametrize("param", ["pinned_host:2,nvme", "device:2,pinned_host"])
+def test_a_skipped_step_leaves_both_stores_as_they_were(param, mesh, batches, tmp_path,
+                                                        monkeypatch):
   """Clipping on every step (the update under backward redone) and a NaN step: the NaN step
-  changes nothing in RAM or on the drive, and the run equals the one without it."""
-  zero = zinfjax.ZeroConfig(offload_param="pinned_host:2,nvme", offload_optimizer="pinned_host:2,nvme",
+  changes nothing in RAM, on the drive or on the device, and the run equals the one without
+  it. With params on the device, the new params of a step that stands go back to it during
+  the update; those of a guess that is redone or skipped never do."""
+  from zinfjax import runner
+  from zinfjax.putback import PutBack
+  made = []  # per step: the layers put back during the update
+  monkeypatch.setattr(runner, "PutBack", type("Counted", (PutBack,), {
+      "finish": lambda self, outs: (made.append(self.returned), PutBack.finish(self, outs))[1]}))
+  zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer="pinned_host:2,nvme",
                             host_optimizer="pipeline", nvme_path=str(tmp_path))
   scaled = lambda model, batch: lm_loss(model, batch) * batch["scale"][0]
   good = [dict(b, scale=np.ones((16,), np.float32)) for b in batches]
@@ -100,7 +112,7 @@ def test_a_skipped_step_leaves_both_stores_as_they_were(mesh, batches, tmp_path)
   want_losses, want = zero_training(factory, tx(0.5), zero.replace(nvme_path=str(tmp_path / "a")),
                                     mesh, good, scaled)
   state = zinfjax.init(factory, tx(0.5), zero.replace(nvme_path=str(tmp_path / "b")), mesh, 0)
-  losses = []
+  losses, redone = [], 0
   for i, batch in enumerate(good):
     if i == 2:
       before = compute_params(state) + arrays(state.full_params())
@@ -110,7 +122,15 @@ def test_a_skipped_step_leaves_both_stores_as_they_were(mesh, batches, tmp_path)
       assert all(np.array_equal(a, b) for a, b in zip(after, before))
     state, metrics = zinfjax.train_step(state, batch, scaled)
     losses.append(float(metrics["loss"]))
+    redone += metrics["nvme_redone"]
   assert_same_training(losses, state, want_losses, want)
+  # (leaf, layer) pairs on the device, each put back during every update that stood (the
+  # reference's steps, then this run's), none in the NaN step; the first step's guess redone
+  plan = state.engine.plan
+  device = sum(leaf.tier("params", l) is Tier.DEVICE for leaf in plan.leaves
+               for l in range(leaf.num_layers))
+  assert redone > 0 and (device > 0) == param.startswith("device"), (redone, device)
+  assert made == [device] * (STEPS + 2) + [0] + [device] * (STEPS - 2), (made, device)
   state.close()
   want.close()
 

@@ -134,19 +134,25 @@ def _in_store(tier: Tier, config: ZeroConfig) -> bool:
   return not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
 
 
+RETURNING = 2  # layers of a leaf's new params in host RAM on their way to the device
+
+
 def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
-  """Host RAM per device the host pipeline's new compute params take until the step puts them
-  back into their arrays: a param, in the plan's dtype, of every layer whose optimizer is in a
-  swap store and whose params are arrays (on the device, say). The delayed parts' are counted
-  by `delayed_bytes`."""
+  """Host RAM per device the host pipeline's new compute params take until they are back in
+  their arrays, for the layers whose optimizer is in a swap store and whose params are arrays:
+  a param of each, in the plan's dtype, where the step puts them back after the update (arrays
+  in pinned host); `RETURNING` layers of a leaf where they go back as they are made (on the
+  device, `putback.PutBack`). The delayed parts' are counted by `delayed_bytes`."""
   item, total = plan.dtype("params").itemsize, 0
   for leaf in plan.leaves:
     if config.delay_update == "all" or (config.delay_update == "tail" and not leaf.stacked):
       continue
     for opt in (s for s in leaf.optimizer if _in_store(s.tier, config)):
       for seg in (s for s in leaf.params if not _in_store(s.tier, config)):
-        layers = min(opt.stop, seg.stop) - max(opt.start, seg.start)
-        total += max(0, layers) * leaf.local_size * item
+        layers = max(0, min(opt.stop, seg.stop) - max(opt.start, seg.start))
+        if seg.tier is Tier.DEVICE:
+          layers = min(layers, RETURNING)
+        total += layers * leaf.local_size * item
   return total
 
 

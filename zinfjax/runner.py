@@ -6,7 +6,9 @@ store (NVMe, or host RAM) are updated by the host pipeline (`optim/pipeline.py`)
 after the program, or while its backward pass is still running when backward
 writes grads to the store (with clipping on, speculatively: a step whose
 global norm needs clipping is rolled back and redone); grads held in arrays
-are read once the program is done. With all-or-nothing steps every step is one
+are read once the program is done, a layer at a time, and the new params of
+layers held in device arrays go back as they are made (`putback.PutBack`),
+once the step is known to stand. With all-or-nothing steps every step is one
 transaction of the swap store, so a step that fails leaves the previous step's
 params and optimizer states in the store.
 """
@@ -22,14 +24,14 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from .grads import forward_order
 from .inputs import shard_batch
 from .optim.pipeline import STATS, GradGate
 from .placement import PREFIX, Tier
+from .putback import PutBack
 from .schedule import timeline
-from .shards import from_host_shards, host_shards
+from .shards import host_shards
 
 Step = Callable[[Any, Any], tuple[Any, dict]]
 
@@ -109,15 +111,15 @@ class PipelineRunner:
         order = forward_order(engine, self.loss_fn, state.params, batch)
         pipeline.set_order(timeline(engine.plan, order).grad_order)
         self.ordered = True
-      new, metrics, outs, t1, extra = self._under_backward(state, batch, count)
+      new, metrics, outs, t1, extra, back = self._under_backward(state, batch, count)
       skipped = False
     else:
-      new, metrics, outs, t1, skipped = self._after(state, batch, count)
+      new, metrics, outs, t1, skipped, back = self._after(state, batch, count)
       extra = {}
     if pipeline.tail:  # the step stands: its tail grads wait for the next one
       norm = float(metrics["grad_norm"])
       pipeline.advance(norm, self.skip and not math.isfinite(norm))
-    new.params = merge_params(engine.plan, new.params, outs)
+    new.params = back.finish(outs)
     stats = pipeline.last_step if not skipped else dict.fromkeys(STATS, 0.0)
     # after_program_s: the host's work after the program ended, on the step's critical path
     metrics = {**metrics, "fwd_bwd_s": t1 - t0, "after_program_s": time.perf_counter() - t1,
@@ -134,23 +136,44 @@ class PipelineRunner:
     t1 = time.perf_counter()
     norm = float(metrics["grad_norm"])
     skipped = self.skip and not math.isfinite(norm)
+    back = PutBack(plan, new.params, lambda: True)  # the program done: the step stands
     outs = {} if skipped else engine.pipeline.step(count, grad_reader(plan, lambda: grads),
-                                                   grad_norm=norm)
-    return new, metrics, outs, t1, skipped
+                                                   grad_norm=norm, putback=back)
+    return new, metrics, outs, t1, skipped, back
 
   def _under_backward(self, state, batch, count):
     """Grads land on NVMe layer by layer: each layer is updated while backward goes on below."""
     engine, pipeline, clip = self.engine, self.engine.pipeline, self.clip
     running: list = []
     ended: list[float] = []
+    watched = threading.Event()  # the watch below is past the program's outputs
     gate = GradGate(engine.store, pipeline.grad_keys(),
                     lambda: bool(ended) or (bool(running) and all(
                         x.is_ready() for x in jax.tree.leaves(running))))
     running.extend(self.jitted(state, batch))  # dispatched: runs while the pipeline waits
-    watch = threading.Thread(target=lambda: (jax.block_until_ready(running),
-                                             ended.append(time.perf_counter())), daemon=True)
+
+    def watch_program():
+      try:
+        jax.block_until_ready(running)
+        ended.append(time.perf_counter())
+      finally:
+        watched.set()
+
+    watch = threading.Thread(target=watch_program, daemon=True)
     watch.start()
     predicted = clip is not None and self.last_norm is not None and not self.last_norm < clip
+
+    def stands() -> bool | None:
+      """Whether this pass's update stands: None while the program runs. New params go back
+      to the device only once known (the params the program returned are then donated)."""
+      if not all(x.is_ready() for x in jax.tree.leaves(running[1])):
+        return None
+      watched.wait()  # nothing it blocks on may be donated before
+      norm = float(running[1]["grad_norm"])
+      skipped = self.skip and not math.isfinite(norm)
+      return not skipped and (self.delayed or clip is None or predicted or norm < clip)
+
+    back = PutBack(engine.plan, running[0].params, stands)
     if clip is None or self.delayed:
       guess = None
     elif predicted:  # the exact norm, once the program has it: nothing to redo
@@ -160,12 +183,12 @@ class PipelineRunner:
     # grads held in arrays (layers whose params are): read once the program is done
     grad_of = grad_reader(engine.plan, lambda: checked(engine, running[2]))
     try:
-      outs = self.thread.submit(pipeline.step, count, grad_of, gate, guess).result()
+      outs = self.thread.submit(pipeline.step, count, grad_of, gate, guess, back).result()
     except BaseException:
       watch.join()  # the program's own transfers end before anything is undone
       raise
-    new, metrics, _ = checked(engine, tuple(running))
     watch.join()
+    new, (metrics, _) = running[0], checked(engine, tuple(running[1:]))  # its params: `back`'s
     extra: dict[str, Any] = {"nvme_grad_waits": gate.waited}
     norm = float(metrics["grad_norm"])
     skipped = self.skip and not math.isfinite(norm)
@@ -175,12 +198,14 @@ class PipelineRunner:
     if redo or (skipped and not self.delayed):  # back to the states before the update
       engine.store.rollback()
       engine.store.begin(VERSIONED)
-      outs = pipeline.step(count, grad_of, None, norm) if redo else {}  # again, with clipping
+      if redo:  # again, with clipping: it stands
+        back.again()
+      outs = pipeline.step(count, grad_of, None, norm, back) if redo else {}
     if clip is not None:
       extra["nvme_redone"] = int(redo)
       extra["nvme_clip_predicted"] = int(predicted)
       self.last_norm = norm
-    return new, metrics, outs, ended[0], extra
+    return new, metrics, outs, ended[0], extra, back
 
 
 def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
@@ -211,46 +236,6 @@ def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
     return g
 
   return grad_of
-
-
-def merge_params(plan, params: Any, outs: dict) -> Any:
-  """Compute params the NVMe pipeline made (per (leaf, rank, layer)) put into their arrays."""
-  if not outs:
-    return params
-  flat = [list(parts) for parts in plan.flatten(params)]
-  for leaf in plan.leaves:
-    for j, seg in enumerate(leaf.array_segments("params")):
-      layers = [l for l in range(seg.start, seg.stop) if (leaf.index, plan.ranks[0], l) in outs]
-      if not layers:
-        continue
-      x = flat[leaf.index][j]
-      if len(layers) == seg.layers:  # all of it is new: no need to read the old values back
-        shards = {r: (stacked([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
-                      else outs[(leaf.index, r, layers[0])]) for r in plan.ranks}
-        flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
-        continue
-      shards = {r: np.array(s) for r, s in host_shards(x, plan.mesh).items()}
-      for r, shard in shards.items():
-        for l in layers:
-          if leaf.stacked:
-            shard[l - seg.start] = outs[(leaf.index, r, l)]
-          else:
-            shard[...] = outs[(leaf.index, r, l)]
-      flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
-  return plan.unflatten([tuple(p) for p in flat])
-
-
-def stacked(layers: list[np.ndarray]) -> np.ndarray:
-  """`np.stack(layers)`, or the buffer they are consecutive views of (the pipeline makes a
-  whole segment's new params so, `NvmePipeline._new_params`): no second copy."""
-  base = layers[0].base
-  at = lambda a: a.__array_interface__["data"][0]
-  if (isinstance(base, np.ndarray) and base.shape == (len(layers), *layers[0].shape)
-      and base.dtype == layers[0].dtype and base.flags.c_contiguous
-      and all(a.base is base and at(a) == at(base) + i * base.strides[0]
-              for i, a in enumerate(layers))):
-    return base
-  return np.stack(layers)
 
 
 def lower_priority(nice: int, name: bytes = b"zinfjax-optim") -> None:

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..offload.store import AioStore
 from ..placement import Plan
+from ..putback import PutBack
 from ..schedule import Phase, timeline
 from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
@@ -155,11 +156,12 @@ class NvmePipeline(StreamAdam):
 
   def step(self, count: int, grad_of: Callable[[Part], np.ndarray] | None = None,
            gate: "GradGate | None" = None,
-           grad_norm: float | Callable[[], float] | None = None) -> dict[PartKey, np.ndarray]:
+           grad_norm: float | Callable[[], float] | None = None,
+           putback: PutBack | None = None) -> dict[PartKey, np.ndarray]:
     """One AdamW step over every sub-group (see `StreamAdam.stream`); `grad_norm` (the global
     norm of all grads, or a callable asked for it at the first update) is needed when the
     AdamW clips. Returns the new compute params of the parts whose params are not in the
-    store."""
+    store, but for those of this step's parts `putback` took as they were made."""
     lr, bc1, bc2, step = self._hyper_at(count)
     clip = self.hyper.max_grad_norm
     now = self.units[len(self.tail):]
@@ -179,9 +181,21 @@ class NvmePipeline(StreamAdam):
     made = [p for u in now for p in u.parts if not self.on_store("params", p)]
     if held is not None:
       made += [p for u in self.tail for p in u.parts if not (twins and self.on_store("params", p))]
-    outs = self._new_params(made)
-    out_of = lambda p: (outs[p.id] if p.id in outs
-                        else self.store.view(self._twin_key("params", p))).reshape(-1)
+    # this step's parts `putback` may take as they are made: a host array each, made when
+    # its update starts and let go once taken (not one buffer for a segment of them)
+    own = ({p.id for u in now for p in u.parts if not self.on_store("params", p)
+            and putback.wants(p.leaf, p.layer)} if putback is not None else set())
+    outs = self._new_params([p for p in made if p.id not in own])
+
+    def out_of(p: Part) -> np.ndarray:
+      if p.id in own and p.id not in outs:
+        outs[p.id] = np.empty(self.shape(p), self.params_dtype)
+      return (outs[p.id] if p.id in outs
+              else self.store.view(self._twin_key("params", p))).reshape(-1)
+
+    def returned(p: Part) -> None:
+      if p.id in own and putback.take(*p.id, outs[p.id]):
+        del outs[p.id]
     runs = []  # each stream's stats, summed for the step
     if held is not None:  # the delayed parts, with the grads held from the step before
       h_lr, h_bc1, h_bc2, h_step = self._hyper_at(held.count)
@@ -190,7 +204,8 @@ class NvmePipeline(StreamAdam):
       runs.append(self.last_step)
       self._new_in_twins = twins
     if now:
-      self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now)
+      self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now,
+                  made=returned if own else None)
       runs.append(self.last_step)
     if self.tail:
       kept = tuple(p for u in self.tail for p in u.parts if twins and self.on_store("grads", p))
@@ -305,7 +320,7 @@ class NvmePipeline(StreamAdam):
   def _new_params(self, made: Sequence[Part]) -> dict[PartKey, np.ndarray]:
     """Host arrays for the new compute params of `made`. Where a rank's parts cover a whole
     stacked segment of arrays, they are views into one [layers, ...] buffer, which the step
-    puts back as it is (`runner.merge_params`) instead of stacking a second copy."""
+    puts back as it is (`PutBack.finish`) instead of stacking a second copy."""
     ids, outs = {p.id for p in made}, {}
     for p in made:
       if p.id in outs:

@@ -243,7 +243,7 @@ class StreamAdam:
              grad_of: Callable[[Part], np.ndarray] | None, out_of: Callable[[Part], np.ndarray],
              gate: Any = None, norm: Callable[[], float] | None = None,
              clip: float | None = None, step: int = 0, units: Sequence[Unit] | None = None,
-             held: bool = False) -> None:
+             held: bool = False, made: Callable[[Part], None] | None = None) -> None:
     """One AdamW step over every sub-group (or those of `units`).
 
     `grad_of(part)` gives a part's grad and `out_of(part)` the host array its
@@ -253,7 +253,8 @@ class StreamAdam:
     pass: each is read once the gate says it is there. With `clip`, grads are
     scaled to that global norm, `norm()` (asked at the first update, blocking
     until known). `step` (the count after this update) seeds the rounding of
-    bf16 moments.
+    bf16 moments. `made(part)` is told of each part whose new params went to
+    `out_of(part)`, once they are there.
     """
     units = self.units if units is None else list(units)
     stored = (lambda state, part: False) if held else self.on_store
@@ -317,6 +318,8 @@ class StreamAdam:
         moved = any(a is not b for a, b in zip(src, dst))  # a new copy, read from the old
         adamw_numpy(*dst, grad, param.reshape(-1), lr, bc1, bc2, c, decays[p.leaf],
                     self.threads, step, src if moved else None)
+        if made is not None and not stored("params", p):
+          made(p)
 
     def start_write(k):
       items = views(k, reading=False)

@@ -1,0 +1,134 @@
+"""The host pipeline's new compute params, back into the step's arrays.
+
+Where a layer's optimizer is in a swap store and its params are arrays (on the
+device, say), the host pipeline makes the new params on the host, one part (a
+rank's shard of one layer) at a time. `PutBack` returns each layer to its
+device array as soon as this process's ranks have all made it (an in-place
+update of the donated array), so the host holds a layer or two of them rather
+than two bytes a param of every such layer until the update ends (22 GiB at
+13B params). It takes a part only once the step is known to stand: while the
+program still runs, the update under backward is a guess (redone when the step
+needs clipping, undone when it is skipped), and a layer written to the device
+could not be taken back. What it does not take, `finish` puts back at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from .placement import Plan, Tier
+from .shards import from_host_shards, host_shards
+
+Verdict = Callable[[], "bool | None"]  # None: not known yet; True: the step stands; False: not
+
+
+class PutBack:
+  """The step's param arrays (`params`, in the plan's tree), updated from the pipeline's parts.
+
+  `verdict()` says whether the pass's new params stand: None while that is not known (the
+  caller keeps the part for `finish`), True (returned now), False (the pass is redone or
+  skipped: the part is dropped). It is asked until it answers, then not again.
+  """
+
+  def __init__(self, plan: Plan, params: Any, verdict: Verdict):
+    self.plan, self.verdict = plan, verdict
+    self.flat = [list(parts) for parts in plan.flatten(params)]
+    self._stands: bool | None = None
+    self._layers: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # (leaf, layer) -> shards
+    self.returned = 0  # layers returned while the update ran
+
+  def wants(self, leaf: int, layer: int) -> bool:
+    """Whether that layer's new params may go back as they are made: its params are an array
+    on the device, where one layer of a stack is updated in place."""
+    found = _segment(self.plan, leaf, layer)
+    return found is not None and found[1].tier is Tier.DEVICE
+
+  def take(self, leaf: int, rank: int, layer: int, array: np.ndarray) -> bool:
+    """Offer rank `rank`'s new params of `layer` of `leaf`: True when taken (returned with the
+    layer's other ranks, or dropped with the pass), False when the caller keeps them."""
+    if self._stands is None:
+      self._stands = self.verdict()
+      if self._stands is None:
+        return False
+    if not self._stands:
+      return True
+    shards = self._layers.setdefault((leaf, layer), {})
+    shards[rank] = array
+    if len(shards) == len(self.plan.ranks):
+      self._put(leaf, layer, self._layers.pop((leaf, layer)))
+      self.returned += 1
+    return True
+
+  def again(self) -> None:
+    """The pass is being redone with the verdict known: every part of it stands."""
+    self._stands = True
+
+  def finish(self, outs: dict[tuple[int, int, int], np.ndarray]) -> Any:
+    """The params tree with the rest of the update's new params (`outs`, per (leaf, rank,
+    layer)) put back too."""
+    outs = {**outs, **{(leaf, r, layer): a for (leaf, layer), shards in self._layers.items()
+                       for r, a in shards.items()}}
+    self._layers.clear()
+    first = self.plan.ranks[0]
+    for leaf in self.plan.leaves:
+      for j, seg in enumerate(leaf.array_segments("params")):
+        layers = [l for l in range(seg.start, seg.stop) if (leaf.index, first, l) in outs]
+        if not layers:
+          continue
+        if seg.tier is Tier.DEVICE:  # a layer at a time, in place: no second copy in HBM
+          for l in layers:
+            self._put(leaf.index, l, {r: outs[(leaf.index, r, l)] for r in self.plan.ranks})
+          continue
+        x = self.flat[leaf.index][j]
+        if len(layers) == seg.layers:  # all of it is new: no need to read the old values back
+          shards = {r: (stacked([outs[(leaf.index, r, l)] for l in layers]) if leaf.stacked
+                        else outs[(leaf.index, r, layers[0])]) for r in self.plan.ranks}
+        else:
+          shards = {r: np.array(s) for r, s in host_shards(x, self.plan.mesh).items()}
+          for l in layers:
+            for r, shard in shards.items():
+              shard[l - seg.start if leaf.stacked else ...] = outs[(leaf.index, r, l)]
+        self.flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
+    return self.plan.unflatten([tuple(p) for p in self.flat])
+
+  def _put(self, leaf: int, layer: int, shards: dict[int, np.ndarray]) -> None:
+    """One layer's new params (every rank of this process) into its array."""
+    plan_leaf = self.plan.leaves[leaf]
+    j, seg = _segment(self.plan, leaf, layer)
+    x = self.flat[leaf][j]
+    if not plan_leaf.stacked:
+      self.flat[leaf][j] = from_host_shards(shards, x.sharding, x.shape)
+      return
+    one = from_host_shards({r: a[None] for r, a in shards.items()}, x.sharding,
+                           (1, *x.shape[1:]))
+    self.flat[leaf][j] = _set_layer(x.sharding)(x, one, np.int32(layer - seg.start))
+
+
+def _segment(plan: Plan, leaf: int, layer: int):
+  """(index among the leaf's param arrays, segment) of `layer`, or None: not an array."""
+  return next(((j, s) for j, s in enumerate(plan.leaves[leaf].array_segments("params"))
+               if layer in s), None)
+
+
+@functools.cache
+def _set_layer(sharding) -> Callable:
+  """x[i] = one[0] in place (x donated), for arrays of `sharding` (layer axis unsharded)."""
+  return jax.jit(lambda x, one, i: jax.lax.dynamic_update_slice_in_dim(x, one, i, 0),
+                 donate_argnums=0, out_shardings=sharding)
+
+
+def stacked(layers: list[np.ndarray]) -> np.ndarray:
+  """`np.stack(layers)`, or the buffer they are consecutive views of (the pipeline makes a
+  whole segment's new params so, `NvmePipeline._new_params`): no second copy."""
+  base = layers[0].base
+  at = lambda a: a.__array_interface__["data"][0]
+  if (isinstance(base, np.ndarray) and base.shape == (len(layers), *layers[0].shape)
+      and base.dtype == layers[0].dtype and base.flags.c_contiguous
+      and all(a.base is base and at(a) == at(base) + i * base.strides[0]
+              for i, a in enumerate(layers))):
+    return base
+  return np.stack(layers)
