@@ -66,6 +66,19 @@ def test_two_processes_equal_one(single, tmp_path):
     assert keys and {int(k.split("/r")[-1].split("/")[0]) for k in keys} == set(ranks)
 
 
+def test_two_processes_put_device_params_back_like_one(tmp_path):
+  """Params on the device, their optimizer on NVMe: each process's host pipeline puts the new
+  params back a layer at a time (its own ranks' shards, into the global arrays) as one does."""
+  extra = ["--offload-param", "device", "--steps", "4", "--schedule-steps", "4"]
+  finish(train(tmp_path, "one", *extra))
+  out = finish(train(tmp_path, "two", *extra, nproc=2))
+  assert "on 8 cpu devices (2 processes)" in out
+  one, two = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
+  assert sorted(two) == sorted(one) == [1, 2, 3, 4] and one[4] < one[1], (one, two)
+  np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
+                             rtol=1e-5)
+
+
 def pid_of(process_id: int, marker: str) -> int | None:
   """The pid of the training process `process_id` whose command line holds `marker`."""
   for pid in filter(str.isdigit, os.listdir("/proc")):

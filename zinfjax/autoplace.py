@@ -147,13 +147,12 @@ def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
   for leaf in plan.leaves:
     if config.delay_update == "all" or (config.delay_update == "tail" and not leaf.stacked):
       continue
+    layers = dict.fromkeys((Tier.DEVICE, Tier.PINNED_HOST), 0)
     for opt in (s for s in leaf.optimizer if _in_store(s.tier, config)):
       for seg in (s for s in leaf.params if not _in_store(s.tier, config)):
-        layers = max(0, min(opt.stop, seg.stop) - max(opt.start, seg.start))
-        if seg.tier is Tier.DEVICE:
-          layers = min(layers, RETURNING)
-        total += layers * leaf.local_size * item
-  return total
+        layers[seg.tier] += max(0, min(opt.stop, seg.stop) - max(opt.start, seg.start))
+    total += (min(layers[Tier.DEVICE], RETURNING) + layers[Tier.PINNED_HOST]) * leaf.local_size
+  return total * item
 
 
 def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:

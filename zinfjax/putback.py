@@ -14,6 +14,7 @@ could not be taken back. What it does not take, `finish` puts back at the end.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import Any, Callable
 
@@ -40,6 +41,10 @@ class PutBack:
     self._stands: bool | None = None
     self._layers: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # (leaf, layer) -> shards
     self.returned = 0  # layers returned while the update ran
+    # one layer on its way at a time, on a thread of its own: the host's copy of layer k
+    # overlaps the update of layer k + 1 (`autoplace.RETURNING` counts the two)
+    self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+    self._sent: concurrent.futures.Future | None = None
 
   def wants(self, leaf: int, layer: int) -> bool:
     """Whether that layer's new params may go back as they are made: its params are an array
@@ -59,9 +64,18 @@ class PutBack:
     shards = self._layers.setdefault((leaf, layer), {})
     shards[rank] = array
     if len(shards) == len(self.plan.ranks):
-      self._put(leaf, layer, self._layers.pop((leaf, layer)))
+      self._wait()
+      if self._worker is None:
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-put")
+      self._sent = self._worker.submit(self._put, leaf, layer, self._layers.pop((leaf, layer)))
       self.returned += 1
     return True
+
+  def _wait(self) -> None:
+    """The layer on its way is in its array (raising what putting it there raised)."""
+    sent, self._sent = self._sent, None
+    if sent is not None:
+      sent.result()
 
   def again(self) -> None:
     """The pass is being redone with the verdict known: every part of it stands."""
@@ -70,6 +84,10 @@ class PutBack:
   def finish(self, outs: dict[tuple[int, int, int], np.ndarray]) -> Any:
     """The params tree with the rest of the update's new params (`outs`, per (leaf, rank,
     layer)) put back too."""
+    self._wait()
+    if self._worker is not None:
+      self._worker.shutdown()
+      self._worker = None
     outs = {**outs, **{(leaf, r, layer): a for (leaf, layer), shards in self._layers.items()
                        for r, a in shards.items()}}
     self._layers.clear()
