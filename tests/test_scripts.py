@@ -59,6 +59,17 @@ def test_estimate_memory_json():
   assert data["activation_checkpoints"] == 2 * 1024 * 4096 * 50
 
 
+def test_bench_host_ram_puts_device_params_back_as_made(tmp_path):
+  """bench_host_ram.py: both rows train alike (one loss) and the new params put back as they
+  are made keep less on the host than those put back after the update."""
+  out = run([os.path.join(SCRIPTS, "bench_host_ram.py"), "--layers", "4", "--steps", "1",
+             "--hidden", "128", "--optimizer", "nvme", "--nvme-path", str(tmp_path)])
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 4 |")]
+  (after, made) = [[c.strip() for c in r] for r in rows]
+  assert (after[2], made[2]) == ("after the update", "as made") and after[-1] == made[-1]
+  assert float(made[3].split()[0]) < 0.5 * float(after[3].split()[0]), rows
+
+
 def test_bench_adam_times_the_host_pipeline_in_ram():
   """Table 3: a step over the RAM store in place, all or nothing, and through the buffers;
   table 4: one kernel call per size and thread count."""
