@@ -28,7 +28,8 @@ import tracemalloc
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16])
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--seq-len", type=int, default=64)
