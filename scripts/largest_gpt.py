@@ -289,7 +289,9 @@ def main(argv=None) -> int:
     if args.layers is not None:  # a given count: trained only where its states fit
       fits = placed is not None if tier == "mixed" else args.layers <= layers
       if not fits:
-        print(f"{tier}: {args.layers} layers of {args.hidden} do not fit (at most {layers}); "
+        most = ("run without --layers for the most that do" if tier == "mixed"
+                else f"at most {layers}")
+        print(f"{tier}: {args.layers} layers of {args.hidden} do not fit ({most}); "
               "pass fewer --layers", flush=True)
         continue
       layers = args.layers
