@@ -118,7 +118,7 @@ class PipelineRunner:
       extra = {}
     if pipeline.tail:  # the step stands: its tail grads wait for the next one
       norm = float(metrics["grad_norm"])
-      pipeline.advance(norm, self.skip and not math.isfinite(norm))
+      pipeline.advance(norm, self.skipped(norm))
     new.params = back.finish(outs)
     stats = pipeline.last_step if not skipped else dict.fromkeys(STATS, 0.0)
     # after_program_s: the host's work after the program ended, on the step's critical path
@@ -129,13 +129,24 @@ class PipelineRunner:
                "nvme_bytes_written": stats["bytes_written"], **extra}
     return new, metrics
 
+  def skipped(self, norm: float) -> bool:
+    """Whether a step whose global grad norm is `norm` is skipped (not finite)."""
+    return self.skip and not math.isfinite(norm)
+
+  def redo(self, norm: float, predicted: bool) -> bool:
+    """Whether the update under backward, made as if no clipping were needed (not
+    `predicted` from the norm), must be redone with clipping. Never when delayed: the held
+    update stands, nothing to undo; nor for a skipped step."""
+    return (not self.delayed and self.clip is not None and not predicted
+            and not self.skipped(norm) and not norm < self.clip)
+
   def _after(self, state, batch, count):
     """The pipeline after the program (the grads or the global norm come from it)."""
     engine, plan = self.engine, self.engine.plan
     new, metrics, grads = checked(engine, self.jitted(state, batch))
     t1 = time.perf_counter()
     norm = float(metrics["grad_norm"])
-    skipped = self.skip and not math.isfinite(norm)
+    skipped = self.skipped(norm)
     back = PutBack(plan, new.params, lambda: True)  # the program done: the step stands
     outs = {} if skipped else engine.pipeline.step(count, grad_reader(plan, lambda: grads),
                                                    grad_norm=norm, putback=back)
@@ -170,8 +181,7 @@ class PipelineRunner:
         return None
       watched.wait()  # nothing it blocks on may be donated before
       norm = float(running[1]["grad_norm"])
-      skipped = self.skip and not math.isfinite(norm)
-      return not skipped and (self.delayed or clip is None or predicted or norm < clip)
+      return not (self.skipped(norm) or self.redo(norm, predicted))
 
     back = PutBack(engine.plan, running[0].params, stands)
     if clip is None or self.delayed:
@@ -191,10 +201,7 @@ class PipelineRunner:
     new, (metrics, _) = running[0], checked(engine, tuple(running[1:]))  # its params: `back`'s
     extra: dict[str, Any] = {"nvme_grad_waits": gate.waited}
     norm = float(metrics["grad_norm"])
-    skipped = self.skip and not math.isfinite(norm)
-    # clipping was needed but not applied (delayed: the held update stands, nothing to undo)
-    redo = (not self.delayed and clip is not None and not predicted and not skipped
-            and not norm < clip)
+    skipped, redo = self.skipped(norm), self.redo(norm, predicted)
     if redo or (skipped and not self.delayed):  # back to the states before the update
       engine.store.rollback()
       engine.store.begin(VERSIONED)

@@ -189,7 +189,7 @@ class NvmePipeline(StreamAdam):
 
     def out_of(p: Part) -> np.ndarray:
       if p.id in own and p.id not in outs:
-        outs[p.id] = np.empty(self.shape(p), self.params_dtype)
+        outs[p.id] = self._array("params", p)
       return (outs[p.id] if p.id in outs
               else self.store.view(self._twin_key("params", p))).reshape(-1)
 
