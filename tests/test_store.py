@@ -375,6 +375,47 @@ def test_fresh_store_forgets_another_layout(tmp_path):
   s.close()
 
 
+ZERO_STORES = {
+    "drive": lambda path, **kw: AioStore(path, block_size=64 << 10, **kw),
+    "striped": lambda path, **kw: AioStore([path / "nvme0", path / "nvme1"], block_size=16 << 10,
+                                           **kw),
+    "memory": lambda path: AioStore([], memory=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(ZERO_STORES))
+def test_zeros_on_fresh_space_are_registered_not_written(kind, tmp_path):
+  """write_zeros on space never written (a fresh store's tail) registers the shard without
+  writing a byte; where the extent may hold other bytes (a shard rewritten in place, the
+  space of a reused file) it writes them. Every read gives zeros and passes its checksum."""
+  n = 300_007
+  zeros = np.zeros(n, np.float32)
+  left = lambda st: st.stats()["bytes_left_zero"]
+  s = ZERO_STORES[kind](tmp_path)
+  s.write_zeros("z", zeros).wait()
+  a = written(s, "r", n=n)
+  assert left(s) == 4 * n and s.bytes_moved[1] == a.nbytes  # only "r" was written
+  s.write_zeros("r", zeros).wait()  # over "r", in place: written
+  assert left(s) == 4 * n and s.bytes_moved[1] == 2 * a.nbytes
+  for key in ("z", "r"):
+    np.testing.assert_array_equal(s.read(key).wait(), zeros)
+  s.close()
+  if kind == "memory":  # a new mapping each time: nothing is reused
+    return
+  old = ZERO_STORES[kind](tmp_path / "reused")  # a file of other bytes, reused by a fresh store
+  written(old, "big", n=n)
+  old.close()
+  s = ZERO_STORES[kind](tmp_path / "reused", fresh=True)
+  for key in ("z1", "z2"):  # on the old file's bytes: written
+    s.write_zeros(key, zeros).wait()
+    np.testing.assert_array_equal(s.read(key).wait(), zeros)
+  assert left(s) == 0
+  s.write_zeros("z3", zeros).wait()  # past all of it: left as it is
+  assert left(s) == 4 * n
+  np.testing.assert_array_equal(s.read("z3").wait(), zeros)
+  s.close()
+
+
 def test_default_backend_is_the_faster_one_measured(tmp_path, monkeypatch):
   """backend="auto" times both backends on the drive at the first open, keeps the faster
   (shortest write + read), reports it, and remembers it for the drive."""

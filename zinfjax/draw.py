@@ -8,11 +8,14 @@ memory does not grow with depth. Values equal the whole-model draw bit for bit.
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .engine import Engine, ModelFactory
 from .layers import one_layer
@@ -82,6 +85,11 @@ def _write(plan: Plan, leaf, state: str, rank: int, layer: int, data, store, pip
     tickets.append(store.write(leaf.key("params", rank, layer), low))
 
 
+def _is(dtype, other) -> bool:
+  """Whether `dtype` is `other` (None: no dtype)."""
+  return other is not None and np.dtype(dtype) == np.dtype(other)
+
+
 def _low(plan: Plan):
   """The compute params' dtype when init casts the master to it (bf16), else None (fp32)."""
   dtype = plan.dtype("params")
@@ -111,33 +119,47 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
 def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
                     tally: Tally | None = None) -> dict[str, tuple]:
   """A stacked leaf drawn one layer at a time, each layer put on its tier as it comes: NVMe
-  layers written (while the next is drawn), the layers of array segments copied into their
-  devices' host buffers, which become the segment's arrays at the end. Host memory holds three
-  layers (the one being drawn, the one being copied, the one being written) beside what the
-  tiers hold anyway, whatever the depth. Returns each created state's
-  array parts, as `_place` does."""
+  layers written (while the next is drawn); device segments filled in place in HBM, cast by
+  XLA, never crossing to the host; the layers of host-array segments copied into their
+  devices' host buffers (cast on the device first), which become the segment's arrays at the
+  end. Host memory holds three layers (the one being drawn, the one being copied, the one
+  being written) beside what the tiers hold anyway, whatever the depth. Returns each created
+  state's array parts, as `_place` does."""
   plan = engine.plan
-  nvme_at = lambda layer: [st for st in _created(plan.stage)
+  states = _created(plan.stage)
+  nvme_at = lambda layer: [st for st in states
                            if any(not s.tier.holds_arrays and layer in s for s in leaf.segments(st))]
-  # XLA casts the NVMe compute params in the draw's program (several times numpy's bf16 cast)
-  low = _low(plan) if any(nvme_at(layer) for layer in range(leaf.num_layers)) else None
+  segments = [(state, seg) for state in states for seg in leaf.array_segments(state)]
+  on_device = {k: _zeros(plan, leaf, *k) for k in segments if k[1].tier == Tier.DEVICE}
+  on_host = {k: _segment_buffers(plan, leaf, *k) for k in segments if k not in on_device}
+  # XLA casts the compute params of NVMe and host arrays in the draw's program (several times
+  # numpy's bf16 cast, and half the bytes to copy)
+  low = _low(plan)
+  low = low if any(nvme_at(layer) for layer in range(leaf.num_layers)) or any(
+      _is(plan.dtype(state), low) for state, _ in on_host) else None
   draw = layer_initializer(engine, model_factory, leaf.index, low)
-  arrays = {(state, seg): _segment_buffers(plan, leaf, state, seg)
-            for state in _created(plan.stage) for seg in leaf.array_segments(state)}
   writing: list = []
   drawn = draw(key, 0)
   for layer in range(leaf.num_layers):
     # the next layer is drawn while this one is copied and written (host memory: 3 layers)
     ahead = draw(key, layer + 1) if layer + 1 < leaf.num_layers else None
     x, lows = (drawn, None) if low is None else drawn
-    on_nvme = nvme_at(layer)
-    held = [(seg, bufs) for (_, seg), bufs in arrays.items() if layer in seg]
+    for (state, seg), part in on_device.items():
+      if layer in seg:
+        on_device[state, seg] = _into(part.sharding)(part, x, np.int32(layer - seg.start))
+    held = [(state, seg, bufs) for (state, seg), bufs in on_host.items() if layer in seg]
     if held:
-      local = {shard.device: np.asarray(shard.data) for shard in x.addressable_shards}
-      for seg, bufs in held:
+      local = {}  # each device's shard on the host, of the draw (False) or its cast (True)
+      for state, seg, bufs in held:
+        cast = lows is not None and _is(plan.dtype(state), low)
+        if cast not in local:
+          shards = (lows if cast else x).addressable_shards
+          local[cast] = {s.device: np.asarray(s.data) for s in shards}
         for device, buf in bufs.items():
-          buf[layer - seg.start] = local[device]
+          buf[layer - seg.start] = local[cast][device]
+      del local
     tickets: list = []
+    on_nvme = nvme_at(layer)
     if on_nvme:
       lows = {} if lows is None else host_shards(lows, plan.mesh)
       for rank, data in host_shards(x, plan.mesh).items():
@@ -153,15 +175,39 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
       tally.add(leaf.size // leaf.num_layers)
   for t in writing:
     t.wait()
-  out: dict[str, list] = {state: [] for state in _created(plan.stage)}
-  for (state, seg), bufs in arrays.items():
+  out: dict[str, list] = {state: [] for state in states}
+  for state, seg in segments:
+    if (state, seg) in on_device:
+      out[state].append(on_device.pop((state, seg)))
+      continue
     sharding = plan.sharding(leaf, seg.tier)
-    shape = leaf.segment_shape(seg)
-    parts = [jax.device_put(buf, jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
+    bufs = on_host.pop((state, seg))
+    parts = [jax.device_put(buf, SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
              for d, buf in bufs.items()]
-    out[state].append(jax.make_array_from_single_device_arrays(shape, sharding, parts))
-    bufs.clear()
+    out[state].append(jax.make_array_from_single_device_arrays(leaf.segment_shape(seg),
+                                                               sharding, parts))
   return {state: tuple(parts) for state, parts in out.items()}
+
+
+def _zeros(plan: Plan, leaf, state: str, seg) -> jax.Array:
+  """An array segment's storage, made where it lives (HBM) and filled in place by `_into`."""
+  return _zeros_of(leaf.segment_shape(seg), np.dtype(plan.dtype(state)),
+                   plan.sharding(leaf, seg.tier))()
+
+
+@functools.cache
+def _zeros_of(shape: tuple[int, ...], dtype: np.dtype, sharding) -> Callable:
+  """The program that makes `shape` zeros of `sharding`: one compile for each kind of segment."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.cache
+def _into(sharding) -> Callable:
+  """part[i] = x cast to part's dtype, in place (`part` donated): one drawn layer into its
+  segment, for segments of `sharding` (layer axis unsharded)."""
+  def put(part, x, i):
+    return jax.lax.dynamic_update_slice_in_dim(part, x[None].astype(part.dtype), i, 0)
+  return jax.jit(put, donate_argnums=0, out_shardings=sharding)
 
 
 def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:

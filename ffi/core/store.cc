@@ -65,6 +65,10 @@ void SwapStore::OpenFiles() {
   if (!direct_) {  // all files buffered if any must be
     for (size_t i = 0; i < fds_.size(); ++i) fcntl(fds_[i], F_SETFL, fcntl(fds_[i], F_GETFL) & ~O_DIRECT);
   }
+  // a logical stripe k lies in file k % n at (k / n) * unit: past the largest file's size
+  // from n times it on (what those files held before may be anything)
+  uint64_t largest = *std::max_element(file_sizes_.begin(), file_sizes_.end());
+  zero_from_ = AlignUp(largest, config_.block_size) * fds_.size();
   if (config_.fresh) {
     WriteManifestLocked();  // an empty manifest: the old shards are gone from now on
   } else {

@@ -95,6 +95,12 @@ class SwapStore {
   // layer) need. A read checks every shard as ReadAsync does; a write
   // publishes all of them once all are on disk. Copies nothing.
   uint64_t WriteManyAsync(const std::vector<ShardIo>& shards);
+  // WriteAsync of a shard of zeros (`src`: `nbytes` zero bytes). Where the extent it takes
+  // was never handed out and lies in space that reads as zeros (what a fresh file or mapping
+  // grew by), the shard is registered without copying or writing a byte (fresh moments: most
+  // of what init would write).
+  uint64_t WriteZerosAsync(const std::string& key, const void* src, size_t nbytes,
+                           const std::string& dtype, const std::vector<int64_t>& shape);
   uint64_t ReadManyAsync(const std::vector<ShardIo>& shards, bool urgent = false);
   // Reads whole shards (as written) into one buffer the ticket owns; TakeResults
   // checks each against what the caller expects and copies it out. One XLA
@@ -220,6 +226,8 @@ class SwapStore {
   // Bytes the store has read and written (shard payloads, all jobs), since it opened.
   uint64_t bytes_read() const { return bytes_read_.load(); }
   uint64_t bytes_written() const { return bytes_written_.load(); }
+  // Bytes of zero shards registered without a write (WriteZerosAsync), since it opened.
+  uint64_t bytes_left_zero() const { return bytes_left_zero_.load(); }
 
   // Test-only fault switch: pretend only `bytes` more can be allocated
   // (negative: off, the default). Lets tests hit ENOSPC without a full disk.
@@ -256,8 +264,9 @@ class SwapStore {
   void WaitWritten(std::unique_lock<std::mutex>& lock, const std::string& key) const;
   // A write's shards made current (manifest, checksums, generations) and a detached write's
   // keys and bytes released; both under mu_.
+  // `left_zero`: bytes of them registered as zeros, not written (not counted as written).
   void PublishLocked(const std::vector<std::string>& keys, std::vector<ShardEntry>& entries,
-                     const std::vector<uint64_t>& sums);
+                     const std::vector<uint64_t>& sums, uint64_t left_zero = 0);
   void ReleaseDetachedLocked(const std::vector<std::string>& keys, size_t nbytes);
   // The store's own buffers (engine-owned reads, detached-write copies) come
   // from and go back to a cache of spare ones: the same sizes recur every
@@ -266,9 +275,11 @@ class SwapStore {
   // It keeps at most pinned_budget bytes.
   std::unique_ptr<AlignedBuffer> TakeBuffer(size_t bytes);
   void GiveBuffer(std::unique_ptr<AlignedBuffer> buffer);
-  // The job that writes `srcs[i]` as shard `entries[i]` of `keys[i]` (every write path).
+  // The job that writes `srcs[i]` as shard `entries[i]` of `keys[i]` (every write path); a
+  // null `srcs[i]` is a shard of zeros already in place (only hashed, from `zeros`).
   std::function<void(Job&)> WriteWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
-                                      std::vector<const uint8_t*> srcs);
+                                      std::vector<const uint8_t*> srcs,
+                                      const uint8_t* zeros = nullptr);
   // The job that reads shards `entries[i]` of `keys[i]` into `dsts[i]` (no dsts: into the
   // job's own buffer) and checks their checksums.
   std::function<void(Job&)> ReadWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
@@ -300,7 +311,7 @@ class SwapStore {
 
   mutable std::mutex mu_;  // manifest, allocation, jobs, deferred error
   std::atomic<bool> defer_errors_{false};
-  std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0};
+  std::atomic<uint64_t> bytes_read_{0}, bytes_written_{0}, bytes_left_zero_{0};
   std::exception_ptr deferred_;
   std::map<std::string, ShardEntry> manifest_;
   std::map<std::string, uint64_t> generations_;  // completed writes per key
@@ -322,6 +333,9 @@ class SwapStore {
   // Page-locks the extents of `entries` not locked yet, where pin hooks are set; false if refused.
   bool PinExtents(const std::vector<ShardEntry>& entries);
   uint64_t next_offset_ = 0;
+  // Logical offsets from here on lie past every file's size at open (or its last shrink):
+  // space only ever grown by fallocate/ftruncate, which reads as zeros until written.
+  uint64_t zero_from_ = 0;
   int64_t fault_free_bytes_ = -1;
   int64_t fault_writes_ = -1;
   // transaction state (see Begin): extents written in it, entries committed before it

@@ -82,6 +82,7 @@ void SwapStore::Reserve(uint64_t bytes, bool exact) {
       throw EngineError(SysError("cannot shrink swap file " + folders_[i] + "/swap.bin", errno));
     file_sizes_[i] = need;
   }
+  zero_from_ = std::min(zero_from_, stripes * unit);  // every file now ends at or before it
 }
 
 uint64_t SwapStore::allocated_bytes() const {

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/errors.h"
+#include "core/hash.h"
 #include "core/store_internal.h"
 
 namespace zinfjax {
@@ -29,40 +30,73 @@ uint64_t SwapStore::WriteManyAsync(const std::vector<ShardIo>& shards) {
   return Enqueue(WriteWork(keys, entries, std::move(srcs)), keys, entries, /*write=*/true);
 }
 
+uint64_t SwapStore::WriteZerosAsync(const std::string& key, const void* src, size_t nbytes,
+                                    const std::string& dtype, const std::vector<int64_t>& shape) {
+  uint64_t fresh_from;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fresh_from = std::max(next_offset_, zero_from_);
+  }
+  ShardEntry e = Allocate(key, nbytes, dtype, shape);
+  // at or past the bump offset read before: taken from it just now, never written since
+  const uint8_t* data = e.offset >= fresh_from ? nullptr : static_cast<const uint8_t*>(src);
+  return Enqueue(WriteWork({key}, {e}, {data}, static_cast<const uint8_t*>(src)), {key}, {e},
+                 /*write=*/true);
+}
+
 std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::string> keys,
                                                           std::vector<ShardEntry> entries,
-                                                          std::vector<const uint8_t*> srcs) {
-  return [this, keys = std::move(keys), entries = std::move(entries),
-          srcs = std::move(srcs)](Job&) mutable {
+                                                          std::vector<const uint8_t*> srcs,
+                                                          const uint8_t* zeros) {
+  return [this, keys = std::move(keys), entries = std::move(entries), srcs = std::move(srcs),
+          zeros](Job&) mutable {
     TransferOptions options{config_.queue_depth, std::chrono::milliseconds(config_.pool_timeout_ms)};
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (fault_writes_ >= 0 && fault_writes_-- == 0)
         throw EngineError("injected write fault (test switch) writing '" + keys[0] + "'");
     }
+    // a null source: zeros already there (WriteZerosAsync), only their checksum to make
     std::vector<uint64_t> sums(keys.size(), 0);
+    uint64_t left = 0;
     if (config_.memory) {  // host RAM: into the mapping; no checksum (its reads check none)
-      for (size_t i = 0; i < keys.size(); ++i)
-        std::memcpy(map_ + entries[i].offset, srcs[i], entries[i].nbytes);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (srcs[i] != nullptr) std::memcpy(map_ + entries[i].offset, srcs[i], entries[i].nbytes);
+        else left += entries[i].nbytes;
+      }
     } else {
       std::vector<Extent> extents;
-      for (size_t i = 0; i < keys.size(); ++i)
+      std::vector<size_t> at;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (srcs[i] == nullptr) {
+          Hasher hasher;
+          hasher.Update(zeros, entries[i].nbytes);
+          sums[i] = hasher.Digest();
+          left += entries[i].nbytes;
+          continue;
+        }
+        at.push_back(i);
         extents.push_back({BlocksFor(entries[i]), const_cast<uint8_t*>(srcs[i]), entries[i].nbytes, ""});
-      sums = WriteExtents(*current_backend_, *pool_, extents, options);
+      }
+      std::vector<uint64_t> written = WriteExtents(*current_backend_, *pool_, extents, options);
+      for (size_t j = 0; j < at.size(); ++j) sums[at[j]] = written[j];
     }
     std::lock_guard<std::mutex> lock(mu_);
-    PublishLocked(keys, entries, sums);  // waiters are woken when the job is marked done
+    PublishLocked(keys, entries, sums, left);  // waiters are woken when the job is marked done
   };
 }
 
 void SwapStore::PublishLocked(const std::vector<std::string>& keys, std::vector<ShardEntry>& entries,
-                              const std::vector<uint64_t>& sums) {
+                              const std::vector<uint64_t>& sums, uint64_t left_zero) {
+  uint64_t nbytes = 0;
   for (size_t i = 0; i < keys.size(); ++i) {
-    bytes_written_ += entries[i].nbytes;
+    nbytes += entries[i].nbytes;
     entries[i].checksum = sums[i];
     manifest_[keys[i]] = entries[i];
     ++generations_[keys[i]];
   }
+  bytes_written_ += nbytes - left_zero;
+  bytes_left_zero_ += left_zero;
 }
 
 void SwapStore::ReleaseDetachedLocked(const std::vector<std::string>& keys, size_t nbytes) {

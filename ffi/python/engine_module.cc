@@ -288,6 +288,12 @@ PYBIND11_MODULE(_engine, m) {
         RequireContiguous(info);
         return s.WriteAsync(key, info.ptr, Bytes(info), dtype, shape);
       }, py::arg("key"), py::arg("data"), py::arg("dtype"), py::arg("shape"))
+      .def("write_zeros_async", [](SwapStore& s, const std::string& key, py::buffer zeros,
+                                   const std::string& dtype, std::vector<int64_t> shape) {
+        py::buffer_info info = zeros.request();
+        RequireContiguous(info);
+        return s.WriteZerosAsync(key, info.ptr, Bytes(info), dtype, shape);
+      }, py::arg("key"), py::arg("zeros"), py::arg("dtype"), py::arg("shape"))
       .def("read_async", [](SwapStore& s, const std::string& key, py::buffer out,
                             const std::string& dtype, std::vector<int64_t> shape) {
         py::buffer_info info = out.request(true);
@@ -336,6 +342,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("bytes_used", &SwapStore::bytes_used)
       .def_property_readonly("bytes_read", &SwapStore::bytes_read)
       .def_property_readonly("bytes_written", &SwapStore::bytes_written)
+      .def_property_readonly("bytes_left_zero", &SwapStore::bytes_left_zero)
       .def("pool_stats", [](const SwapStore& s) { return PoolStatsDict(s.pool_stats()); })
       .def_property_readonly("spare_bytes", &SwapStore::spare_bytes)
       .def_property_readonly("buffers_made", &SwapStore::buffers_made)

@@ -63,6 +63,9 @@ class MixedStore:
   def write(self, key: str, array: np.ndarray) -> Ticket:
     return self.of(key).write(key, array)
 
+  def write_zeros(self, key: str, zeros: np.ndarray) -> Ticket:
+    return self.of(key).write_zeros(key, zeros)
+
   def read(self, key: str, out: np.ndarray | None = None) -> Ticket:
     return self.of(key).read(key, out)
 

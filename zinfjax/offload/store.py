@@ -80,6 +80,7 @@ class SwapStore(Protocol):
   folder: str
 
   def write(self, key: str, array: np.ndarray) -> Ticket: ...
+  def write_zeros(self, key: str, zeros: np.ndarray) -> Ticket: ...
   def read(self, key: str, out: np.ndarray | None = None) -> Ticket: ...
   def sync(self) -> None: ...
   def keys(self) -> list[str]: ...
@@ -183,6 +184,15 @@ class AioStore:
     array = np.ascontiguousarray(array)
     ticket = self._store.write_async(key, _as_bytes(array), array.dtype.name, list(array.shape))
     return Ticket(lambda: self._store.wait(ticket), array)
+
+  def write_zeros(self, key: str, zeros: np.ndarray) -> Ticket:
+    """`write(key, zeros)` for an all-zero `zeros`, which an extent the store takes from space
+    never written (a fresh store's tail) already holds: then nothing is copied or written,
+    only registered (`bytes_left_zero` counts it)."""
+    zeros = np.ascontiguousarray(zeros)
+    ticket = self._store.write_zeros_async(key, _as_bytes(zeros), zeros.dtype.name,
+                                           list(zeros.shape))
+    return Ticket(lambda: self._store.wait(ticket), zeros)
 
   def read(self, key: str, out: np.ndarray | None = None) -> Ticket:
     if out is None:
@@ -293,7 +303,9 @@ class AioStore:
   def stats(self) -> dict:
     return {"backend": self.backend, "probe": self.probe, "direct": self._store.direct,
             "bytes_used": self._store.bytes_used, "bytes_read": self._store.bytes_read,
-            "bytes_written": self._store.bytes_written, "allocated_bytes": self._store.allocated_bytes,
+            "bytes_written": self._store.bytes_written,
+            "bytes_left_zero": self._store.bytes_left_zero,
+            "allocated_bytes": self._store.allocated_bytes,
             "pool": self._store.pool_stats(),
             "spare_bytes": self._store.spare_bytes, "buffers_made": self._store.buffers_made,
             "mapping_pinned_bytes": self._store.mapping_pinned_bytes}

@@ -310,7 +310,7 @@ class NvmePipeline(StreamAdam):
     key = TWIN + self.key(state, part)
     if not self.store.has(key):
       dtype = self.grads_dtype if state == "grads" else self.params_dtype
-      self.store.write(key, np.zeros(self.shape(part), dtype)).wait()
+      self.store.write_zeros(key, np.zeros(self.shape(part), dtype)).wait()
     return key
 
   def _exchange(self, state: str, parts: Sequence[Part]) -> None:

@@ -215,8 +215,8 @@ class StreamAdam:
     tickets."""
     data = np.ascontiguousarray(master, np.float32)
     zeros = self._zeros(data.shape, self.moment_dtype)
-    tickets = [self.store.write(self.key(s, part), x)
-               for s, x in (("master", data), ("mu", zeros), ("nu", zeros))]
+    tickets = [self.store.write(self.key("master", part), data)]
+    tickets += [self.store.write_zeros(self.key(s, part), zeros) for s in ("mu", "nu")]
     if self.on_store("params", part):
       params = data.astype(self.params_dtype) if params is None else params
       tickets.append(self.store.write(self.key("params", part), params))
