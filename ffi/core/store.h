@@ -280,6 +280,9 @@ class SwapStore {
   std::function<void(Job&)> WriteWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
                                       std::vector<const uint8_t*> srcs,
                                       const uint8_t* zeros = nullptr);
+  // The checksum of `nbytes` zero bytes (`zeros`), hashed once for each size: a layer's
+  // shards come in a few sizes, written again and again.
+  uint64_t ZeroChecksum(const uint8_t* zeros, size_t nbytes);
   // The job that reads shards `entries[i]` of `keys[i]` into `dsts[i]` (no dsts: into the
   // job's own buffer) and checks their checksums.
   std::function<void(Job&)> ReadWork(std::vector<std::string> keys, std::vector<ShardEntry> entries,
@@ -336,6 +339,8 @@ class SwapStore {
   // Logical offsets from here on lie past every file's size at open (or its last shrink):
   // space only ever grown by fallocate/ftruncate, which reads as zeros until written.
   uint64_t zero_from_ = 0;
+  std::mutex zero_sums_mu_;
+  std::unordered_map<uint64_t, uint64_t> zero_sums_;  // ZeroChecksum's, by size
   int64_t fault_free_bytes_ = -1;
   int64_t fault_writes_ = -1;
   // transaction state (see Begin): extents written in it, entries committed before it

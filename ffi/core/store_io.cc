@@ -44,6 +44,18 @@ uint64_t SwapStore::WriteZerosAsync(const std::string& key, const void* src, siz
                  /*write=*/true);
 }
 
+uint64_t SwapStore::ZeroChecksum(const uint8_t* zeros, size_t nbytes) {
+  {
+    std::lock_guard<std::mutex> lock(zero_sums_mu_);
+    auto it = zero_sums_.find(nbytes);
+    if (it != zero_sums_.end()) return it->second;
+  }
+  Hasher hasher;
+  hasher.Update(zeros, nbytes);
+  std::lock_guard<std::mutex> lock(zero_sums_mu_);
+  return zero_sums_[nbytes] = hasher.Digest();
+}
+
 std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::string> keys,
                                                           std::vector<ShardEntry> entries,
                                                           std::vector<const uint8_t*> srcs,
@@ -69,9 +81,7 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
       std::vector<size_t> at;
       for (size_t i = 0; i < keys.size(); ++i) {
         if (srcs[i] == nullptr) {
-          Hasher hasher;
-          hasher.Update(zeros, entries[i].nbytes);
-          sums[i] = hasher.Digest();
+          sums[i] = ZeroChecksum(zeros, entries[i].nbytes);
           left += entries[i].nbytes;
           continue;
         }
