@@ -130,8 +130,9 @@ def main() -> None:
         f"{args.devices} devices; disk O_DIRECT ceiling write {write:.2f} / read {read:.2f} GB/s")
   print("`draw s`: the random draws alone (compiled, nothing written); `written GB`: the bytes "
         "written to the drive (`RAM GB`: copied into RAM's store; fresh zero moments lie in space "
-        "never written, which reads as zeros: only registered); `bound s`: the larger of the draws and the disk's time for the bytes "
-        "written (what init would take if each overlapped the other fully)")
+        "never written, which reads as zeros: only registered); `bound s`: the larger of the "
+        "draws and the disk's time for the bytes written (what init would take if each "
+        "overlapped the other fully)")
   print(f"{'layers':>6s} {'params':>8s} {'time s':>8s} {'draw s':>7s} {'bound s':>8s} {'x bound':>8s} "
         f"{'peak RSS GiB':>13s} {'store GB':>9s} {'written GB':>11s} {'RAM GB':>7s} "
         f"{'write GB/s':>11s} {'x ceiling':>10s}")
