@@ -326,11 +326,11 @@ def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monk
   layer = sum(l.local_size for l in plan.leaves if l.stacked) * len(plan.ranks) * 2
   assert peak < 1.5 * layer, (peak / layer, layer)
   # each layer goes into its donated array in place: no second copy of a stack on the device
-  from zinfjax.putback import _set_layer
+  from zinfjax.shards import set_layer
   for leaf, (x,) in zip(plan.leaves, plan.flatten(state.params)):
     if leaf.stacked:
       one = jax.device_put(np.zeros((1, *x.shape[1:]), x.dtype), x.sharding)
-      used = _set_layer(x.sharding).lower(x, one, np.int32(1)).compile().memory_analysis()
+      used = set_layer(x.sharding).lower(x, one, np.int32(1)).compile().memory_analysis()
       assert used.alias_size_in_bytes == used.output_size_in_bytes > 0, used
       assert used.temp_size_in_bytes == 0, used
   state.close()

@@ -333,12 +333,12 @@ def test_init_keeps_device_params_off_the_host(mesh):
   layer = sum(l.local_size for l in plan.leaves if l.stacked) * len(plan.ranks) * 2
   assert peak < 1.5 * layer, (peak / layer, layer)  # 0.85 of a bf16 layer measured
   from jax.sharding import NamedSharding, PartitionSpec
-  from zinfjax.draw import _into
+  from zinfjax.shards import set_layer
   for leaf, (x,) in zip(plan.leaves, plan.flatten(state.params)):
     if leaf.stacked:
       one = jax.ShapeDtypeStruct(x.shape[1:], jnp.float32,
                                  sharding=NamedSharding(mesh, PartitionSpec(*x.sharding.spec[1:])))
-      used = _into(x.sharding).lower(x, one, np.int32(1)).compile().memory_analysis()
+      used = set_layer(x.sharding).lower(x, one, np.int32(1)).compile().memory_analysis()
       assert used.alias_size_in_bytes == used.output_size_in_bytes > 0, used
       assert used.temp_size_in_bytes <= x.nbytes // x.shape[0] // len(plan.ranks), used
   state.engine.store.close()

@@ -23,7 +23,7 @@ from .partition import norm_region
 from .placement import Plan, Tier
 from .progress import Tally
 from .rng import jit_unrolled
-from .shards import host_shards
+from .shards import host_shards, set_layer
 
 
 def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None):
@@ -146,7 +146,8 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
     x, lows = (drawn, None) if low is None else drawn
     for (state, seg), part in on_device.items():
       if layer in seg:
-        on_device[state, seg] = _into(part.sharding)(part, x, np.int32(layer - seg.start))
+        at = np.int32(layer - seg.start)
+        on_device[state, seg] = set_layer(part.sharding)(part, x, at)
     held = [(state, seg, bufs) for (state, seg), bufs in on_host.items() if layer in seg]
     if held:
       local = {}  # each device's shard on the host, of the draw (False) or its cast (True)
@@ -190,7 +191,7 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
 
 
 def _zeros(plan: Plan, leaf, state: str, seg) -> jax.Array:
-  """An array segment's storage, made where it lives (HBM) and filled in place by `_into`."""
+  """An array segment's storage, made where it lives (HBM), filled in place by `set_layer`."""
   return _zeros_of(leaf.segment_shape(seg), np.dtype(plan.dtype(state)),
                    plan.sharding(leaf, seg.tier))()
 
@@ -199,15 +200,6 @@ def _zeros(plan: Plan, leaf, state: str, seg) -> jax.Array:
 def _zeros_of(shape: tuple[int, ...], dtype: np.dtype, sharding) -> Callable:
   """The program that makes `shape` zeros of `sharding`: one compile for each kind of segment."""
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-@functools.cache
-def _into(sharding) -> Callable:
-  """part[i] = x cast to part's dtype, in place (`part` donated): one drawn layer into its
-  segment, for segments of `sharding` (layer axis unsharded)."""
-  def put(part, x, i):
-    return jax.lax.dynamic_update_slice_in_dim(part, x[None].astype(part.dtype), i, 0)
-  return jax.jit(put, donate_argnums=0, out_shardings=sharding)
 
 
 def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:

@@ -15,14 +15,12 @@ could not be taken back. What it does not take, `finish` puts back at the end.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from .placement import Plan, Tier
-from .shards import from_host_shards, host_shards
+from .shards import from_host_shards, host_shards, set_layer
 
 Verdict = Callable[[], "bool | None"]  # None: not known yet; True: the step stands; False: not
 
@@ -123,20 +121,13 @@ class PutBack:
       return
     one = from_host_shards({r: a[None] for r, a in shards.items()}, x.sharding,
                            (1, *x.shape[1:]))
-    self.flat[leaf][j] = _set_layer(x.sharding)(x, one, np.int32(layer - seg.start))
+    self.flat[leaf][j] = set_layer(x.sharding)(x, one, np.int32(layer - seg.start))
 
 
 def _segment(plan: Plan, leaf: int, layer: int):
   """(index among the leaf's param arrays, segment) of `layer`, or None: not an array."""
   return next(((j, s) for j, s in enumerate(plan.leaves[leaf].array_segments("params"))
                if layer in s), None)
-
-
-@functools.cache
-def _set_layer(sharding) -> Callable:
-  """x[i] = one[0] in place (x donated), for arrays of `sharding` (layer axis unsharded)."""
-  return jax.jit(lambda x, one, i: jax.lax.dynamic_update_slice_in_dim(x, one, i, 0),
-                 donate_argnums=0, out_shardings=sharding)
 
 
 def stacked(layers: list[np.ndarray]) -> np.ndarray:

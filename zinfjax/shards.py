@@ -3,6 +3,9 @@ optimizer, init, checkpoints) reads and writes the per-rank pieces the plan desc
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -24,3 +27,14 @@ def from_host_shards(shards: dict[int, np.ndarray], sharding: NamedSharding, sha
                            jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
             for d in sharding.addressable_devices]
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+@functools.cache
+def set_layer(sharding: NamedSharding) -> Callable:
+  """`(x, one, i) -> x` with `x[i] = one` (one layer, with or without its leading axis of 1,
+  cast to x's dtype) in place, `x` donated: for stacked arrays of `sharding` (layer axis
+  unsharded), so a stack never has a second copy in device memory."""
+  def put(x, one, i):
+    one = one.reshape((1, *x.shape[1:])).astype(x.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(x, one, i, 0)
+  return jax.jit(put, donate_argnums=0, out_shardings=sharding)
