@@ -310,12 +310,19 @@ def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, preci
   engine.store.close()
 
 
-def test_init_keeps_device_params_off_the_host(mesh):
+def test_init_keeps_device_params_off_the_host(mesh, monkeypatch):
   """Params on the device with their optimizer in RAM's store (the largest model's plan):
   init fills each device segment in HBM in place, layer by layer, cast by XLA; no layer of it
   waits in a host buffer (before: the whole segment of a leaf, 6.7 layers here, growing with
-  depth), and each layer goes into its donated segment with no second copy of it in HBM."""
+  depth), no bf16 cast of a layer crosses to the host (the store keeps no compute params here:
+  on a GPU each crossed 2 bytes a param), and each layer goes into its donated segment with no
+  second copy of it in HBM."""
   import tracemalloc
+  from zinfjax import draw
+  crossed = []  # the dtypes of what init reads to the host (on CPU, views: not traced below)
+  real = draw.host_shards
+  monkeypatch.setattr(draw, "host_shards", lambda x, *a, **k: crossed.append(x.dtype) or real(
+      x, *a, **k))
   wide = get_config("tiny", num_layers=8, hidden=256, num_heads=4)  # the params outweigh the rest
   zero = zinfjax.ZeroConfig(precision="bf16", offload_param="device",
                             offload_optimizer="pinned_host", host_optimizer="pipeline")
@@ -332,6 +339,7 @@ def test_init_keeps_device_params_off_the_host(mesh):
   assert kinds(state.params) == {"device"} and plan.leaves[0].num_layers == 8
   layer = sum(l.local_size for l in plan.leaves if l.stacked) * len(plan.ranks) * 2
   assert peak < 1.5 * layer, (peak / layer, layer)  # 0.85 of a bf16 layer measured
+  assert crossed and set(crossed) == {np.dtype(np.float32)}, crossed  # the master alone
   from jax.sharding import NamedSharding, PartitionSpec
   from zinfjax.shards import set_layer
   for leaf, (x,) in zip(plan.leaves, plan.flatten(state.params)):

@@ -132,10 +132,12 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
   segments = [(state, seg) for state in states for seg in leaf.array_segments(state)]
   on_device = {k: _zeros(plan, leaf, *k) for k in segments if k[1].tier == Tier.DEVICE}
   on_host = {k: _segment_buffers(plan, leaf, *k) for k in segments if k not in on_device}
-  # XLA casts the compute params of NVMe and host arrays in the draw's program (several times
-  # numpy's bf16 cast, and half the bytes to copy)
+  # XLA casts the compute params of store layers and host arrays in the draw's program
+  # (several times numpy's bf16 cast, and half the bytes to copy); the cast crosses to the host
+  # only for layers whose compute params the store keeps (not for those in arrays)
+  low_to_store = lambda layer: "params" in nvme_at(layer)
   low = _low(plan)
-  low = low if any(nvme_at(layer) for layer in range(leaf.num_layers)) or any(
+  low = low if any(map(low_to_store, range(leaf.num_layers))) or any(
       _is(plan.dtype(state), low) for state, _ in on_host) else None
   draw = layer_initializer(engine, model_factory, leaf.index, low)
   writing: list = []
@@ -162,7 +164,7 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
     tickets: list = []
     on_nvme = nvme_at(layer)
     if on_nvme:
-      lows = {} if lows is None else host_shards(lows, plan.mesh)
+      lows = host_shards(lows, plan.mesh) if lows is not None and low_to_store(layer) else {}
       for rank, data in host_shards(x, plan.mesh).items():
         for state in on_nvme:
           _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets,
