@@ -375,6 +375,38 @@ def test_fresh_store_forgets_another_layout(tmp_path):
   s.close()
 
 
+def _rss_shmem() -> int:
+  """This process's resident shared memory in bytes (a memory store's pages, once mapped)."""
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
+
+
+def test_a_memory_store_maps_its_pages_as_it_grows_and_copies_on_threads():
+  """A memory store makes and maps the pages it grows by as it grows, on threads (where
+  fallocate zeroed them on one thread and left each first write to fault a page at a time);
+  they read as zeros until written and go back when it shrinks. A shard of many copy pieces
+  (4 MiB each, on two threads or more from 64 MiB) goes in and comes out whole."""
+  store = AioStore([], memory=True)
+  before = _rss_shmem()
+  store.reserve(160 << 20, exact=True)
+  assert store.allocated_bytes == 160 << 20
+  assert _rss_shmem() - before >= 150 << 20  # mapped at the reserve, not at the first write
+  big = np.random.default_rng(0).integers(0, 256, (72 << 20) + 12345, dtype=np.uint8)
+  store.write("big", big).wait()
+  zeros = np.zeros(8 << 20, np.uint8)
+  store.write_zeros("zeros", zeros).wait()
+  assert store.stats()["bytes_left_zero"] == zeros.nbytes
+  out = np.empty_like(big)
+  store.read("big", out).wait()
+  np.testing.assert_array_equal(out, big)
+  np.testing.assert_array_equal(store.read("zeros").wait(), zeros)
+  mapped = _rss_shmem()
+  store.reserve(0, exact=True)  # gives back what lies past the shards
+  assert store.allocated_bytes == (81 << 20) and mapped - _rss_shmem() >= 70 << 20
+  np.testing.assert_array_equal(store.read("big").wait(), big)
+  store.close()
+
+
 ZERO_STORES = {
     "drive": lambda path, **kw: AioStore(path, block_size=64 << 10, **kw),
     "striped": lambda path, **kw: AioStore([path / "nvme0", path / "nvme1"], block_size=16 << 10,

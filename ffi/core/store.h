@@ -295,6 +295,11 @@ class SwapStore {
   ShardEntry Allocate(const std::string& key, size_t nbytes, const std::string& dtype,
                       const std::vector<int64_t>& shape);
   void EnsureAllocated(uint64_t logical_end);
+  // A memory store's growth from `from` to `to` bytes: the memfd grows and its new pages are
+  // made (zeroed) and mapped on threads, a share each (MADV_POPULATE_WRITE), where fallocate
+  // zeroes them on one thread (about 4 GiB/s) and leaves every first write to fault a page at
+  // a time. Returns 0, or the errno of the failure with the memfd back at `from` bytes.
+  int GrowMemory(uint64_t from, uint64_t to);
   void CheckReadable(const std::string& key, const ShardEntry& e, const std::string& dtype,
                      const std::vector<int64_t>& shape, size_t nbytes) const;
   void OpenFiles();

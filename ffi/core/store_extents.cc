@@ -3,11 +3,20 @@
 // buffers it lends, and the test-only fault switches.
 #include "core/store.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 
 #include "core/errors.h"
 #include "core/store_internal.h"
+#include "core/workers.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
 
 namespace zinfjax {
 
@@ -48,10 +57,15 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
   for (uint64_t i = 0; i < n; ++i) {
     if (need[i] <= file_sizes_[i]) continue;
     uint64_t grow = need[i] - file_sizes_[i];
-    int rc = fallocate(fds_[i], 0, static_cast<off_t>(file_sizes_[i]), static_cast<off_t>(grow));
-    if (rc != 0 && errno == EOPNOTSUPP) rc = ftruncate(fds_[i], static_cast<off_t>(need[i]));
-    if (rc != 0) {
-      int err = errno;
+    int err = 0;
+    if (config_.memory) {
+      err = GrowMemory(file_sizes_[i], need[i]);
+    } else if (fallocate(fds_[i], 0, static_cast<off_t>(file_sizes_[i]),
+                         static_cast<off_t>(grow)) != 0 &&
+               (errno != EOPNOTSUPP || ftruncate(fds_[i], static_cast<off_t>(need[i])) != 0)) {
+      err = errno;
+    }
+    if (err != 0) {
       std::string file = folders_[i] + "/swap.bin";
       if (config_.memory && (err == ENOSPC || err == ENOMEM))
         throw NoSpace("host memory cannot hold " + std::to_string(grow) + " more bytes of "
@@ -66,6 +80,28 @@ void SwapStore::EnsureAllocated(uint64_t logical_end) {
     if (fault_free_bytes_ >= 0) fault_free_bytes_ -= static_cast<int64_t>(grow);
     file_sizes_[i] = need[i];
   }
+}
+
+int SwapStore::GrowMemory(uint64_t from, uint64_t to) {
+  constexpr size_t kPiece = size_t{64} << 20, kShare = size_t{256} << 20;
+  if (ftruncate(fds_[0], static_cast<off_t>(to)) != 0) return errno;
+  std::atomic<int> failed{0};
+  ParallelBlocks(to - from, kPiece, kShare, /*threads=*/0, [&](size_t begin, size_t end) {
+    if (failed.load(std::memory_order_relaxed) == 0 &&
+        madvise(map_ + from + begin, end - begin, MADV_POPULATE_WRITE) != 0) {
+      int none = 0;
+      failed.compare_exchange_strong(none, errno);
+    }
+  });
+  int err = failed.load();
+  if (err == EINVAL)  // a kernel without MADV_POPULATE_WRITE (5.14): fallocate, on one thread
+    err = fallocate(fds_[0], 0, static_cast<off_t>(from), static_cast<off_t>(to - from)) == 0
+              ? 0 : errno;
+  if (err != 0) {  // the pages made are given back
+    int shrunk = ftruncate(fds_[0], static_cast<off_t>(from));
+    (void)shrunk;
+  }
+  return err;
 }
 
 void SwapStore::Reserve(uint64_t bytes, bool exact) {

@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "core/hash.h"
 #include "core/store_internal.h"
+#include "core/workers.h"
 
 namespace zinfjax {
 
@@ -73,7 +74,7 @@ std::function<void(SwapStore::Job&)> SwapStore::WriteWork(std::vector<std::strin
     uint64_t left = 0;
     if (config_.memory) {  // host RAM: into the mapping; no checksum (its reads check none)
       for (size_t i = 0; i < keys.size(); ++i) {
-        if (srcs[i] != nullptr) std::memcpy(map_ + entries[i].offset, srcs[i], entries[i].nbytes);
+        if (srcs[i] != nullptr) ParallelCopy(map_ + entries[i].offset, srcs[i], entries[i].nbytes);
         else left += entries[i].nbytes;
       }
     } else {
@@ -240,7 +241,7 @@ std::function<void(SwapStore::Job&)> SwapStore::ReadWork(std::vector<std::string
     }
     if (config_.memory) {  // host RAM: out of the mapping (updated in place by View: no checksum)
       for (size_t i = 0; i < keys.size(); ++i) {
-        std::memcpy(dsts[i], map_ + entries[i].offset, entries[i].nbytes);
+        ParallelCopy(dsts[i], map_ + entries[i].offset, entries[i].nbytes);
         bytes_read_ += entries[i].nbytes;
       }
       return;

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -135,6 +137,14 @@ void ParallelBlocks(size_t n, size_t block, size_t min_share, int threads,
     return;
   }
   SharedPool().Run(n, block, want, body);
+}
+
+void ParallelCopy(void* dst, const void* src, size_t n, int threads) {
+  constexpr size_t kPiece = size_t{4} << 20, kShare = size_t{32} << 20;
+  auto* out = static_cast<uint8_t*>(dst);
+  const auto* in = static_cast<const uint8_t*>(src);
+  ParallelBlocks(n, kPiece, kShare, threads,
+                 [&](size_t begin, size_t end) { std::memcpy(out + begin, in + begin, end - begin); });
 }
 
 }  // namespace zinfjax

@@ -23,6 +23,13 @@ namespace zinfjax {
 void ParallelBlocks(size_t n, size_t block, size_t min_share, int threads,
                     const std::function<void(size_t, size_t)>& body);
 
+// memcpy(dst, src, n) on at most `threads` threads (<= 0: every hardware thread), in 4 MiB
+// pieces, a thread per 32 MiB at most: a copy into pages never touched before (a fresh host
+// store, a fresh buffer) is bound by one thread's page faults, about 2 GiB/s, which scale
+// with threads; a copy between touched pages by memory bandwidth, which one thread does not
+// reach.
+void ParallelCopy(void* dst, const void* src, size_t n, int threads = 0);
+
 }  // namespace zinfjax
 
 #endif  // ZINFJAX_CORE_WORKERS_H_

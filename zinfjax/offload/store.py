@@ -107,8 +107,9 @@ class AioStore:
     fresh: start empty: forget what the folders hold (another run's shards, of
       any shapes, block size or stripe count) and reuse their files' space.
     memory: keep the shards in host RAM (an anonymous memory file the store maps
-      once) instead of files under `paths` (ignored): the host tier's store, whose
-      shards `view` lends for updates in place. Nothing outlives it.
+      once, its pages made and mapped on threads as it grows) instead of files under
+      `paths` (ignored): the host tier's store, whose shards `view` lends for updates
+      in place. Nothing outlives it.
   """
 
   def __init__(self, paths: PathLike | Sequence[PathLike], rank: int = 0, *,
