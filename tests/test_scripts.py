@@ -84,6 +84,18 @@ def test_bench_adam_times_the_host_pipeline_in_ram():
       set(by) == {"1", "3"} and all(t > 0 for t in by.values()) for by in calls.values())
 
 
+def test_bench_ram_store_times_init_phases_against_the_copy_limits():
+  """Every phase of init on RAM's store is timed in each row, beside the copy limits."""
+  data = json.loads(run([os.path.join(SCRIPTS, "bench_ram_store.py"), "--gib", "0.05",
+                         "--shard-mib", "8", "--repeats", "2", "--json"]))
+  assert len(data["rows"]) == 2 and all(
+      set(r) == {"reserve", "master", "moments"} and all(t > 0 for t in r.values())
+      for r in data["rows"])
+  assert {"touched x1", "fresh x1"} <= set(data["limits"]) and all(
+      v > 0 for v in data["limits"].values())
+  assert data["gib"] == 6 * 8 / 1024  # 6 shards of 8 MiB: the whole shards in 0.05 GiB
+
+
 def test_estimate_memory_table_for_a_preset():
   stdout = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--preset", "1t", "--devices", "16"])
   assert "1,006.63B params" in stdout and "model-state working memory" in stdout
