@@ -64,14 +64,16 @@ def draw_alone(engine, factory) -> float:
   import jax
   from zinfjax.draw import layer_initializer, master_initializer
   key = jax.random.key(0)
-  runs = []
+  runs, depths = [], {}
   for leaf in engine.plan.leaves:
-    if leaf.stacked:
-      f = layer_initializer(engine, factory, leaf.index)
-      runs.append((f.lower(key, 0).compile(), [(key, layer) for layer in range(leaf.num_layers)]))
+    if leaf.stacked:  # a layer of every stacked leaf of a depth in one program
+      depths.setdefault(leaf.num_layers, []).append(leaf.index)
     else:
       f = master_initializer(engine, factory, [leaf.index])
       runs.append((f.lower(key).compile(), [(key,)]))
+  for depth, leaves in depths.items():
+    f = layer_initializer(engine, factory, leaves)
+    runs.append((f.lower(key, 0).compile(), [(key, layer) for layer in range(depth)]))
   start = time.perf_counter()
   for compiled, calls in runs:
     for call in calls:

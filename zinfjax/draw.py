@@ -2,14 +2,15 @@
 
 Leaves that live whole on the device are drawn in one program (without NVMe)
 or one leaf at a time (with it); stacked leaves with any layer elsewhere are
-drawn one layer at a time, each layer put on its tier as it comes, so host
-memory does not grow with depth. Values equal the whole-model draw bit for bit.
+drawn one layer at a time (a layer of all of them in one program), each layer
+put on its tier as it comes, so host memory does not grow with depth. Values
+equal the whole-model draw bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,23 +43,26 @@ def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None)
   return jit_unrolled(make, out_shardings=shardings)
 
 
-def layer_initializer(engine: Engine, model_factory: ModelFactory, leaf: int, low=None):
-  """`(key, layer) -> fp32 storage form of one layer of stacked leaf `leaf``, equal to that
-  layer of `master_initializer`'s value bit for bit, drawn in one layer's memory (every
-  `Stack` builds only that block: `zinfjax.layers.one_layer`). With a dtype `low`, the
-  program returns (that, the same cast to `low`): XLA casts it in the same program."""
+def layer_initializer(engine: Engine, model_factory: ModelFactory, leaves: Sequence[int],
+                      low=None):
+  """`(key, layer) -> [fp32 storage form of that layer of each stacked leaf in `leaves`]`,
+  equal to that layer of `master_initializer`'s values bit for bit, drawn in one layer's memory
+  (every `Stack` builds only that block: `zinfjax.layers.one_layer`), in one program: one
+  compile for all the leaves. With a dtype `low`, each entry is (that, the same cast to `low`):
+  XLA casts it in the same program."""
   plan = engine.plan
-  layout = plan.leaves[leaf].layout.layer()
+  layouts = [plan.leaves[i].layout.layer() for i in leaves]
 
   def make(key, layer):
     with one_layer(layer):
       model = model_factory(nnx.Rngs(key))
-    x = plan.flatten(nnx.to_pure_dict(nnx.state(model)))[leaf]
-    x = layout.pad(x[0].astype(jnp.float32))
-    return x if low is None else (x, x.astype(low))
+    flat = plan.flatten(nnx.to_pure_dict(nnx.state(model)))
+    xs = [layout.pad(flat[i][0].astype(jnp.float32)) for i, layout in zip(leaves, layouts)]
+    return xs if low is None else [(x, x.astype(low)) for x in xs]
 
-  sharding = NamedSharding(plan.mesh, layout.spec(engine.config.axis))
-  return jit_unrolled(make, out_shardings=sharding if low is None else (sharding, sharding))
+  shardings = [NamedSharding(plan.mesh, layout.spec(engine.config.axis)) for layout in layouts]
+  return jit_unrolled(make, out_shardings=shardings if low is None else
+                      [(sharding, sharding) for sharding in shardings])
 
 
 def _created(stage: int) -> tuple[str, ...]:
@@ -116,80 +120,107 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
   return tuple(parts)
 
 
-def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaf, key,
-                    tally: Tally | None = None) -> dict[str, tuple]:
-  """A stacked leaf drawn one layer at a time, each layer put on its tier as it comes: NVMe
-  layers written (while the next is drawn); device segments filled in place in HBM, cast by
-  XLA, never crossing to the host; the layers of host-array segments copied into their
-  devices' host buffers (cast on the device first), which become the segment's arrays at the
-  end. Host memory holds three layers (the one being drawn, the one being copied, the one
-  being written) beside what the tiers hold anyway, whatever the depth. Returns each created
-  state's array parts, as `_place` does."""
+class _LayerFill:
+  """One stacked leaf's created states, filled a drawn layer at a time: device segments in place
+  in HBM, cast by XLA, never crossing to the host; the layers of host-array segments copied
+  into their devices' host buffers (cast on the device first), which become the segment's
+  arrays at the end; store layers written."""
+
+  def __init__(self, engine: Engine, leaf):
+    plan = engine.plan
+    self.engine, self.plan, self.leaf = engine, plan, leaf
+    self.states = _created(plan.stage)
+    self.segments = [(state, seg) for state in self.states for seg in leaf.array_segments(state)]
+    self.on_device = {k: _zeros(plan, leaf, *k) for k in self.segments if k[1].tier == Tier.DEVICE}
+    self.on_host = {k: _segment_buffers(plan, leaf, *k) for k in self.segments
+                    if k not in self.on_device}
+
+  def in_store(self, layer: int) -> list[str]:
+    """The created states whose `layer` the swap store keeps."""
+    return [st for st in self.states
+            if any(not s.tier.holds_arrays and layer in s for s in self.leaf.segments(st))]
+
+  def wants(self, low) -> bool:
+    """Whether this leaf takes the draw's cast to the compute dtype `low`: for compute params
+    in the store (the cast crosses to the host only for their layers) or host arrays of it."""
+    return low is not None and (
+        any("params" in self.in_store(layer) for layer in range(self.leaf.num_layers)) or
+        any(_is(self.plan.dtype(state), low) for state, _ in self.on_host))
+
+  def put(self, layer: int, x: jax.Array, lows: jax.Array | None) -> list:
+    """Layer `layer`'s draw `x` (and its cast `lows`, or None) on its tiers; returns the tickets
+    of its store writes."""
+    plan, leaf = self.plan, self.leaf
+    for (state, seg), part in self.on_device.items():
+      if layer in seg:
+        self.on_device[state, seg] = set_layer(part.sharding)(part, x, np.int32(layer - seg.start))
+    local = {}  # each device's shard on the host, of the draw (False) or its cast (True)
+    for (state, seg), bufs in self.on_host.items():
+      if layer not in seg:
+        continue
+      cast = lows is not None and _is(plan.dtype(state), lows.dtype)
+      if cast not in local:
+        local[cast] = {s.device: np.asarray(s.data) for s in (lows if cast else x).addressable_shards}
+      for device, buf in bufs.items():
+        buf[layer - seg.start] = local[cast][device]
+    tickets: list = []
+    in_store = self.in_store(layer)
+    if in_store:
+      lows = host_shards(lows, plan.mesh) if lows is not None and "params" in in_store else {}
+      for rank, data in host_shards(x, plan.mesh).items():
+        for state in in_store:
+          _write(plan, leaf, state, rank, layer, data, self.engine.store, self.engine.pipeline,
+                 tickets, lows.get(rank))
+    return tickets
+
+  def parts(self) -> dict[str, tuple]:
+    """Each created state's array parts, as `_place` returns them."""
+    out: dict[str, list] = {state: [] for state in self.states}
+    for state, seg in self.segments:
+      if (state, seg) in self.on_device:
+        out[state].append(self.on_device.pop((state, seg)))
+        continue
+      sharding = self.plan.sharding(self.leaf, seg.tier)
+      parts = [jax.device_put(buf, SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
+               for d, buf in self.on_host.pop((state, seg)).items()]
+      out[state].append(jax.make_array_from_single_device_arrays(
+          self.leaf.segment_shape(seg), sharding, parts))
+    return {state: tuple(parts) for state, parts in out.items()}
+
+
+def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaves: list, key,
+                    tally: Tally | None = None) -> list[dict[str, tuple]]:
+  """Stacked leaves of one depth drawn one layer at a time, every leaf's layer in one program
+  (one compile), each put on its tiers as it comes (`_LayerFill`): the next layer is drawn
+  while this one is copied and its store writes run. Host memory holds about three layers
+  beside what the tiers hold anyway, whatever the depth. Returns each leaf's created states'
+  array parts, as `_place` does."""
   plan = engine.plan
-  states = _created(plan.stage)
-  nvme_at = lambda layer: [st for st in states
-                           if any(not s.tier.holds_arrays and layer in s for s in leaf.segments(st))]
-  segments = [(state, seg) for state in states for seg in leaf.array_segments(state)]
-  on_device = {k: _zeros(plan, leaf, *k) for k in segments if k[1].tier == Tier.DEVICE}
-  on_host = {k: _segment_buffers(plan, leaf, *k) for k in segments if k not in on_device}
+  fills = [_LayerFill(engine, leaf) for leaf in leaves]
   # XLA casts the compute params of store layers and host arrays in the draw's program
-  # (several times numpy's bf16 cast, and half the bytes to copy); the cast crosses to the host
-  # only for layers whose compute params the store keeps (not for those in arrays)
-  low_to_store = lambda layer: "params" in nvme_at(layer)
-  low = _low(plan)
-  low = low if any(map(low_to_store, range(leaf.num_layers))) or any(
-      _is(plan.dtype(state), low) for state, _ in on_host) else None
-  draw = layer_initializer(engine, model_factory, leaf.index, low)
+  # (several times numpy's bf16 cast, and half the bytes to copy)
+  wants = [fill.wants(_low(plan)) for fill in fills]
+  low = _low(plan) if any(wants) else None
+  draw = layer_initializer(engine, model_factory, [leaf.index for leaf in leaves], low)
+  depth, per_layer = leaves[0].num_layers, sum(leaf.size // leaf.num_layers for leaf in leaves)
   writing: list = []
   drawn = draw(key, 0)
-  for layer in range(leaf.num_layers):
-    # the next layer is drawn while this one is copied and written (host memory: 3 layers)
-    ahead = draw(key, layer + 1) if layer + 1 < leaf.num_layers else None
-    x, lows = (drawn, None) if low is None else drawn
-    for (state, seg), part in on_device.items():
-      if layer in seg:
-        at = np.int32(layer - seg.start)
-        on_device[state, seg] = set_layer(part.sharding)(part, x, at)
-    held = [(state, seg, bufs) for (state, seg), bufs in on_host.items() if layer in seg]
-    if held:
-      local = {}  # each device's shard on the host, of the draw (False) or its cast (True)
-      for state, seg, bufs in held:
-        cast = lows is not None and _is(plan.dtype(state), low)
-        if cast not in local:
-          shards = (lows if cast else x).addressable_shards
-          local[cast] = {s.device: np.asarray(s.data) for s in shards}
-        for device, buf in bufs.items():
-          buf[layer - seg.start] = local[cast][device]
-      del local
+  for layer in range(depth):
+    ahead = draw(key, layer + 1) if layer + 1 < depth else None
     tickets: list = []
-    on_nvme = nvme_at(layer)
-    if on_nvme:
-      lows = host_shards(lows, plan.mesh) if lows is not None and low_to_store(layer) else {}
-      for rank, data in host_shards(x, plan.mesh).items():
-        for state in on_nvme:
-          _write(plan, leaf, state, rank, layer, data, engine.store, engine.pipeline, tickets,
-                 lows.get(rank))
-    del x, lows
+    for fill, cast, value in zip(fills, wants, drawn):
+      x, lows = (value, None) if low is None else value
+      tickets += fill.put(layer, x, lows if cast else None)
+    del value, x, lows
     drawn = ahead
     for t in writing:  # the previous layer's writes ran while this one was drawn
       t.wait()
     writing = tickets
     if tally is not None:
-      tally.add(leaf.size // leaf.num_layers)
+      tally.add(per_layer)
   for t in writing:
     t.wait()
-  out: dict[str, list] = {state: [] for state in states}
-  for state, seg in segments:
-    if (state, seg) in on_device:
-      out[state].append(on_device.pop((state, seg)))
-      continue
-    sharding = plan.sharding(leaf, seg.tier)
-    bufs = on_host.pop((state, seg))
-    parts = [jax.device_put(buf, SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
-             for d, buf in bufs.items()]
-    out[state].append(jax.make_array_from_single_device_arrays(leaf.segment_shape(seg),
-                                                               sharding, parts))
-  return {state: tuple(parts) for state, parts in out.items()}
+  return [fill.parts() for fill in fills]
 
 
 def _zeros(plan: Plan, leaf, state: str, seg) -> jax.Array:
@@ -221,10 +252,13 @@ def random_states(engine: Engine, model_factory: ModelFactory, key,
   chosen = list(range(len(plan.leaves))) if only is None else list(only)
   masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
   by_layer = [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]
-  for i in by_layer:  # stacked leaves not all on the device: one layer at a time
-    parts = _place_by_layer(engine, model_factory, plan.leaves[i], key, tally)
-    masters[i] = parts["master"]
-    params[i] = parts["params"] if plan.stage == 3 else None
+  depths: dict[int, list] = {}  # stacked leaves not all on the device: a layer at a time
+  for i in by_layer:
+    depths.setdefault(plan.leaves[i].num_layers, []).append(plan.leaves[i])
+  for leaves in depths.values():
+    for leaf, parts in zip(leaves, _place_by_layer(engine, model_factory, leaves, key, tally)):
+      masters[leaf.index] = parts["master"]
+      params[leaf.index] = parts["params"] if plan.stage == 3 else None
   rest = [i for i in chosen if i not in by_layer]
   # without NVMe the rest of the master is one program; with it one leaf at a time, so host
   # memory holds at most two leaves while the states stream to the swap store
