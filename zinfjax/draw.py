@@ -131,9 +131,9 @@ class _LayerFill:
     self.engine, self.plan, self.leaf = engine, plan, leaf
     self.states = _created(plan.stage)
     self.segments = [(state, seg) for state in self.states for seg in leaf.array_segments(state)]
-    self.on_device = {k: _zeros(plan, leaf, *k) for k in self.segments if k[1].tier == Tier.DEVICE}
+    self.on_device: dict = {}  # (state, segment) -> its array in HBM, made by `_zeros`
     self.on_host = {k: _segment_buffers(plan, leaf, *k) for k in self.segments
-                    if k not in self.on_device}
+                    if k[1].tier != Tier.DEVICE}
 
   def in_store(self, layer: int) -> list[str]:
     """The created states whose `layer` the swap store keeps."""
@@ -197,6 +197,7 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaves: list, k
   array parts, as `_place` does."""
   plan = engine.plan
   fills = [_LayerFill(engine, leaf) for leaf in leaves]
+  _zeros(plan, fills)
   # XLA casts the compute params of store layers and host arrays in the draw's program
   # (several times numpy's bf16 cast, and half the bytes to copy)
   wants = [fill.wants(_low(plan)) for fill in fills]
@@ -223,16 +224,22 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaves: list, k
   return [fill.parts() for fill in fills]
 
 
-def _zeros(plan: Plan, leaf, state: str, seg) -> jax.Array:
-  """An array segment's storage, made where it lives (HBM), filled in place by `set_layer`."""
-  return _zeros_of(leaf.segment_shape(seg), np.dtype(plan.dtype(state)),
-                   plan.sharding(leaf, seg.tier))()
+def _zeros(plan: Plan, fills: list[_LayerFill]) -> None:
+  """The fills' device segments, made where they live (HBM) in one program, to be filled in
+  place by `set_layer`."""
+  keys = [(fill, k) for fill in fills for k in fill.segments if k[1].tier == Tier.DEVICE]
+  specs = tuple((fill.leaf.segment_shape(seg), np.dtype(plan.dtype(state)),
+                 plan.sharding(fill.leaf, seg.tier)) for fill, (state, seg) in keys)
+  for (fill, k), x in zip(keys, _zeros_of(specs)() if specs else ()):
+    fill.on_device[k] = x
 
 
 @functools.cache
-def _zeros_of(shape: tuple[int, ...], dtype: np.dtype, sharding) -> Callable:
-  """The program that makes `shape` zeros of `sharding`: one compile for each kind of segment."""
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+def _zeros_of(specs: tuple) -> Callable:
+  """The program that makes zeros of each (shape, dtype, sharding) in `specs`: one compile for
+  each kind of model and plan."""
+  return jax.jit(lambda: [jnp.zeros(shape, dtype) for shape, dtype, _ in specs],
+                 out_shardings=[sharding for _, _, sharding in specs])
 
 
 def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:
