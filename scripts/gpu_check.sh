@@ -23,7 +23,8 @@
 #                host pipeline, and the top kernels by time as text (profile_device.txt,
 #                profile_pinned_host.txt)
 #   ckpt         checkpoint save/restore per tier on the GPU, about 3 minutes (bench_checkpoint.log)
-#   largest      the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
+#   largest      RAM's store on init's path alone (ram_store.log, a few seconds), then
+#                the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
 #                placements (one per call fits); LARGEST_ARGS adds flags, e.g.
 #                "--bf16-moments --hidden 5120 --layers 42" (largest_gpt.log); under DEADLINE, one
 #                run per placement, stopped 30 s before it (the steps it finished are in the table)
@@ -215,6 +216,11 @@ stage_largest() {
   if (( DEADLINE > 0 )); then  # one run, stopped before the deadline with the steps it finished
     size+=(--tries 1 --timeout $(( $(left) - 30 )))
   fi
+  # RAM's store on init's path on this host's cores first (a few seconds): what its init rests on
+  local ram=(--gib 4 --repeats 1)
+  if [[ $DRY == 1 ]]; then ram=(--gib 0.05 --shard-mib 8 --repeats 1); fi
+  (cd /tmp && run ram_store.log 60 $PY "$REPO/scripts/bench_ram_store.py" "${ram[@]}") \
+    || note "largest: the RAM store bench failed (ram_store.log); the largest run goes on"
   # LARGEST_ARGS: more largest_gpt.py flags, e.g. "--bf16-moments --hidden 5120 --heads 40"
   (cd /tmp && run largest_gpt.log 590 $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
      --nvme-path "$dir" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}" \
