@@ -15,7 +15,7 @@ import pytest
 from helpers import REPO
 
 CORE = ["buffer", "pool", "aio", "store", "store_extents", "store_io", "store_manifest",
-        "store_txn", "files"]
+        "store_txn", "files", "workers"]
 
 
 @pytest.fixture(scope="module")
