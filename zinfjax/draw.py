@@ -160,7 +160,8 @@ class _LayerFill:
         continue
       cast = lows is not None and _is(plan.dtype(state), lows.dtype)
       if cast not in local:
-        local[cast] = {s.device: np.asarray(s.data) for s in (lows if cast else x).addressable_shards}
+        shards = (lows if cast else x).addressable_shards
+        local[cast] = {s.device: np.asarray(s.data) for s in shards}
       for device, buf in bufs.items():
         buf[layer - seg.start] = local[cast][device]
     tickets: list = []

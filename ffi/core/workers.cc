@@ -143,8 +143,9 @@ void ParallelCopy(void* dst, const void* src, size_t n, int threads) {
   constexpr size_t kPiece = size_t{4} << 20, kShare = size_t{32} << 20;
   auto* out = static_cast<uint8_t*>(dst);
   const auto* in = static_cast<const uint8_t*>(src);
-  ParallelBlocks(n, kPiece, kShare, threads,
-                 [&](size_t begin, size_t end) { std::memcpy(out + begin, in + begin, end - begin); });
+  ParallelBlocks(n, kPiece, kShare, threads, [&](size_t begin, size_t end) {
+    std::memcpy(out + begin, in + begin, end - begin);
+  });
 }
 
 }  // namespace zinfjax
