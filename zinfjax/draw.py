@@ -109,8 +109,7 @@ def _place(plan: Plan, leaf, x: jax.Array, state: str, store, pipeline, tickets:
     if seg.tier.holds_arrays:
       piece = x if seg.layers == leaf.num_layers else leaf.take(x, seg)
       # a program, not device_put: each state gets its own buffers (fp32 params are not the master)
-      put = jax.jit(lambda v: v.astype(dtype), out_shardings=plan.sharding(leaf, seg.tier))
-      parts.append(put(piece))
+      parts.append(_cast_to(np.dtype(dtype), plan.sharding(leaf, seg.tier))(piece))
       continue
     shards = host_shards(x, plan.mesh) if shards is None else shards
     for rank, shard in shards.items():
@@ -233,6 +232,12 @@ def _zeros(plan: Plan, fills: list[_LayerFill]) -> None:
                  plan.sharding(fill.leaf, seg.tier)) for fill, (state, seg) in keys)
   for (fill, k), x in zip(keys, _zeros_of(specs)() if specs else ()):
     fill.on_device[k] = x
+
+
+@functools.cache
+def _cast_to(dtype: np.dtype, sharding) -> Callable:
+  """The program that casts an array to `dtype` in `sharding`: one compile for each kind."""
+  return jax.jit(lambda v: v.astype(dtype), out_shardings=sharding)
 
 
 @functools.cache
