@@ -62,17 +62,16 @@ def draw_alone(engine, factory) -> float:
   """Seconds to draw every leaf's master as init does (stacked leaves one layer at a time),
   compiled beforehand, with nothing written: the compute bound of init."""
   import jax
-  from zinfjax.draw import layer_initializer, master_initializer
+  from zinfjax.draw import by_depth, layer_initializer, master_initializer
   key = jax.random.key(0)
-  runs, depths = [], {}
+  runs = []
   for leaf in engine.plan.leaves:
-    if leaf.stacked:  # a layer of every stacked leaf of a depth in one program
-      depths.setdefault(leaf.num_layers, []).append(leaf.index)
-    else:
+    if not leaf.stacked:
       f = master_initializer(engine, factory, [leaf.index])
       runs.append((f.lower(key).compile(), [(key,)]))
-  for depth, leaves in depths.items():
-    f = layer_initializer(engine, factory, leaves)
+  # a layer of every stacked leaf of a depth in one program
+  for depth, leaves in by_depth(l for l in engine.plan.leaves if l.stacked).items():
+    f = layer_initializer(engine, factory, [leaf.index for leaf in leaves])
     runs.append((f.lower(key, 0).compile(), [(key, layer) for layer in range(depth)]))
   start = time.perf_counter()
   for compiled, calls in runs:

@@ -65,6 +65,14 @@ def layer_initializer(engine: Engine, model_factory: ModelFactory, leaves: Seque
                       [(sharding, sharding) for sharding in shardings])
 
 
+def by_depth(leaves) -> dict[int, list]:
+  """Stacked leaves by their number of layers, in order: the leaves one layer program draws."""
+  depths: dict[int, list] = {}
+  for leaf in leaves:
+    depths.setdefault(leaf.num_layers, []).append(leaf)
+  return depths
+
+
 def _created(stage: int) -> tuple[str, ...]:
   """The states init creates from a random draw: the master, and under ZeRO-3 the params."""
   return ("master", "params") if stage == 3 else ("master",)
@@ -153,24 +161,26 @@ class _LayerFill:
     for (state, seg), part in self.on_device.items():
       if layer in seg:
         self.on_device[state, seg] = set_layer(part.sharding)(part, x, np.int32(layer - seg.start))
-    local = {}  # each device's shard on the host, of the draw (False) or its cast (True)
-    for (state, seg), bufs in self.on_host.items():
-      if layer not in seg:
-        continue
-      cast = lows is not None and _is(plan.dtype(state), lows.dtype)
+    local: dict[bool, dict] = {}  # rank -> shard on the host, of the draw (False) or its cast
+
+    def on_host(cast: bool) -> dict:  # each read to the host once, for host arrays and store
       if cast not in local:
-        shards = (lows if cast else x).addressable_shards
-        local[cast] = {s.device: np.asarray(s.data) for s in shards}
-      for device, buf in bufs.items():
-        buf[layer - seg.start] = local[cast][device]
+        local[cast] = host_shards(lows if cast else x, plan.mesh)
+      return local[cast]
+
+    for (state, seg), bufs in self.on_host.items():
+      if layer in seg:
+        cast = lows is not None and _is(plan.dtype(state), lows.dtype)
+        for rank, buf in bufs.items():
+          buf[layer - seg.start] = on_host(cast)[rank]
     tickets: list = []
     in_store = self.in_store(layer)
     if in_store:
-      lows = host_shards(lows, plan.mesh) if lows is not None and "params" in in_store else {}
-      for rank, data in host_shards(x, plan.mesh).items():
+      low = on_host(True) if lows is not None and "params" in in_store else {}
+      for rank, data in on_host(False).items():
         for state in in_store:
           _write(plan, leaf, state, rank, layer, data, self.engine.store, self.engine.pipeline,
-                 tickets, lows.get(rank))
+                 tickets, low.get(rank))
     return tickets
 
   def parts(self) -> dict[str, tuple]:
@@ -181,8 +191,9 @@ class _LayerFill:
         out[state].append(self.on_device.pop((state, seg)))
         continue
       sharding = self.plan.sharding(self.leaf, seg.tier)
-      parts = [jax.device_put(buf, SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
-               for d, buf in self.on_host.pop((state, seg)).items()]
+      devices, kind = self.plan.mesh.devices.reshape(-1), sharding.memory_kind
+      parts = [jax.device_put(buf, SingleDeviceSharding(devices[r], memory_kind=kind))
+               for r, buf in self.on_host.pop((state, seg)).items()]
       out[state].append(jax.make_array_from_single_device_arrays(
           self.leaf.segment_shape(seg), sharding, parts))
     return {state: tuple(parts) for state, parts in out.items()}
@@ -249,10 +260,13 @@ def _zeros_of(specs: tuple) -> Callable:
 
 
 def _segment_buffers(plan: Plan, leaf, state: str, seg) -> dict:
-  """Host buffers, one per local device, for an array segment's shards (filled layer by layer)."""
+  """Host buffers, one per local device by its rank (as `host_shards`), for an array segment's
+  shards (filled layer by layer)."""
   shape = leaf.segment_shape(seg)
   sharding = plan.sharding(leaf, seg.tier)
-  return {d: np.empty([s.stop - s.start for s in norm_region(index, shape)], plan.dtype(state))
+  devices = list(plan.mesh.devices.reshape(-1))
+  return {devices.index(d): np.empty([s.stop - s.start for s in norm_region(index, shape)],
+                                     plan.dtype(state))
           for d, index in sharding.addressable_devices_indices_map(shape).items()}
 
 
@@ -265,10 +279,8 @@ def random_states(engine: Engine, model_factory: ModelFactory, key,
   chosen = list(range(len(plan.leaves))) if only is None else list(only)
   masters, params, tickets = [None] * len(plan.leaves), [None] * len(plan.leaves), []
   by_layer = [i for i in chosen if _by_layer(plan, plan.leaves[i], plan.stage)]
-  depths: dict[int, list] = {}  # stacked leaves not all on the device: a layer at a time
-  for i in by_layer:
-    depths.setdefault(plan.leaves[i].num_layers, []).append(plan.leaves[i])
-  for leaves in depths.values():
+  # stacked leaves not all on the device: a layer at a time
+  for leaves in by_depth([plan.leaves[i] for i in by_layer]).values():
     for leaf, parts in zip(leaves, _place_by_layer(engine, model_factory, leaves, key, tally)):
       masters[leaf.index] = parts["master"]
       params[leaf.index] = parts["params"] if plan.stage == 3 else None
