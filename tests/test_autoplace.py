@@ -143,7 +143,7 @@ def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_pa
   the params' dtype a layer. The budgets count them (else a 13B placement that fitted on paper
   took its step out of RAM), once: under the delayed update they are the delayed parts'
   arrays already."""
-  from zinfjax.autoplace import RETURNING, delayed_bytes, returned_bytes
+  from zinfjax.autoplace import RETURNING, delayed_bytes, read_bytes, returned_bytes
   zero = zinfjax.ZeroConfig(offload_param="device:6,pinned_host", offload_optimizer="pinned_host",
                             host_optimizer="pipeline", nvme_path=str(tmp_path / "nvme"))
   plan = build_engine(gpt, tx(), zero, mesh, open_store_=False).plan
@@ -154,9 +154,14 @@ def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_pa
   assert RETURNING < 6 and returned_bytes(plan, mapped) == want > 0
   store = sum(plan.nvme_disk_bytes(mapped.nvme_atomic_steps, ranks=1,
                                    tier=Tier.HOST_STORE).values())
-  assert need(plan, zero)[Tier.PINNED_HOST] == store + want
+  # and their grads on their way to the update: a layer of the stack and the leaf being read
+  layer = sum(leaf.local_size for leaf in plan.leaves if leaf.stacked)
+  grads = (layer + max(leaf.local_size for leaf in plan.leaves)) * 2
+  assert read_bytes(plan, mapped) == grads
+  assert need(plan, zero)[Tier.PINNED_HOST] == store + want + grads
   late = mapped.replace(delay_update="all")
   assert returned_bytes(plan, late) == 0 and delayed_bytes(plan, late) > want
+  assert read_bytes(plan, late) == grads  # read to the host, held or not
   # XLA's host update keeps pinned-host optimizer states in arrays: nothing comes back
   xla = zero.replace(host_optimizer="xla")
   assert returned_bytes(build_engine(gpt, tx(), xla, mesh, open_store_=False).plan, xla) == 0

@@ -90,8 +90,8 @@ class AutoPlan:
   need: dict[str, int]
   pinned_budget: int
   copies: tuple[str, ...] = ()  # tiers whose `need` holds a second copy (all-or-nothing steps)
-  host_arrays: int = 0  # of pinned host's `need`: the host pipeline's arrays of held grads and
-  # new params (`delayed_bytes`, `returned_bytes`), not states
+  host_arrays: int = 0  # of pinned host's `need`: the host pipeline's arrays of grads and new
+  # params (`host_array_bytes`), not states
 
   def resolve(self, config: ZeroConfig) -> ZeroConfig:
     """`config` with the tiers (and pinned budget) this plan chose, ready to build."""
@@ -115,7 +115,7 @@ class AutoPlan:
 def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   """Bytes per device on each tier: the plan's states, and in a swap store (on NVMe; in pinned
   host under the host pipeline, `with_host_pipeline`) its aligned shards plus the second copy
-  all-or-nothing steps write, and host RAM the delayed update's arrays take (`delayed_bytes`).
+  all-or-nothing steps write, and host RAM the host pipeline's arrays take (`host_array_bytes`).
   `plan` is made from `config` or from its `with_host_pipeline()` (the engine's `plan`)."""
   out = plan.tier_bytes()
   mapped = config.with_host_pipeline()
@@ -124,7 +124,7 @@ def need(plan: Plan, config: ZeroConfig) -> dict[str, int]:
   out[Tier.NVME] = store(Tier.NVME)
   if mapped.host_store:  # every pinned-host state is in the RAM store
     out[Tier.PINNED_HOST] = store(Tier.PINNED_HOST) + store(Tier.HOST_STORE)
-  out[Tier.PINNED_HOST] += delayed_bytes(plan, mapped) + returned_bytes(plan, mapped)
+  out[Tier.PINNED_HOST] += host_array_bytes(plan, mapped)
   return out
 
 
@@ -137,22 +137,44 @@ def _in_store(tier: Tier, config: ZeroConfig) -> bool:
 RETURNING = 2  # layers of a leaf's new params in host RAM on their way to the device
 
 
+def _array_layers(leaf, config: ZeroConfig) -> dict[Tier, int]:
+  """Per array tier, the layers of `leaf` whose params (and grads) are arrays there and whose
+  optimizer is in a swap store: the host pipeline reads their grads and makes their params."""
+  layers = dict.fromkeys((Tier.DEVICE, Tier.PINNED_HOST), 0)
+  for opt in (s for s in leaf.optimizer if _in_store(s.tier, config)):
+    for seg in (s for s in leaf.params if not _in_store(s.tier, config)):
+      layers[seg.tier] += max(0, min(opt.stop, seg.stop) - max(opt.start, seg.start))
+  return layers
+
+
 def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
   """Host RAM per device the host pipeline's new compute params take until they are back in
   their arrays, for the layers whose optimizer is in a swap store and whose params are arrays:
   a param of each, in the plan's dtype, where the step puts them back after the update (arrays
   in pinned host); `RETURNING` layers of a leaf where they go back as they are made (on the
   device, `putback.PutBack`). The delayed parts' are counted by `delayed_bytes`."""
-  item, total = plan.dtype("params").itemsize, 0
+  total = 0
   for leaf in plan.leaves:
     if config.delay_update == "all" or (config.delay_update == "tail" and not leaf.stacked):
       continue
-    layers = dict.fromkeys((Tier.DEVICE, Tier.PINNED_HOST), 0)
-    for opt in (s for s in leaf.optimizer if _in_store(s.tier, config)):
-      for seg in (s for s in leaf.params if not _in_store(s.tier, config)):
-        layers[seg.tier] += max(0, min(opt.stop, seg.stop) - max(opt.start, seg.start))
+    layers = _array_layers(leaf, config)
     total += (min(layers[Tier.DEVICE], RETURNING) + layers[Tier.PINNED_HOST]) * leaf.local_size
-  return total * item
+  return total * plan.dtype("params").itemsize
+
+
+def read_bytes(plan: Plan, config: ZeroConfig) -> int:
+  """Host RAM per device the grads of those layers on the device take as the host pipeline
+  reads them (`runner.grad_reader`): the leaf layer being updated, and up to a layer of the
+  largest stack on its way."""
+  sizes = [leaf.local_size for leaf in plan.leaves
+           if leaf.trainable and _array_layers(leaf, config)[Tier.DEVICE]]
+  return (max(sizes) + plan.stack_layer_size) * plan.dtype("grads").itemsize if sizes else 0
+
+
+def host_array_bytes(plan: Plan, config: ZeroConfig) -> int:
+  """Host RAM per device the host pipeline's arrays take beside the states: grads read, new
+  params made, the delayed update's."""
+  return delayed_bytes(plan, config) + returned_bytes(plan, config) + read_bytes(plan, config)
 
 
 def delayed_bytes(plan: Plan, config: ZeroConfig) -> int:
@@ -272,7 +294,7 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
   mapped = chosen.with_host_pipeline()
   stores = ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
   copies = tuple(t for t, held in stores if held and mapped.nvme_atomic_steps)
-  arrays = delayed_bytes(plan, mapped) + returned_bytes(plan, mapped)
+  arrays = host_array_bytes(plan, mapped)
   return AutoPlan(param, optimizer, dict(budget), got, config.pinned_budget, copies, arrays)
 
 

@@ -244,6 +244,11 @@ class Plan:
       out["optimizer"] += n("master") * (disk(leaf.local_size * 4) + moments) * ranks
     return out
 
+  @property
+  def stack_layer_size(self) -> int:
+    """Elements of one rank's shard of a layer of the largest stack (all its block's leaves)."""
+    return max((sum(self.leaves[i].local_size for i in s.leaves) for s in self.stacks), default=0)
+
   def lent_bytes(self, tier: Tier, in_flight: int = 3) -> int:
     """Bytes of the buffers the store of `tier` lends one step's transfers at once, where the
     swap calls do not copy straight from and into a RAM store's mapping (the copy stream, or a

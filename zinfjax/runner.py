@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -31,7 +31,7 @@ from .optim.pipeline import STATS, GradGate
 from .placement import PREFIX, Tier
 from .putback import PutBack
 from .schedule import timeline
-from .shards import host_shards
+from .shards import host_shards, start_host_shards, to_host
 
 Step = Callable[[Any, Any], tuple[Any, dict]]
 
@@ -148,8 +148,8 @@ class PipelineRunner:
     norm = float(metrics["grad_norm"])
     skipped = self.skipped(norm)
     back = PutBack(plan, new.params, lambda: True)  # the program done: the step stands
-    outs = {} if skipped else engine.pipeline.step(count, grad_reader(plan, lambda: grads),
-                                                   grad_norm=norm, putback=back)
+    grad_of = grad_reader(plan, lambda: grads, engine.pipeline.array_grad_order())
+    outs = {} if skipped else engine.pipeline.step(count, grad_of, grad_norm=norm, putback=back)
     return new, metrics, outs, t1, skipped, back
 
   def _under_backward(self, state, batch, count):
@@ -191,7 +191,8 @@ class PipelineRunner:
     else:
       guess = 0.0  # a norm below the limit: no clipping (redone if wrong)
     # grads held in arrays (layers whose params are): read once the program is done
-    grad_of = grad_reader(engine.plan, lambda: checked(engine, running[2]))
+    grad_of = grad_reader(engine.plan, lambda: checked(engine, running[2]),
+                          pipeline.array_grad_order())
     try:
       outs = self.thread.submit(pipeline.step, count, grad_of, gate, guess, back).result()
     except BaseException:
@@ -215,25 +216,59 @@ class PipelineRunner:
     return new, metrics, outs, ended[0], extra, back
 
 
-def grad_reader(plan, grads: Callable[[], Any]) -> Callable:
+def grad_reader(plan, grads: Callable[[], Any], order: Sequence[tuple[int, int]] = ()) -> Callable:
   """`grad_of(part)`: a part's grad from the program's grad arrays (`grads()`, asked once),
   as a host array. Grads on the device are copied a layer at a time, each let go once every
   rank of this process has had it: the host holds a few layers' grads, not a whole segment
-  of them (two bytes a param of every layer whose params are on the device). Grads in pinned
-  host (no device op slices them) are read a segment at a time, once."""
+  of them (two bytes a param of every layer whose params are on the device). `order` is the
+  order (leaf, layer) pairs will be asked in: as one is asked, the copies of those after it
+  start, up to a layer of the largest stack ahead (`autoplace.read_bytes` counts them), so
+  a layer crosses while the update runs on the one before. Grads in pinned host (no device op
+  slices them) are read a segment at a time, once."""
   cache: dict[tuple[int, int], dict] = {}  # (leaf, layer or -1 - segment) -> rank -> shard
+  coming: dict[tuple[int, int], dict] = {}  # (leaf, layer) -> rank -> shard on its way
   flat: list = []  # the grads per plan leaf, once asked for
+  item = plan.dtype("grads").itemsize
+  size = lambda key: plan.leaves[key[0]].local_size * len(plan.ranks) * item
+  ahead = plan.stack_layer_size * len(plan.ranks) * item
+  at = {key: k for k, key in enumerate(order)}
+
+  def where(leaf, layer: int):
+    return next((j, s) for j, s in enumerate(leaf.array_segments("grads")) if layer in s)
+
+  def start(key: tuple[int, int]) -> dict:
+    """The copies of one layer's shards (every rank of this process) to the host, started."""
+    if not flat:
+      flat.append(plan.flatten(grads()))
+    leaf = plan.leaves[key[0]]
+    j, seg = where(leaf, key[1])
+    return start_host_shards(flat[0][key[0]][j], plan.mesh,
+                             key[1] - seg.start if leaf.stacked else None)
+
+  def read_ahead(key: tuple[int, int]) -> None:
+    """Start the copies of the device layers after `key` in `order`, up to `ahead` bytes."""
+    held = sum(size(k) for k in coming)
+    for k in order[at[key] + 1:] if key in at else ():
+      if k in coming or k in cache or where(plan.leaves[k[0]], k[1])[1].tier is not Tier.DEVICE:
+        continue
+      if held + size(k) > ahead:
+        return
+      coming[k] = start(k)
+      held += size(k)
 
   def grad_of(p):
     leaf = plan.leaves[p.leaf]
-    j, seg = next((k, s) for k, s in enumerate(leaf.array_segments("grads")) if p.layer in s)
+    j, seg = where(leaf, p.layer)
     by_layer = seg.tier is Tier.DEVICE  # let go once taken
     key = (p.leaf, p.layer) if by_layer else (p.leaf, -1 - j)
     if p.rank not in cache.get(key, {}):  # not read yet (or read again: a redone update)
-      if not flat:
-        flat.append(plan.flatten(grads()))
-      layer = p.layer - seg.start if by_layer and leaf.stacked else None
-      cache[key] = host_shards(flat[0][p.leaf][j], plan.mesh, layer)
+      if by_layer:
+        cache[key] = to_host(coming.pop(key, None) or start(key))
+        read_ahead(key)
+      else:
+        if not flat:
+          flat.append(plan.flatten(grads()))
+        cache[key] = host_shards(flat[0][p.leaf][j], plan.mesh)
     if not by_layer:
       g = cache[key][p.rank]
       return g[p.layer - seg.start] if leaf.stacked else g

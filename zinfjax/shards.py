@@ -15,9 +15,25 @@ def host_shards(x: jax.Array, mesh: Mesh,
                 layer: int | None = None) -> dict[int, np.ndarray]:
   """rank -> this process's local shard of `x` (of its `layer` along the first axis alone,
   sliced on each shard's own device), as numpy."""
+  return to_host(start_host_shards(x, mesh, layer))
+
+
+def start_host_shards(x: jax.Array, mesh: Mesh,
+                      layer: int | None = None) -> dict[int, jax.Array]:
+  """`host_shards`' shards as single-device arrays whose copies to the host have started (all
+  at once, and while the caller does other work); `to_host` of them waits for the copies."""
   devices = list(mesh.devices.reshape(-1))
-  return {devices.index(s.device): np.asarray(s.data if layer is None else s.data[layer])
-          for s in x.addressable_shards}
+  out = {}
+  for s in x.addressable_shards:
+    shard = s.data if layer is None else s.data[layer]
+    shard.copy_to_host_async()
+    out[devices.index(s.device)] = shard
+  return out
+
+
+def to_host(shards: dict[int, jax.Array]) -> dict[int, np.ndarray]:
+  """rank -> numpy, once each shard's copy to the host (`start_host_shards`) has ended."""
+  return {r: np.asarray(a) for r, a in shards.items()}
 
 
 def from_host_shards(shards: dict[int, np.ndarray], sharding: NamedSharding, shape) -> jax.Array:

@@ -145,6 +145,13 @@ class NvmePipeline(StreamAdam):
     """The swap-store keys of the grads this pipeline reads from the store."""
     return [self.key("grads", p) for p in self.parts if self.on_store("grads", p)]
 
+  def array_grad_order(self) -> list[tuple[int, int]]:
+    """The (leaf, layer) pairs whose grads `step` asks its `grad_of` for (those not in the
+    store), in the order it asks: this step's sub-groups, then the tail's."""
+    n = len(self.tail)
+    return list(dict.fromkeys((p.leaf, p.layer) for u in self.units[n:] + self.units[:n]
+                              for p in u.parts if not self.on_store("grads", p)))
+
   @property
   def grads_all_on_nvme(self) -> bool:
     return all(self.on_store("grads", p) for p in self.parts)
