@@ -192,6 +192,43 @@ def memory_kind_copies(jax, nbytes: int) -> dict:
   return out
 
 
+def numpy_copies(jax, nbytes: int, reps: int = 5) -> dict:
+  """The host pipeline's own crossings between numpy and the device (the device layers' grads
+  read after the program, their new params put back, init's draws), `nbytes` in four arrays:
+  `np.asarray` of each in turn, of all four with their copies started at once
+  (`copy_to_host_async`, as `runner.grad_reader` reads ahead), and through a pinned-host array;
+  `jax.device_put` of numpy arrays, directly and through a pinned-host array."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import SingleDeviceSharding
+  dev = jax.devices()[0]
+  on_dev, on_host = (SingleDeviceSharding(dev, memory_kind=k) for k in ("device", "pinned_host"))
+  make = jax.jit(lambda k: jax.random.normal(k, (nbytes // 16,), jnp.float32), out_shardings=on_dev)
+
+  def read(fn) -> float:  # fresh arrays each time: jax keeps the host copy of an array it read
+    times = []
+    for i in range(reps + 1):
+      xs = jax.block_until_ready([make(jax.random.key(4 * i + j)) for j in range(4)])
+      t0 = time.perf_counter()
+      fn(xs)
+      times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+  def started(xs):
+    for x in xs:
+      x.copy_to_host_async()
+    return [np.asarray(x) for x in xs]
+
+  hosts = [np.asarray(x) for x in (make(jax.random.key(100 + j)) for j in range(4))]
+  put = lambda via: jax.block_until_ready([jax.device_put(via(a), on_dev) for a in hosts])
+  return {"d2h_asarray": read(lambda xs: [np.asarray(x) for x in xs]),
+          "d2h_started": read(started),
+          "d2h_via_pinned": read(lambda xs: [np.asarray(jax.device_put(x, on_host)) for x in xs]),
+          "h2d_device_put": nbytes / median_time(lambda: put(lambda a: a), reps) / 1e9,
+          "h2d_via_pinned": nbytes / median_time(
+              lambda: put(lambda a: jax.device_put(a, on_host)), reps) / 1e9}
+
+
 def swap_copies(jax, nbytes: int, folder: str) -> dict:
   """zinfjax's swap handlers: 4 shards through the store (in `folder`) and back, in a scan."""
   import jax.numpy as jnp
@@ -531,6 +568,7 @@ def main(argv=None) -> int:
        else {"tool": "n/a (no GPU)"})
   part("copies.memory_kinds", lambda: memory_kind_copies(jax, nbytes))
   part("copies.swap", lambda: swap_copies(jax, nbytes, shm))
+  part("copies.numpy", lambda: numpy_copies(jax, nbytes))
   result["matmul_n"] = 256 if args.tiny else 8192
   part("matmul.matmul_tflops", lambda: matmul_rate(jax, result["matmul_n"]))
   part("disk.disk", lambda: disk(root, 64 << 20 if args.tiny else 4 << 30))
@@ -550,7 +588,8 @@ def main(argv=None) -> int:
 
 def table(r: dict) -> str:
   """The run's table in Markdown; parts that failed or did not run are left out."""
-  c, k, s, d, h = (r.get(n, {}) for n in ("ceiling", "memory_kinds", "swap", "disk", "host"))
+  c, k, s, d, h, n = (r.get(name, {}) for name in ("ceiling", "memory_kinds", "swap", "disk",
+                                                    "host", "numpy"))
   ratio = lambda x, key: f"{x / c[key]:.2f}x" if key in c else "n/a"
   cell = lambda x, key: f"{x:.1f} ({ratio(x, key)})"
   lines = [f"\n{r['device']}: host <-> device GB/s (ratio to the pinned cudaMemcpyAsync ceiling)",
@@ -565,6 +604,13 @@ def table(r: dict) -> str:
   if s:
     lines.append(f"| zinfjax swap handlers, store in /dev/shm | {cell(s['store_then_h2d'], 'h2d')} "
                  f"| {cell(s['d2h_then_store'], 'd2h')} |")
+  if n:
+    lines += [f"| numpy, one array at a time (`jax.device_put` / `np.asarray`) "
+              f"| {cell(n['h2d_device_put'], 'h2d')} | {cell(n['d2h_asarray'], 'd2h')} |",
+              f"| numpy, four copies started at once (`copy_to_host_async`) | "
+              f"| {cell(n['d2h_started'], 'd2h')} |",
+              f"| numpy through a pinned-host array | {cell(n['h2d_via_pinned'], 'h2d')} "
+              f"| {cell(n['d2h_via_pinned'], 'd2h')} |"]
   if "matmul_tflops" in r:
     lines.append(f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s")
   if d:

@@ -23,7 +23,8 @@
 #                host pipeline, and the top kernels by time as text (profile_device.txt,
 #                profile_pinned_host.txt)
 #   ckpt         checkpoint save/restore per tier on the GPU, about 3 minutes (bench_checkpoint.log)
-#   largest      RAM's store on init's path alone (ram_store.log, a few seconds), then
+#   largest      RAM's store on init's path alone (ram_store.log, a few seconds), numpy's
+#                crossings to and from the device (copies.log, a few seconds), then
 #                the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
 #                placements (one per call fits); LARGEST_ARGS adds flags, e.g.
 #                "--bf16-moments --hidden 5120 --layers 42" (largest_gpt.log); under DEADLINE, one
@@ -221,6 +222,11 @@ stage_largest() {
   if [[ $DRY == 1 ]]; then ram=(--gib 0.05 --shard-mib 8 --repeats 1); fi
   (cd /tmp && run ram_store.log 60 $PY "$REPO/scripts/bench_ram_store.py" "${ram[@]}") \
     || note "largest: the RAM store bench failed (ram_store.log); the largest run goes on"
+  # and the crossings between numpy and the device its step makes (copies.log, a few seconds)
+  local tiny=(); if [[ $DRY == 1 ]]; then tiny=(--tiny); fi
+  (cd /tmp && run copies.log 120 $PY "$REPO/scripts/bench_gpu.py" --out "$OUT/copies" \
+     --sections copies.ceiling,copies.numpy "${tiny[@]}") \
+    || note "largest: the copies bench failed (copies.log); the largest run goes on"
   # LARGEST_ARGS: more largest_gpt.py flags, e.g. "--bf16-moments --hidden 5120 --heads 40"
   (cd /tmp && run largest_gpt.log 590 $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
      --nvme-path "$dir" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}" \
@@ -256,10 +262,14 @@ stage_peer() {
     done
   fi
   if [[ ",$sides," == *",deepspeed,"* ]]; then
+    local installed=1
     if ! (cd /tmp && $PY -c "import deepspeed" 2>/dev/null) && [[ -d "$dir/wheels" ]]; then
-      $PY -m pip install -q --no-index --find-links "$dir/wheels" deepspeed > "$OUT/peer_install.log" 2>&1
+      $PY -m pip install -q --no-index --find-links "$dir/wheels" deepspeed > "$OUT/peer_install.log" 2>&1 \
+        || { installed=0; note "peer: installing deepspeed from $dir failed: $(grep -m1 ERROR "$OUT/peer_install.log")"; }
     fi
-    if (cd /tmp && $PY -c "import deepspeed, torch" 2>/dev/null); then
+    if (( ! installed )) && [[ $DRY == 0 ]]; then
+      false  # a bundle that does not install here: peer_bundle.sh for this machine's Python
+    elif (cd /tmp && $PY -c "import deepspeed, torch" 2>/dev/null); then
       run peer_deepspeed.log 560 $PY "$REPO/scripts/peer_deepspeed.py" --out "$OUT" \
         --placements "$placements" "${peer_size[@]}"
     elif [[ $DRY == 1 ]]; then

@@ -26,10 +26,30 @@ echo "[peer_bundle] $DEEPSPEED: source, then a wheel without compiled ops"
 $PY -m pip download -q --no-deps --no-binary :all: "$DEEPSPEED" -d "$DIR/src"
 DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation "$DIR"/src/deepspeed-*.tar.gz -w "$DIR/wheels"
 
-echo "[peer_bundle] its dependencies missing from the GPU image, for Python $PEER_PYTHON"
+# its requirements as the wheel states them (a release may add one), less those the GPU image
+# has (torch, numpy); pip resolves theirs
+requires() {
+  $PY - "$DIR"/wheels/deepspeed-*.whl <<'PYEOF'
+import re, sys, zipfile
+from email.parser import Parser
+with zipfile.ZipFile(sys.argv[1]) as z:
+  meta = Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
+for req in meta.get_all("Requires-Dist") or []:
+  name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+  if "extra ==" not in req and name.lower() not in ("torch", "numpy"):
+    print(req.split(";")[0].strip().replace(" ", ""))
+PYEOF
+}
+mapfile -t REQUIRES < <(requires)
+echo "[peer_bundle] its requirements the GPU image lacks, for Python $PEER_PYTHON: ${REQUIRES[*]}"
 $PY -m pip download -q --only-binary :all: --python-version "$PEER_PYTHON" --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DIR/wheels" \
-  hjson "pydantic>=2" pydantic-core annotated-types typing-inspection typing-extensions
+  "${REQUIRES[@]}"
+for req in "${REQUIRES[@]}"; do  # each one has its wheel, or the GPU machine's install fails
+  name=$(echo "$req" | sed -E 's/[<>=!~;].*//; s/[-_.]+/_/g' | tr 'A-Z' 'a-z')
+  ls "$DIR/wheels" | sed -E 's/-.*//; s/[-_.]+/_/g' | tr 'A-Z' 'a-z' | grep -qx "$name" \
+    || { echo "no wheel for deepspeed's requirement $req in $DIR/wheels"; exit 1; }
+done
 
 echo "[peer_bundle] libaio (headers and library)"
 (cd "$DIR/src" && apt-get download libaio1 libaio-dev >/dev/null 2>&1) || {

@@ -203,6 +203,11 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   ckpt = (out / "bench_checkpoint.log").read_text()
   assert "| device | " in ckpt and "| peer: orbax StandardCheckpointer (device) | " in ckpt
   largest_runs_are_the_largest_that_fit(json.loads((out / "largest" / "largest_gpt.json").read_text()))
+  # numpy's crossings to and from the device, in the bench and before the largest run
+  for folder in (out, out / "copies"):
+    rates = json.loads((folder / "bench_gpu.json").read_text())["numpy"]
+    assert set(rates) == {"d2h_asarray", "d2h_started", "d2h_via_pinned", "h2d_device_put",
+                          "h2d_via_pinned"} and all(v > 0 for v in rates.values()), rates
   # the peer stage: zinfjax's side, one process per placement (DeepSpeed's where it is installed)
   for key in ("device", "pinned", "pipeline-under"):
     rows = json.loads((out / f"peer_ours_{key}" / "bench_gpu.json").read_text())["steps"]
