@@ -33,7 +33,8 @@ requires() {
 import re, sys, zipfile
 from email.parser import Parser
 with zipfile.ZipFile(sys.argv[1]) as z:
-  meta = Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
+  name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+  meta = Parser().parsestr(z.read(name).decode())
 for req in meta.get_all("Requires-Dist") or []:
   name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
   if "extra ==" not in req and name.lower() not in ("torch", "numpy"):
