@@ -328,6 +328,14 @@ def test_init_keeps_device_params_off_the_host(mesh, monkeypatch):
                             offload_optimizer="pinned_host", host_optimizer="pipeline")
   factory = lambda r: GPT(wide, rngs=r)
   zinfjax.init(factory, make_tx(), zero, mesh, 0).engine.store.close()  # compiled, traced
+  # when each drawn layer's copy to the host starts, against when the layers are put
+  from jax._src.array import ArrayImpl
+  from jax.sharding import NamedSharding
+  events, start, put = [], ArrayImpl.copy_to_host_async, draw._LayerFill.put
+  monkeypatch.setattr(ArrayImpl, "copy_to_host_async", lambda x: (
+      isinstance(x.sharding, NamedSharding) and events.append(("start", x.dtype))) or start(x))
+  monkeypatch.setattr(draw._LayerFill, "put", lambda self, layer, *a: events.append(
+      ("put", layer)) or put(self, layer, *a))
   tracemalloc.start()
   try:
     state = zinfjax.init(factory, make_tx(), zero, mesh, 0)
@@ -340,7 +348,14 @@ def test_init_keeps_device_params_off_the_host(mesh, monkeypatch):
   layer = sum(l.local_size for l in plan.leaves if l.stacked) * len(plan.ranks) * 2
   assert peak < 1.5 * layer, (peak / layer, layer)  # 0.85 of a bf16 layer measured
   assert crossed and set(crossed) == {np.dtype(np.float32)}, crossed  # the master alone
-  from jax.sharding import NamedSharding, PartitionSpec
+  # each layer's master starts crossing before the layer before it is put: it crosses while
+  # the host writes that one to the store
+  assert {e[1] for e in events if e[0] == "start"} == {np.dtype(np.float32)}
+  before = [sum(e[0] == "start" for e in events[:events.index(("put", k))]) for k in range(8)]
+  per_layer = before[0] // 2
+  assert per_layer > 0 and before == [(k + 2) * per_layer for k in range(7)] + [
+      8 * per_layer], before
+  from jax.sharding import PartitionSpec
   from zinfjax.shards import set_layer
   for leaf, (x,) in zip(plan.leaves, plan.flatten(state.params)):
     if leaf.stacked:

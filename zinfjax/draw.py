@@ -154,6 +154,15 @@ class _LayerFill:
         any("params" in self.in_store(layer) for layer in range(self.leaf.num_layers)) or
         any(_is(self.plan.dtype(state), low) for state, _ in self.on_host))
 
+  def crossing(self, layer: int, low) -> tuple[bool, bool]:
+    """Whether `put` reads `layer`'s draw, and its cast to `low` (None: none taken), to the
+    host: for host arrays of their dtype, and for the store's layers."""
+    casts = [low is not None and _is(self.plan.dtype(state), low)
+             for state, seg in self.on_host if layer in seg]
+    in_store = self.in_store(layer)
+    return (bool(in_store) or not all(casts),
+            any(casts) or (low is not None and "params" in in_store))
+
   def put(self, layer: int, x: jax.Array, lows: jax.Array | None) -> list:
     """Layer `layer`'s draw `x` (and its cast `lows`, or None) on its tiers; returns the tickets
     of its store writes."""
@@ -202,9 +211,9 @@ class _LayerFill:
 def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaves: list, key,
                     tally: Tally | None = None) -> list[dict[str, tuple]]:
   """Stacked leaves of one depth drawn one layer at a time, every leaf's layer in one program
-  (one compile), each put on its tiers as it comes (`_LayerFill`): the next layer is drawn
-  while this one is copied and its store writes run. Host memory holds about three layers
-  beside what the tiers hold anyway, whatever the depth. Returns each leaf's created states'
+  (one compile), each put on its tiers as it comes (`_LayerFill`): the next layer is drawn,
+  and copied to the host, while this one's store writes run. Host memory holds about four
+  layers beside what the tiers hold anyway, whatever the depth. Returns each leaf's created states'
   array parts, as `_place` does."""
   plan = engine.plan
   fills = [_LayerFill(engine, leaf) for leaf in leaves]
@@ -216,9 +225,21 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaves: list, k
   draw = layer_initializer(engine, model_factory, [leaf.index for leaf in leaves], low)
   depth, per_layer = leaves[0].num_layers, sum(leaf.size // leaf.num_layers for leaf in leaves)
   writing: list = []
-  drawn = draw(key, 0)
+
+  def drawn_at(layer: int) -> list:
+    """Layer `layer` drawn, the copies to the host of what crosses started (they run while
+    the host writes the layer before)."""
+    values = draw(key, layer)
+    for fill, cast, value in zip(fills, wants, values):
+      x, lows = (value, None) if low is None else value
+      for a, crosses in zip((x, lows), fill.crossing(layer, low if cast else None)):
+        if crosses:
+          a.copy_to_host_async()
+    return values
+
+  drawn = drawn_at(0)
   for layer in range(depth):
-    ahead = draw(key, layer + 1) if layer + 1 < depth else None
+    ahead = drawn_at(layer + 1) if layer + 1 < depth else None
     tickets: list = []
     for fill, cast, value in zip(fills, wants, drawn):
       x, lows = (value, None) if low is None else value
