@@ -338,17 +338,19 @@ def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monk
   state.close()
 
 
-def test_device_grads_cross_a_layer_ahead_of_the_update(mesh, monkeypatch):
+@pytest.mark.parametrize("pinned", ["0", "1"])  # read as on a CPU, or through pinned host
+def test_device_grads_cross_a_layer_ahead_of_the_update(pinned, mesh, monkeypatch):
   """The host pipeline reads the device layers' grads in the order it updates them; as it
   takes one, the copies of those after it start, up to a layer of the stack ahead
   (`autoplace.read_bytes` counts them), so a layer crosses while the update runs on the one
   before. Each is copied once a pass (again for a redone update) and is the program's."""
   from zinfjax import runner
   from zinfjax.optim.stream import Part
-  from zinfjax.shards import host_shards
+  from zinfjax.shards import PINNED_READS, host_shards
   zero = zinfjax.ZeroConfig(precision="bf16", offload_param="device",
                             offload_optimizer="pinned_host", host_optimizer="pipeline")
   state = zinfjax.init(factory, tx(None), zero, mesh, 0)
+  monkeypatch.setenv(PINNED_READS, pinned)
   plan, pipeline = state.engine.plan, state.engine.pipeline
   rng = np.random.default_rng(0)  # random arrays shaped and placed as the program's grads
   grads = jax.tree.map(lambda x: jax.device_put(

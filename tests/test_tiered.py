@@ -310,6 +310,63 @@ def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, preci
   engine.store.close()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_pinned_reads_equal_plain_reads(mesh, monkeypatch, dtype):
+  """On an accelerator host code reads a device shard through a pinned-host copy of it
+  (`shards.pinned_reads`: one DMA, which numpy views, where XLA's plain transfer stages it);
+  forced on the CPU, every shard, whole or one layer of it, reads as the plain read does, from
+  a pinned-host array; a shard in pinned host already is read as it is."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from zinfjax import shards
+  x = jax.device_put(np.random.default_rng(0).standard_normal((3, 32, 6)).astype(dtype),
+                     NamedSharding(mesh, P(None, "data")))
+  plain = {layer: shards.host_shards(x, mesh, layer) for layer in (None, 1)}
+  assert not shards.pinned_reads(mesh.devices.flat[0])  # a CPU: numpy views the shard itself
+  monkeypatch.setenv(shards.PINNED_READS, "1")
+  assert shards.pinned_reads(mesh.devices.flat[0])
+  for layer in (None, 1):
+    started = shards.start_host_shards(x, mesh, layer)
+    assert {a.sharding.memory_kind for a in started.values()} == {"pinned_host"}
+    got = shards.to_host(started)
+    assert got.keys() == plain[layer].keys() and len(got) == 8
+    for rank, want in plain[layer].items():
+      assert np.any(want != 0) and got[rank].dtype == want.dtype
+      np.testing.assert_array_equal(got[rank], want)
+  held = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+  for rank, a in shards.start_host_shards(held, mesh).items():  # (no device op slices it)
+    assert a.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(a), plain[None][rank])
+  monkeypatch.setenv(shards.PINNED_READS, "0")
+  assert not shards.pinned_reads(mesh.devices.flat[0])
+
+
+def test_init_through_pinned_reads_writes_what_the_plain_reads_do(mesh, tmp_path, monkeypatch):
+  """Init of device layers and store layers (RAM's and the drive's; bf16 params, cast by XLA
+  for the store) through pinned-host reads: the same arrays and store shards, bit for bit."""
+  from zinfjax.shards import PINNED_READS
+  config = get_config("tiny", num_layers=8)
+  factory = lambda r: GPT(config, rngs=r)
+  states = []
+  for pinned in ("0", "1"):
+    monkeypatch.setenv(PINNED_READS, pinned)
+    zero = zinfjax.ZeroConfig(precision="bf16", offload_param="device:5,pinned_host",
+                              offload_optimizer="device:3,pinned_host:4,nvme",
+                              host_optimizer="pipeline", nvme_path=str(tmp_path / pinned))
+    states.append(zinfjax.init(factory, zinfjax.optim.adamw(1e-3), zero, mesh, 7))
+  plain, pinned = states
+  for tree in ("params", "master"):
+    for a, b in zip(jax.tree.leaves(getattr(plain, tree)), jax.tree.leaves(getattr(pinned, tree))):
+      assert a.sharding == b.sharding
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  keys = sorted(plain.engine.store.keys())
+  assert keys == sorted(pinned.engine.store.keys()) and any(k.startswith("p/") for k in keys)
+  for k in keys:
+    np.testing.assert_array_equal(plain.engine.store.read(k).wait(),
+                                  pinned.engine.store.read(k).wait())
+  for state in states:
+    state.engine.store.close()
+
+
 def test_init_keeps_device_params_off_the_host(mesh, monkeypatch):
   """Params on the device with their optimizer in RAM's store (the largest model's plan):
   init fills each device segment in HBM in place, layer by layer, cast by XLA; no layer of it
@@ -329,11 +386,9 @@ def test_init_keeps_device_params_off_the_host(mesh, monkeypatch):
   factory = lambda r: GPT(wide, rngs=r)
   zinfjax.init(factory, make_tx(), zero, mesh, 0).engine.store.close()  # compiled, traced
   # when each drawn layer's copy to the host starts, against when the layers are put
-  from jax._src.array import ArrayImpl
-  from jax.sharding import NamedSharding
-  events, start, put = [], ArrayImpl.copy_to_host_async, draw._LayerFill.put
-  monkeypatch.setattr(ArrayImpl, "copy_to_host_async", lambda x: (
-      isinstance(x.sharding, NamedSharding) and events.append(("start", x.dtype))) or start(x))
+  events, start, put = [], draw.start_host_shards, draw._LayerFill.put
+  monkeypatch.setattr(draw, "start_host_shards", lambda x, *a: events.append(
+      ("start", x.dtype)) or crossed.append(x.dtype) or start(x, *a))
   monkeypatch.setattr(draw._LayerFill, "put", lambda self, layer, *a: events.append(
       ("put", layer)) or put(self, layer, *a))
   tracemalloc.start()
@@ -355,7 +410,7 @@ def test_init_keeps_device_params_off_the_host(mesh, monkeypatch):
   per_layer = before[0] // 2
   assert per_layer > 0 and before == [(k + 2) * per_layer for k in range(7)] + [
       8 * per_layer], before
-  from jax.sharding import PartitionSpec
+  from jax.sharding import NamedSharding, PartitionSpec
   from zinfjax.shards import set_layer
   for leaf, (x,) in zip(plan.leaves, plan.flatten(state.params)):
     if leaf.stacked:

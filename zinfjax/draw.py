@@ -24,7 +24,7 @@ from .partition import norm_region
 from .placement import Plan, Tier
 from .progress import Tally
 from .rng import jit_unrolled
-from .shards import host_shards, set_layer
+from .shards import host_shards, set_layer, start_host_shards, to_host
 
 
 def master_initializer(engine: Engine, model_factory: ModelFactory, leaves=None):
@@ -163,9 +163,11 @@ class _LayerFill:
     return (bool(in_store) or not all(casts),
             any(casts) or (low is not None and "params" in in_store))
 
-  def put(self, layer: int, x: jax.Array, lows: jax.Array | None) -> list:
+  def put(self, layer: int, x: jax.Array, lows: jax.Array | None,
+          started: dict[bool, dict] | None = None) -> list:
     """Layer `layer`'s draw `x` (and its cast `lows`, or None) on its tiers; returns the tickets
-    of its store writes."""
+    of its store writes. `started`: the copies to the host of the draw (False) or the cast
+    (True) begun already (`start_host_shards`)."""
     plan, leaf = self.plan, self.leaf
     for (state, seg), part in self.on_device.items():
       if layer in seg:
@@ -174,7 +176,8 @@ class _LayerFill:
 
     def on_host(cast: bool) -> dict:  # each read to the host once, for host arrays and store
       if cast not in local:
-        local[cast] = host_shards(lows if cast else x, plan.mesh)
+        begun = (started or {}).get(cast)
+        local[cast] = to_host(begun) if begun else host_shards(lows if cast else x, plan.mesh)
       return local[cast]
 
     for (state, seg), bufs in self.on_host.items():
@@ -226,25 +229,24 @@ def _place_by_layer(engine: Engine, model_factory: ModelFactory, leaves: list, k
   depth, per_layer = leaves[0].num_layers, sum(leaf.size // leaf.num_layers for leaf in leaves)
   writing: list = []
 
-  def drawn_at(layer: int) -> list:
-    """Layer `layer` drawn, the copies to the host of what crosses started (they run while
-    the host writes the layer before)."""
-    values = draw(key, layer)
-    for fill, cast, value in zip(fills, wants, values):
+  def drawn_at(layer: int) -> list[tuple]:
+    """Layer `layer` drawn: per fill (its draw, its cast or None, the copies to the host of
+    what crosses, started: they run while the host writes the layer before)."""
+    out = []
+    for fill, cast, value in zip(fills, wants, draw(key, layer)):
       x, lows = (value, None) if low is None else value
-      for a, crosses in zip((x, lows), fill.crossing(layer, low if cast else None)):
-        if crosses:
-          a.copy_to_host_async()
-    return values
+      lows = lows if cast else None
+      out.append((x, lows, {c: start_host_shards(a, plan.mesh) for c, a, go in zip(
+          (False, True), (x, lows), fill.crossing(layer, None if lows is None else low)) if go}))
+    return out
 
   drawn = drawn_at(0)
   for layer in range(depth):
     ahead = drawn_at(layer + 1) if layer + 1 < depth else None
     tickets: list = []
-    for fill, cast, value in zip(fills, wants, drawn):
-      x, lows = (value, None) if low is None else value
-      tickets += fill.put(layer, x, lows if cast else None)
-    del value, x, lows
+    for fill, (x, lows, started) in zip(fills, drawn):
+      tickets += fill.put(layer, x, lows, started)
+    del x, lows, started
     drawn = ahead
     for t in writing:  # the previous layer's writes ran while this one was drawn
       t.wait()

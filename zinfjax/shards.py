@@ -1,14 +1,25 @@
 """This process's shards of a sharded array as numpy, and back: how host-side code (the NVMe
-optimizer, init, checkpoints) reads and writes the per-rank pieces the plan describes."""
+optimizer, init, checkpoints) reads and writes the per-rank pieces the plan describes.
+
+On an accelerator a device shard is read through a pinned-host copy of it: one DMA into
+page-locked memory, which numpy then views, where XLA's plain transfer to the host stages
+the bytes through a bounded buffer, a host copy after each piece (jax's own checkpoints
+read shards so). On a CPU numpy views the shard as it is.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+from .tier import Tier
+
+PINNED_READS = "ZINFJAX_PINNED_READS"  # "0" / "1": read every device's shards so or not
 
 
 def host_shards(x: jax.Array, mesh: Mesh,
@@ -26,9 +37,23 @@ def start_host_shards(x: jax.Array, mesh: Mesh,
   out = {}
   for s in x.addressable_shards:
     shard = s.data if layer is None else s.data[layer]
-    shard.copy_to_host_async()
+    if shard.sharding.memory_kind in (None, Tier.DEVICE.memory_kind) and pinned_reads(s.device):
+      pinned = SingleDeviceSharding(s.device, memory_kind=Tier.PINNED_HOST.memory_kind)
+      shard = jax.device_put(shard, pinned)
+    else:
+      shard.copy_to_host_async()
     out[devices.index(s.device)] = shard
   return out
+
+
+def pinned_reads(device) -> bool:
+  """Whether `device`'s shards reach numpy through a pinned-host copy (see above): on an
+  accelerator with pinned host memory, unless `ZINFJAX_PINNED_READS` says otherwise."""
+  forced = os.environ.get(PINNED_READS)
+  if forced is None and device.platform == "cpu":
+    return False
+  return forced != "0" and any(m.kind == Tier.PINNED_HOST.memory_kind
+                               for m in device.addressable_memories())
 
 
 def to_host(shards: dict[int, jax.Array]) -> dict[int, np.ndarray]:
