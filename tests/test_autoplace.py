@@ -158,6 +158,10 @@ def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_pa
   layer = sum(leaf.local_size for leaf in plan.leaves if leaf.stacked)
   grads = (layer + max(leaf.local_size for leaf in plan.leaves)) * 2
   assert read_bytes(plan, mapped) == grads
+  # one layer on the device: no more than that layer's grads (and the leaves outside the stacks)
+  one = mapped.replace(offload_param="device:1,pinned_host")
+  small = build_engine(gpt, tx(), one, mesh, open_store_=False).plan
+  assert read_bytes(small, one) == sum(leaf.local_size for leaf in small.leaves) * 2 < grads
   assert need(plan, zero)[Tier.PINNED_HOST] == store + want + grads
   late = mapped.replace(delay_update="all")
   assert returned_bytes(plan, late) == 0 and delayed_bytes(plan, late) > want

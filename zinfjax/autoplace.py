@@ -165,10 +165,13 @@ def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
 def read_bytes(plan: Plan, config: ZeroConfig) -> int:
   """Host RAM per device the grads of those layers on the device take as the host pipeline
   reads them (`runner.grad_reader`): the leaf layer being updated, and up to a layer of the
-  largest stack on its way."""
-  sizes = [leaf.local_size for leaf in plan.leaves
-           if leaf.trainable and _array_layers(leaf, config)[Tier.DEVICE]]
-  return (max(sizes) + plan.stack_layer_size) * plan.dtype("grads").itemsize if sizes else 0
+  largest stack on its way; all of them where they are fewer."""
+  layers = {leaf.index: _array_layers(leaf, config)[Tier.DEVICE] for leaf in plan.leaves
+            if leaf.trainable}
+  sizes = [plan.leaves[i].local_size for i, n in layers.items() if n]
+  every = sum(n * plan.leaves[i].local_size for i, n in layers.items())
+  window = max(sizes) + plan.stack_layer_size if sizes else 0
+  return min(every, window) * plan.dtype("grads").itemsize
 
 
 def host_array_bytes(plan: Plan, config: ZeroConfig) -> int:
