@@ -164,10 +164,10 @@ class _LayerFill:
             any(casts) or (low is not None and "params" in in_store))
 
   def put(self, layer: int, x: jax.Array, lows: jax.Array | None,
-          started: dict[bool, dict] | None = None) -> list:
+          started: dict[bool, dict]) -> list:
     """Layer `layer`'s draw `x` (and its cast `lows`, or None) on its tiers; returns the tickets
-    of its store writes. `started`: the copies to the host of the draw (False) or the cast
-    (True) begun already (`start_host_shards`)."""
+    of its store writes. `started`: the copies to the host of the draw (False) and the cast
+    (True) that `crossing` says cross, begun already (`start_host_shards`)."""
     plan, leaf = self.plan, self.leaf
     for (state, seg), part in self.on_device.items():
       if layer in seg:
@@ -176,8 +176,7 @@ class _LayerFill:
 
     def on_host(cast: bool) -> dict:  # each read to the host once, for host arrays and store
       if cast not in local:
-        begun = (started or {}).get(cast)
-        local[cast] = to_host(begun) if begun else host_shards(lows if cast else x, plan.mesh)
+        local[cast] = to_host(started[cast])
       return local[cast]
 
     for (state, seg), bufs in self.on_host.items():

@@ -236,13 +236,17 @@ def grad_reader(plan, grads: Callable[[], Any], order: Sequence[tuple[int, int]]
   def where(leaf, layer: int):
     return next((j, s) for j, s in enumerate(leaf.array_segments("grads")) if layer in s)
 
-  def start(key: tuple[int, int]) -> dict:
-    """The copies of one layer's shards (every rank of this process) to the host, started."""
+  def arrays(leaf: int) -> tuple:
+    """The program's grad arrays of one leaf (all of them asked for once)."""
     if not flat:
       flat.append(plan.flatten(grads()))
+    return flat[0][leaf]
+
+  def start(key: tuple[int, int]) -> dict:
+    """The copies of one layer's shards (every rank of this process) to the host, started."""
     leaf = plan.leaves[key[0]]
     j, seg = where(leaf, key[1])
-    return start_host_shards(flat[0][key[0]][j], plan.mesh,
+    return start_host_shards(arrays(key[0])[j], plan.mesh,
                              key[1] - seg.start if leaf.stacked else None)
 
   def read_ahead(key: tuple[int, int]) -> None:
@@ -266,9 +270,7 @@ def grad_reader(plan, grads: Callable[[], Any], order: Sequence[tuple[int, int]]
         cache[key] = to_host(coming.pop(key, None) or start(key))
         read_ahead(key)
       else:
-        if not flat:
-          flat.append(plan.flatten(grads()))
-        cache[key] = host_shards(flat[0][p.leaf][j], plan.mesh)
+        cache[key] = host_shards(arrays(p.leaf)[j], plan.mesh)
     if not by_layer:
       g = cache[key][p.rank]
       return g[p.layer - seg.start] if leaf.stacked else g
