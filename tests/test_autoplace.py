@@ -174,3 +174,5 @@ def test_the_new_params_the_host_pipeline_returns_count_in_host_ram(mesh, tmp_pa
   plan = build_engine(gpt, tx(), drive, mesh, open_store_=False).plan
   hosted = sum((leaf.num_layers - 6) * leaf.local_size * 2 for leaf in plan.leaves if leaf.stacked)
   assert returned_bytes(plan, drive) == want + hosted and hosted > 0
+  # and their grads, read a segment at a time and held through the update
+  assert read_bytes(plan, drive) == grads + hosted

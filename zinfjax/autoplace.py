@@ -163,15 +163,18 @@ def returned_bytes(plan: Plan, config: ZeroConfig) -> int:
 
 
 def read_bytes(plan: Plan, config: ZeroConfig) -> int:
-  """Host RAM per device the grads of those layers on the device take as the host pipeline
-  reads them (`runner.grad_reader`): the leaf layer being updated, and up to a layer of the
-  largest stack on its way; all of them where they are fewer."""
-  layers = {leaf.index: _array_layers(leaf, config)[Tier.DEVICE] for leaf in plan.leaves
-            if leaf.trainable}
-  sizes = [plan.leaves[i].local_size for i, n in layers.items() if n]
-  every = sum(n * plan.leaves[i].local_size for i, n in layers.items())
+  """Host RAM per device the grads of the array layers whose optimizer is in a store take as
+  the host pipeline reads them (`runner.grad_reader`). On the device: the leaf layer being
+  updated, and up to a layer of the largest stack on its way; all of them where they are
+  fewer. In pinned-host arrays (no device op slices them): every layer, read a segment at a
+  time and held through the update."""
+  layers = {leaf.index: _array_layers(leaf, config) for leaf in plan.leaves if leaf.trainable}
+  device = {i: n[Tier.DEVICE] for i, n in layers.items()}
+  sizes = [plan.leaves[i].local_size for i, n in device.items() if n]
+  every = sum(n * plan.leaves[i].local_size for i, n in device.items())
   window = max(sizes) + plan.stack_layer_size if sizes else 0
-  return min(every, window) * plan.dtype("grads").itemsize
+  hosted = sum(n[Tier.PINNED_HOST] * plan.leaves[i].local_size for i, n in layers.items())
+  return (min(every, window) + hosted) * plan.dtype("grads").itemsize
 
 
 def host_array_bytes(plan: Plan, config: ZeroConfig) -> int:

@@ -45,9 +45,10 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
   drive, else with `atomic_host` (`ZeroConfig.host_atomic_steps`). `delay_update="all"` adds
   the delayed update's host arrays (`DELAY_BYTES`) to host RAM where the optimizer is in a
   store; "tail" delays only the leaves outside the stacks, which a per-param count leaves out
-  (`autoplace.need` counts them from the plan). Otherwise params in pinned-host arrays with
-  their optimizer in a store add their new params' bytes to host RAM; on the device they go
-  back as they are made, a layer or two at a time (`autoplace.returned_bytes`)."""
+  (`autoplace.need` counts them from the plan). Params in pinned-host arrays with their
+  optimizer in a store add their grads' bytes to host RAM (read and held through the update)
+  and, but under "all", their new params'; on the device they cross a layer or two at a
+  time (`autoplace.read_bytes`, `autoplace.returned_bytes`)."""
   out = dict.fromkeys(TIERS, 0.0)
   tiers = {"params": offload_param, "grads": offload_grad or offload_param,
            "optimizer": offload_optimizer}
@@ -59,11 +60,12 @@ def bytes_per_param(offload_param: str = Tier.DEVICE, offload_grad: str | None =
     out[Tier(tier)] += size[state] * copies
   in_store = offload_optimizer == Tier.NVME or (offload_optimizer == Tier.PINNED_HOST
                                                  and host_optimizer == "pipeline")
-  # the host pipeline makes the new params of pinned-host arrays in host RAM, until the step
-  # puts them back (under "all" they are the delayed update's)
+  # the host pipeline reads the grads of pinned-host arrays to host RAM and holds them through
+  # the update, and makes their new params there until the step puts them back (under "all"
+  # they are the delayed update's)
   arrays = offload_param == Tier.PINNED_HOST and host_optimizer != "pipeline"
-  if in_store and arrays and delay_update != "all":
-    out[Tier.PINNED_HOST] += PARAM_BYTES
+  if in_store and arrays:
+    out[Tier.PINNED_HOST] += GRAD_BYTES + (PARAM_BYTES if delay_update != "all" else 0)
   if delay_update == "all" and in_store:
     # a RAM store alone, rewritten in place, keeps the grads it holds in their twins: once
     twins = host_optimizer == "pipeline" and Tier.NVME not in tiers.values() and not atomic_host
