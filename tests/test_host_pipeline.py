@@ -308,8 +308,8 @@ def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monk
   state = zinfjax.init(lambda r: GPT(wide, rngs=r), tx(None), zero, mesh, 0)
   state, _ = zinfjax.train_step(state, batches[0], lm_loss)  # compiled
   read, start = [], runner.start_host_shards
-  monkeypatch.setattr(runner, "start_host_shards", lambda x, m, layer=None: read.append(
-      x.shape if layer is None else x.shape[1:]) or start(x, m, layer))
+  monkeypatch.setattr(runner, "start_host_shards", lambda x, m, layer=None, pinned=False: read.append(
+      x.shape if layer is None else x.shape[1:]) or start(x, m, layer, pinned))
   tracemalloc.start()
   try:
     state, _ = zinfjax.train_step(state, batches[1], lm_loss)
@@ -361,9 +361,13 @@ def test_device_grads_cross_a_layer_ahead_of_the_update(pinned, mesh, monkeypatc
   assert stacked == sorted(stacked, reverse=True)  # as backward writes them: the last first
   flat = plan.flatten(grads)
   leaf_of = {id(x): leaf for leaf, parts in enumerate(flat) for x in parts}
-  started, start = [], runner.start_host_shards
-  monkeypatch.setattr(runner, "start_host_shards", lambda x, m, layer=None: started.append(
-      (leaf_of[id(x)], layer or 0)) or start(x, m, layer))
+  started, start, kinds = [], runner.start_host_shards, set()
+  def spied(x, m, layer=None, pinned=False):
+    started.append((leaf_of[id(x)], layer or 0))
+    out = start(x, m, layer, pinned)
+    kinds.update(a.sharding.memory_kind for a in out.values())
+    return out
+  monkeypatch.setattr(runner, "start_host_shards", spied)
   size = lambda key: plan.leaves[key[0]].local_size * len(plan.ranks) * 2
   ahead = plan.stack_layer_size * len(plan.ranks) * 2
   assert ahead < sum(size(k) for k in order) / 3  # a window, not the whole step's grads
@@ -384,4 +388,5 @@ def test_device_grads_cross_a_layer_ahead_of_the_update(pinned, mesh, monkeypatc
       assert started == order[:m], (n, started[n:], order[n:m])
       assert m > n + 1 or n + 1 == len(order)
     assert len(started) == len(order)
+  assert kinds == {"pinned_host" if pinned == "1" else "device"}, kinds  # the route asked for
   state.close()

@@ -312,10 +312,11 @@ def test_init_draws_one_layer_at_a_time_with_the_same_values(param, optim, preci
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_pinned_reads_equal_plain_reads(mesh, monkeypatch, dtype):
-  """On an accelerator host code reads a device shard through a pinned-host copy of it
-  (`shards.pinned_reads`: one DMA, which numpy views, where XLA's plain transfer stages it);
-  forced on the CPU, every shard, whole or one layer of it, reads as the plain read does, from
-  a pinned-host array; a shard in pinned host already is read as it is."""
+  """On an accelerator the step's grad reads cross through a pinned-host copy of each device
+  shard (`shards.pinned_reads`: one DMA, which numpy views, where XLA's plain transfer stages
+  it); forced on the CPU, every shard, whole or one layer of it, reads as the plain read does,
+  from a pinned-host array; a shard in pinned host already is read as it is; a read that does
+  not ask for the pinned route (init's, checkpoints') never takes it."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   from zinfjax import shards
   x = jax.device_put(np.random.default_rng(0).standard_normal((3, 32, 6)).astype(dtype),
@@ -325,27 +326,41 @@ def test_pinned_reads_equal_plain_reads(mesh, monkeypatch, dtype):
   monkeypatch.setenv(shards.PINNED_READS, "1")
   assert shards.pinned_reads(mesh.devices.flat[0])
   for layer in (None, 1):
-    started = shards.start_host_shards(x, mesh, layer)
+    started = shards.start_host_shards(x, mesh, layer, pinned=True)
     assert {a.sharding.memory_kind for a in started.values()} == {"pinned_host"}
     got = shards.to_host(started)
     assert got.keys() == plain[layer].keys() and len(got) == 8
     for rank, want in plain[layer].items():
       assert np.any(want != 0) and got[rank].dtype == want.dtype
       np.testing.assert_array_equal(got[rank], want)
+    unasked = shards.start_host_shards(x, mesh, layer)  # the plain way, even where forced
+    assert {a.sharding.memory_kind for a in unasked.values()} == {"device"}
   held = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-  for rank, a in shards.start_host_shards(held, mesh).items():  # (no device op slices it)
+  for rank, a in shards.start_host_shards(held, mesh, pinned=True).items():  # (no device op)
     assert a.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(a), plain[None][rank])
   monkeypatch.setenv(shards.PINNED_READS, "0")
   assert not shards.pinned_reads(mesh.devices.flat[0])
+  for a in shards.start_host_shards(x, mesh, pinned=True).values():
+    assert a.sharding.memory_kind == "device"
 
 
-def test_init_through_pinned_reads_writes_what_the_plain_reads_do(mesh, tmp_path, monkeypatch):
-  """Init of device layers and store layers (RAM's and the drive's; bf16 params, cast by XLA
-  for the store) through pinned-host reads: the same arrays and store shards, bit for bit."""
+def test_init_reads_the_plain_way_where_pinned_reads_are_on(mesh, tmp_path, monkeypatch):
+  """XLA:GPU's pinned-host pool keeps the most it has lent at once for the life of the
+  process, so init, which reads an fp32 layer of the master (or a whole leaf) at a time, two
+  layers in flight, must not take the pinned route: with pinned reads forced on, init of
+  device layers and store layers (RAM's and the drive's) starts no read in pinned host, and
+  makes the same arrays and store shards as with them off."""
+  from zinfjax import draw
   from zinfjax.shards import PINNED_READS
   config = get_config("tiny", num_layers=8)
   factory = lambda r: GPT(config, rngs=r)
+  kinds, start = [], draw.start_host_shards
+  def spied(x, m, layer=None, pinned=False):
+    out = start(x, m, layer, pinned)
+    kinds.extend(a.sharding.memory_kind for a in out.values())
+    return out
+  monkeypatch.setattr(draw, "start_host_shards", spied)
   states = []
   for pinned in ("0", "1"):
     monkeypatch.setenv(PINNED_READS, pinned)
@@ -353,16 +368,17 @@ def test_init_through_pinned_reads_writes_what_the_plain_reads_do(mesh, tmp_path
                               offload_optimizer="device:3,pinned_host:4,nvme",
                               host_optimizer="pipeline", nvme_path=str(tmp_path / pinned))
     states.append(zinfjax.init(factory, zinfjax.optim.adamw(1e-3), zero, mesh, 7))
-  plain, pinned = states
+  assert kinds and set(kinds) == {"device"}, set(kinds)  # read, and never through pinned host
+  plain, forced = states
   for tree in ("params", "master"):
-    for a, b in zip(jax.tree.leaves(getattr(plain, tree)), jax.tree.leaves(getattr(pinned, tree))):
+    for a, b in zip(jax.tree.leaves(getattr(plain, tree)), jax.tree.leaves(getattr(forced, tree))):
       assert a.sharding == b.sharding
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   keys = sorted(plain.engine.store.keys())
-  assert keys == sorted(pinned.engine.store.keys()) and any(k.startswith("p/") for k in keys)
+  assert keys == sorted(forced.engine.store.keys()) and any(k.startswith("p/") for k in keys)
   for k in keys:
     np.testing.assert_array_equal(plain.engine.store.read(k).wait(),
-                                  pinned.engine.store.read(k).wait())
+                                  forced.engine.store.read(k).wait())
   for state in states:
     state.engine.store.close()
 

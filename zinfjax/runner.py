@@ -223,8 +223,9 @@ def grad_reader(plan, grads: Callable[[], Any], order: Sequence[tuple[int, int]]
   of them (two bytes a param of every layer whose params are on the device). `order` is the
   order (leaf, layer) pairs will be asked in: as one is asked, the copies of those after it
   start, up to a layer of the largest stack ahead (`autoplace.read_bytes` counts them), so
-  a layer crosses while the update runs on the one before. Grads in pinned host (no device op
-  slices them) are read a segment at a time, once."""
+  a layer crosses while the update runs on the one before; on an accelerator each through
+  pinned host (`shards.start_host_shards`). Grads in pinned host (no device op slices them)
+  are read a segment at a time, once."""
   cache: dict[tuple[int, int], dict] = {}  # (leaf, layer or -1 - segment) -> rank -> shard
   coming: dict[tuple[int, int], dict] = {}  # (leaf, layer) -> rank -> shard on its way
   flat: list = []  # the grads per plan leaf, once asked for
@@ -247,7 +248,7 @@ def grad_reader(plan, grads: Callable[[], Any], order: Sequence[tuple[int, int]]
     leaf = plan.leaves[key[0]]
     j, seg = where(leaf, key[1])
     return start_host_shards(arrays(key[0])[j], plan.mesh,
-                             key[1] - seg.start if leaf.stacked else None)
+                             key[1] - seg.start if leaf.stacked else None, pinned=True)
 
   def read_ahead(key: tuple[int, int]) -> None:
     """Start the copies of the device layers after `key` in `order`, up to `ahead` bytes."""

@@ -1,10 +1,15 @@
 """This process's shards of a sharded array as numpy, and back: how host-side code (the NVMe
 optimizer, init, checkpoints) reads and writes the per-rank pieces the plan describes.
 
-On an accelerator a device shard is read through a pinned-host copy of it: one DMA into
-page-locked memory, which numpy then views, where XLA's plain transfer to the host stages
-the bytes through a bounded buffer, a host copy after each piece (jax's own checkpoints
-read shards so). On a CPU numpy views the shard as it is.
+On an accelerator the step's grad reads (`pinned=True`) go through a pinned-host copy of each
+device shard: one DMA into page-locked memory, which numpy then views, where XLA's plain
+transfer to the host stages the bytes through a bounded buffer, a host copy after each piece
+(jax's own checkpoints read shards so). XLA:GPU takes that memory from a pool that grows to
+the most it has lent at once, in regions rounded up to powers of two, and keeps it for the
+life of the process; so only reads whose bytes in flight are bounded and counted (the grad
+reader's window, `autoplace.read_bytes`) take that route, and init's and checkpoints' (an
+fp32 layer or a whole leaf at a time) read the plain way. On a CPU numpy views the shard as
+it is.
 """
 
 from __future__ import annotations
@@ -29,15 +34,17 @@ def host_shards(x: jax.Array, mesh: Mesh,
   return to_host(start_host_shards(x, mesh, layer))
 
 
-def start_host_shards(x: jax.Array, mesh: Mesh,
-                      layer: int | None = None) -> dict[int, jax.Array]:
+def start_host_shards(x: jax.Array, mesh: Mesh, layer: int | None = None,
+                      pinned: bool = False) -> dict[int, jax.Array]:
   """`host_shards`' shards as single-device arrays whose copies to the host have started (all
-  at once, and while the caller does other work); `to_host` of them waits for the copies."""
+  at once, and while the caller does other work); `to_host` of them waits for the copies.
+  `pinned`: device shards cross through pinned host where `pinned_reads` allows (see above)."""
   devices = list(mesh.devices.reshape(-1))
   out = {}
   for s in x.addressable_shards:
     shard = s.data if layer is None else s.data[layer]
-    if shard.sharding.memory_kind in (None, Tier.DEVICE.memory_kind) and pinned_reads(s.device):
+    on_device = shard.sharding.memory_kind in (None, Tier.DEVICE.memory_kind)
+    if pinned and on_device and pinned_reads(s.device):
       pinned = SingleDeviceSharding(s.device, memory_kind=Tier.PINNED_HOST.memory_kind)
       shard = jax.device_put(shard, pinned)
     else:
