@@ -308,8 +308,8 @@ def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monk
   state = zinfjax.init(lambda r: GPT(wide, rngs=r), tx(None), zero, mesh, 0)
   state, _ = zinfjax.train_step(state, batches[0], lm_loss)  # compiled
   read, start = [], runner.start_host_shards
-  monkeypatch.setattr(runner, "start_host_shards", lambda x, m, layer=None, pinned=False: read.append(
-      x.shape if layer is None else x.shape[1:]) or start(x, m, layer, pinned))
+  monkeypatch.setattr(runner, "start_host_shards", lambda x, m, layer=None, pinned=False: (
+      read.append(x.shape if layer is None else x.shape[1:]) or start(x, m, layer, pinned)))
   tracemalloc.start()
   try:
     state, _ = zinfjax.train_step(state, batches[1], lm_loss)
