@@ -27,8 +27,10 @@
 #                crossings to and from the device (copies.log, a few seconds), then
 #                the largest GPT per placement, 3 steps each; LARGEST="nvme" or "mixed" picks
 #                placements (one per call fits); LARGEST_ARGS adds flags, e.g.
-#                "--bf16-moments --hidden 5120 --layers 42" (largest_gpt.log); under DEADLINE, one
-#                run per placement, stopped 30 s before it (the steps it finished are in the table)
+#                "--bf16-moments --hidden 5120 --layers 42" (largest_gpt.log); under DEADLINE, the
+#                runs stop 30 s before it (the steps they finished are in the table), and a run
+#                the host kills for memory is tried again with 20 GiB more RAM kept back if a
+#                minute is left
 #   peer         DeepSpeed ZeRO-3 offload and zinfjax on the same GPT and shapes, one table
 #                (peer_table.txt); deepspeed comes from the bundle scripts/peer_bundle.sh makes in
 #                build/peer (carry it); PEER_PLACEMENTS a subset of device,cpu,nvme (split the
@@ -214,8 +216,9 @@ stage_largest() {
     size=(--hidden 128 --heads 4 --seq-len 64 --batch-size 4 --devices 2 --hbm-gib 0.02
           --ram-gib 0.03 --disk-gib 0.05 --pinned-budget 64)
   fi
-  if (( DEADLINE > 0 )); then  # one run, stopped before the deadline with the steps it finished
-    size+=(--tries 1 --timeout $(( $(left) - 30 )))
+  if (( DEADLINE > 0 )); then  # the runs stopped before the deadline with the steps they finished;
+    # a second only for a run the host killed for memory (more RAM kept back) or that failed
+    size+=(--tries 2 --deadline $(( $(left) - 30 )))
   fi
   # RAM's store on init's path on this host's cores first (a few seconds): what its init rests on
   local ram=(--gib 4 --repeats 1)

@@ -11,7 +11,11 @@ fails (out of memory), the layers shrink by `--shrink` and it runs again, up to 
 runs. The table: layers, params, states per tier, init s, step s, tokens/s, TFLOP/s
 (6 x params x tokens/s), losses, peak host RSS; OUT/largest_gpt.json holds every run.
 `--hbm-gib`, `--ram-gib` and `--disk-gib` (per device) replace the measured rooms (a check of the script
-on a small machine).
+on a small machine). `--deadline` bounds all the runs together (each run's timeout is cut to
+what is left; a try with under a minute left is not started). A mixed run the host kills for
+memory (SIGKILL, the out-of-memory killer) is tried again at the same layers with
+`--oom-reserve-gib` more RAM kept back, where RAM is measured: the plan then puts more on the
+drive, and the layers shrink only if they no longer place.
 
 The placement `mixed` uses every tier at once: zinfjax's `offload="auto"` fills HBM first, then
 host RAM, then the drive, layer by layer (params before optimizer states), with each tier's
@@ -42,6 +46,8 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
 SPEC_TFLOPS = 989.0  # dense bf16 TFLOP/s of an H100 / H200 SXM, as in bench_gpu.py
 LR_WIDTH_DEPTH = 0.02  # lr x hidden x layers of the default learning rate (see above)
+KILLED = -9  # a run's exit status when the kernel's out-of-memory killer (SIGKILL) stopped it
+MIN_TRY_S = 60  # under --deadline, a try with less time than this left is not started
 
 
 def default_lr(hidden: int, layers: int) -> float:
@@ -201,9 +207,11 @@ def largest(tier: str, room: dict[str, int], args) -> int:
   return lo
 
 
-def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None) -> dict:
-  """One `train_gpt.py` run; its metrics, return code and the tail of its output. `mixed` trains
-  with `--offload auto` and `budgets`."""
+def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None,
+          timeout: float | None = None) -> dict:
+  """One `train_gpt.py` run, stopped after `timeout` s (`--timeout`); its metrics, return code
+  and the tail of its output. `mixed` trains with `--offload auto` and `budgets`."""
+  timeout = args.timeout if timeout is None else timeout
   metrics = os.path.join(args.out, f"{tier}_{layers}.jsonl")
   lr = args.lr if args.lr is not None else default_lr(args.hidden, layers)
   cmd = [sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny",
@@ -223,18 +231,33 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
   cmd += ["--devices", str(args.devices)]
   t0 = time.perf_counter()
   try:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     code, text = out.returncode, out.stdout + out.stderr
   except subprocess.TimeoutExpired as e:  # counted as a failure: the next try is smaller
     code = 124
     text = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
-    text += f"\n(stopped after --timeout {args.timeout} s)"
+    text += f"\n(stopped after {timeout:.0f} s)"
   records = []
   if os.path.exists(metrics):
     with open(metrics) as f:
       records = [json.loads(line) for line in f]
   return {"tier": tier, "layers": layers, "lr": lr, "returncode": code,
           "wall_s": time.perf_counter() - t0, "records": records, "tail": text[-3000:]}
+
+
+def next_try(tier: str, layers: int, run: dict, room: dict[str, int], args, folder: str,
+             limit: int | None, platform: str) -> tuple[int, dict[str, int]]:
+  """The layers and rooms of the try after the failed `run`. A mixed run the host killed for
+  memory (SIGKILL) keeps its layers, with `--oom-reserve-gib` more RAM kept back, where RAM
+  is measured (`rooms` again: the plan then puts more on the drive); any other failure keeps
+  `--shrink` of the layers in the same rooms."""
+  if (tier == "mixed" and run["returncode"] == KILLED and args.ram_gib is None
+      and args.oom_reserve_gib > 0):
+    args.host_reserve_gib += args.oom_reserve_gib
+    print(f"{tier}: killed, most likely for host memory: {layers} layers again with "
+          f"{args.host_reserve_gib:g} GiB of RAM kept back", flush=True)
+    return layers, rooms(args, folder, limit, platform)
+  return int(layers * args.shrink), room
 
 
 def main(argv=None) -> int:
@@ -271,12 +294,17 @@ def main(argv=None) -> int:
   p.add_argument("--shrink", type=float, default=0.8, help="layers kept after a failed run")
   p.add_argument("--tries", type=int, default=2, help="runs per placement at most")
   p.add_argument("--timeout", type=int, default=540, help="seconds per run")
+  p.add_argument("--deadline", type=float, default=None,
+                 help="seconds for all the runs together (each run's timeout cut to what is left)")
+  p.add_argument("--oom-reserve-gib", type=float, default=20.0,
+                 help="RAM kept back in addition after a mixed run killed for host memory")
   args = p.parse_args(argv)
   from zinfjax.progress import human_bytes
   os.makedirs(args.out, exist_ok=True)
   folder = os.path.abspath(args.nvme_path or os.path.join(args.out, "nvme"))
   platform, args.devices, limit = devices_here(args.devices)
-  room = rooms(args, folder, limit, platform)
+  room = first_room = rooms(args, folder, limit, platform)
+  deadline = None if args.deadline is None else time.monotonic() + args.deadline
   print(f"{args.devices} {platform} device(s); room per device: "
         + ", ".join(f"{t} {human_bytes(b)}" for t, b in room.items()), flush=True)
   runs = []
@@ -296,25 +324,32 @@ def main(argv=None) -> int:
         continue
       layers = args.layers
     for _ in range(args.tries):
-      if layers < 1:
-        print(f"{tier}: not even one layer of {args.hidden} fits", flush=True)
+      left = None if deadline is None else deadline - time.monotonic()
+      if left is not None and left < MIN_TRY_S:
+        print(f"{tier}: {left:.0f} s left of --deadline: no more tries", flush=True)
         break
       if tier == "mixed" and placed is None:  # after a failed run: the plan of fewer layers
         _, placed = search_mixed(room, args, folder, layers)
+        if placed is None:  # rooms that shrank (more RAM kept back): the most that place now
+          layers, placed = search_mixed(room, args, folder)
+      if layers < 1:
+        print(f"{tier}: not even one layer of {args.hidden} fits", flush=True)
+        break
       states = placed["need"] if placed else need(layers, tier, args)
       print(f"{tier}: {layers} layers, states per device "
             + ", ".join(f"{t} {human_bytes(b)}" for t, b in states.items() if b)
             + (f" (params {placed['offload_param']}, optimizer {placed['offload_optimizer']})"
                if placed else ""), flush=True)
       run = train(tier, layers, args, folder,
-                  mixed_budgets(layers, room, args) if tier == "mixed" else None)
-      run["need"] = states
+                  mixed_budgets(layers, room, args) if tier == "mixed" else None,
+                  None if left is None else min(args.timeout, left - 10))
+      run.update(need=states, room=room, host_reserve_gib=args.host_reserve_gib)
       if placed:  # host_arrays: of pinned host's need, the host pipeline's arrays, not states
         run["placement"] = {k: placed[k] for k in ("offload_param", "offload_optimizer",
                                                    "host_arrays")}
       runs.append(run)
       with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:  # after every run: a cut
-        json.dump({"room": room, "args": vars(args), "runs": runs}, f, indent=1)  # call keeps it
+        json.dump({"room": first_room, "args": vars(args), "runs": runs}, f, indent=1)  # call keeps it
       shutil.rmtree(folder, ignore_errors=True)
       last = run["records"][-1] if run["records"] else {}
       print(f"{tier}: exit {run['returncode']} after {run['wall_s']:.0f} s"
@@ -322,7 +357,8 @@ def main(argv=None) -> int:
       if run["returncode"] == 0:
         break
       print(f"{tier}: {layers} layers failed (exit {run['returncode']}):\n{run['tail'][-1500:]}", flush=True)
-      layers, placed = int(layers * args.shrink), None
+      layers, room = next_try(tier, layers, run, room, args, folder, limit, platform)
+      placed = None
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
         f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "

@@ -379,6 +379,75 @@ def test_largest_gpt_sizes_for_the_host_optimizer_and_steps_below_overshoot(tmp_
   assert not mod.loss_falls(loss(4.2, 5.9, 3.9)) and not mod.loss_falls(loss(4.2))
 
 
+def test_largest_gpt_tries_a_run_killed_for_memory_again_with_more_ram_kept_back(tmp_path,
+                                                                                 monkeypatch):
+  """A mixed run the host kills for memory (SIGKILL: the two 13.2B runs on the H100 ended so)
+  is tried again at the same layers with `--oom-reserve-gib` more RAM kept back (RAM measured
+  again: the plan puts more on the drive); where those layers no longer place, the most that
+  do; another failure shrinks them; under `--deadline` no try starts with under a minute left
+  and a run's timeout is cut to what is left."""
+  mod = load_script("largest_gpt")
+  gib = 1 << 30
+  monkeypatch.setattr(mod, "devices_here", lambda devices: ("gpu", 1, 80 * gib))
+  searched, trained, codes = [], [], []
+
+  def search(room, args, folder, layers=None):
+    searched.append((dict(room), layers))
+    fits = layers is None or room["pinned_host"] >= enough
+    n = layers if layers is not None else 30
+    return n, ({"need": {"device": gib, "pinned_host": 2 * gib, "nvme": 0}, "budgets": {},
+                "offload_param": "device:1,pinned_host", "offload_optimizer": "nvme",
+                "host_arrays": 0} if fits else None)
+
+  def train(tier, layers, args, folder, budgets=None, timeout=None):
+    trained.append((layers, timeout))
+    code = codes.pop(0)
+    records = [] if code else [{"loss": 4.0, "step_time_s": 1.0, "tokens_per_s": 8.0,
+                                "peak_rss": gib, "tiers": {"nvme": 0}},
+                               {"loss": 3.5, "step_time_s": 1.0, "tokens_per_s": 8.0,
+                                "peak_rss": gib, "tiers": {"nvme": 0}}]
+    return {"tier": tier, "layers": layers, "lr": 1e-3, "returncode": code, "wall_s": 1.0,
+            "records": records, "tail": "Killed" if code else ""}
+
+  monkeypatch.setattr(mod, "search_mixed", search)
+  monkeypatch.setattr(mod, "train", train)
+  argv = ["--out", str(tmp_path / "out"), "--placements", "mixed", "--layers", "42",
+          "--hbm-gib", "80", "--disk-gib", "60", "--host-reserve-gib", "0",
+          "--oom-reserve-gib", "1", "--tries", "3"]
+  enough = 0  # killed, then trained at the same layers with 1 GiB less RAM in the room
+  codes[:] = [mod.KILLED, 0]
+  assert mod.main(argv) == 0
+  assert [n for n, _ in trained] == [42, 42]
+  (first, _), (second, layers) = searched
+  assert layers == 42 and 0.5 * gib < first["pinned_host"] - second["pinned_host"] < 1.5 * gib
+  result = json.loads((tmp_path / "out" / "largest_gpt.json").read_text())
+  assert [r["host_reserve_gib"] for r in result["runs"]] == [0, 1]
+  # killed, and the layers no longer place with less RAM: the most that do (30 here)
+  searched.clear(), trained.clear()
+  enough, codes[:] = first["pinned_host"] - gib // 2, [mod.KILLED, 0]
+  assert mod.main(argv) == 0 and [n for n, _ in trained] == [42, 30]
+  # any other failure: --shrink of the layers in the same rooms
+  searched.clear(), trained.clear()
+  enough, codes[:] = 0, [1, 0]
+  assert mod.main(argv) == 0 and [n for n, _ in trained] == [42, int(42 * 0.8)]
+  # under --deadline a run's timeout is what is left (less 10 s), and no try starts with under
+  # a minute left
+  import time
+  import types
+  now = [0.0]  # a clock each run moves on by 100 s
+  monkeypatch.setattr(mod, "time", types.SimpleNamespace(monotonic=lambda: now[0],
+                                                         perf_counter=time.perf_counter))
+  monkeypatch.setattr(mod, "train", lambda *a, **k: now.__setitem__(0, now[0] + 100) or train(
+      *a, **k))
+  trained.clear()
+  codes[:] = [mod.KILLED, 0]
+  assert mod.main(argv + ["--deadline", "150"]) == 1  # killed, and 50 s left: no second try
+  assert trained == [(42, 140)]
+  now[0], codes[:] = 0.0, [mod.KILLED, 0]
+  trained.clear()
+  assert mod.main(argv + ["--deadline", "1000"]) == 0 and trained == [(42, 540), (42, 540)]
+
+
 def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
   """A Latin-1 text file stops the CLI before any compute with the file and the problem named,
   not a UnicodeDecodeError traceback."""
