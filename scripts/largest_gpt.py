@@ -363,7 +363,7 @@ def main(argv=None) -> int:
         f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "
         f"tokens/s | TFLOP/s | MFU ({SPEC_TFLOPS:.0f} spec) | lr | loss first -> last | peak HBM GiB | "
-        "peak RSS GiB | disk used GB | wall s |")
+        "peak RSS GiB (RAM free at least) | disk used GB | wall s |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for run in runs:
     config, rs = gpt_config(run["layers"], args), run["records"]
@@ -376,12 +376,14 @@ def main(argv=None) -> int:
       tflops = config.train_flops(args.batch_size * args.seq_len) / last["step_time_s"] / 1e12
       hbm = [r["peak_hbm"] for r in rs if r.get("peak_hbm") is not None]
       disk = last.get("tiers", {}).get("nvme", 0) * args.devices
+      free = [r["least_ram_available"] for r in rs if r.get("least_ram_available") is not None]
       trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}", f"{tflops:.1f}",
                  f"{tflops / SPEC_TFLOPS:.1%}" if platform == "gpu" else "-",
                  f"{run['lr']:.2g}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}"
                  + (" (falls at every step)" if loss_falls(rs) else " (**not falling**)"),
                  f"{max(hbm) / GIB:.2f}" if hbm else "-",
-                 f"{max(r['peak_rss'] for r in rs) / GIB:.2f}", f"{disk / 1e9:.1f}"]
+                 f"{max(r['peak_rss'] for r in rs) / GIB:.2f}"
+                 + (f" ({min(free) / GIB:.1f})" if free else ""), f"{disk / 1e9:.1f}"]
     where = run["tier"] + (" (params {offload_param}; optimizer {offload_optimizer})".format(
         **run["placement"]) if "placement" in run else "")
     print("| " + " | ".join([where, str(run["layers"]), f"{n / 1e9:.2f}", states,

@@ -291,7 +291,8 @@ def main(argv=None) -> int:
   from zinfjax.offload.mixed import used_by_medium
   from zinfjax.autoplace import need
   from zinfjax.engine import build_engine
-  from zinfjax.progress import Progress, human_bytes, init_line, parse_budgets, peak_rss
+  from zinfjax.progress import (HostMemoryWatch, Progress, human_bytes, init_line, parse_budgets,
+                                peak_rss)
 
   # the engine's errors already name the file and the fix: one line for the user, no traceback
   engine_errors = (EngineError, NoSpaceError, CorruptShardError, MissingShardError, CheckpointError)
@@ -302,6 +303,9 @@ def main(argv=None) -> int:
   distributed.initialize(auto=args.distributed)
   main_process = jax.process_index() == 0
   say = print if main_process else (lambda *a, **k: None)
+  # the least RAM left in each step's record, and a line when it runs low (init's too): a run
+  # the kernel kills for memory says how close it came, and where
+  watch = HostMemoryWatch(lambda line: say(line, flush=True))
   args.resume = args.resume or args.resume_step is not None
   if args.lora_rank and not args.init_from:
     raise SystemExit("error: --lora-rank adapts a pretrained model: give --init-from HF_FOLDER.")
@@ -498,7 +502,7 @@ def main(argv=None) -> int:
       progress.update(step, {"loss": loss, "grad_norm": norm,
                              "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                              "tiers": tiers, "peak_rss": peak_rss(), "peak_hbm": peak_hbm(),
-                             **breakdown})
+                             "least_ram_available": watch.take(), **breakdown})
       if ckpt is not None and args.save_every and (step % args.save_every == 0 or step == args.steps):
         ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
   except KeyboardInterrupt:
@@ -514,6 +518,7 @@ def main(argv=None) -> int:
     print(f"\ninterrupted during step {step}: {where}.", file=sys.stderr)
     return 130
   progress.close()
+  watch.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last save to commit
   if args.export and main_process:

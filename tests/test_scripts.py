@@ -36,7 +36,37 @@ def test_train_gpt_writes_metrics_and_learns(tmp_path):
   for r in records:
     assert {"step", "loss", "step_time_s", "tokens_per_s"} <= set(r)
     assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
+  # the least RAM free during each step (steps of a few ms may see no sample)
+  free = [r["least_ram_available"] for r in records if r["least_ram_available"] is not None]
+  assert free and all(0 < b < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") for b in free)
+  assert "RAM free at least" in stdout
   assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def test_host_memory_watch_tells_when_ram_runs_low(monkeypatch):
+  """The watch train_gpt.py starts before init: each step's record gets the least RAM
+  available since the one before, and a line says when it falls under 5% of the RAM (at most
+  every `quiet_s`), so a run the kernel kills for memory leaves word of how it got there."""
+  import time
+  from zinfjax import progress
+  total, gib = 100 << 30, 1 << 30
+  seen = iter([40 * gib, 30 * gib, 4 * gib, 3 * gib, 20 * gib] + [50 * gib] * 10**6)
+  monkeypatch.setattr(progress, "host_memory", lambda: (next(seen), total))
+  said = []
+  watch = progress.HostMemoryWatch(said.append, every_s=0.001, quiet_s=60)
+  deadline, took = time.monotonic() + 10, None
+  while time.monotonic() < deadline:
+    least = watch.least
+    if took is None and least is not None and least <= 3 * gib:
+      took = watch.take()  # the least since the last take, then afresh
+    elif took is not None and least is not None and least >= 20 * gib:
+      break
+    time.sleep(0.001)
+  assert took == 3 * gib and least >= 20 * gib, (took, least)
+  watch.close()
+  assert not watch.thread.is_alive()
+  assert len(said) == 1 and said[0].startswith("host memory low: 4.0 GiB available of 100.0 GiB")
+  assert "resident" in said[0]
 
 
 def test_train_gpt_rejects_uneven_batch():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from typing import IO, Any, Callable
 
@@ -17,11 +18,71 @@ def peak_rss() -> int:
   """This process's peak resident memory in bytes (VmHWM; 0 where /proc is missing). Not
   `ru_maxrss`: Linux carries that over an exec, so a child started by a large process would
   report the parent's peak."""
+  return _status_bytes("VmHWM:")
+
+
+def rss() -> int:
+  """This process's resident memory in bytes now (VmRSS; 0 where /proc is missing)."""
+  return _status_bytes("VmRSS:")
+
+
+def _status_bytes(field: str) -> int:
   try:
     with open("/proc/self/status") as f:
-      return next((int(l.split()[1]) << 10 for l in f if l.startswith("VmHWM:")), 0)
+      return next((int(l.split()[1]) << 10 for l in f if l.startswith(field)), 0)
   except OSError:
     return 0
+
+
+def host_memory() -> tuple[int, int] | None:
+  """(bytes available, bytes in all) of the machine's RAM: /proc/meminfo's MemAvailable, what
+  can be had without swapping, and MemTotal; None where /proc is missing."""
+  try:
+    with open("/proc/meminfo") as f:
+      info = {l.split(":")[0]: int(l.split()[1]) << 10 for l in f
+              if l.startswith(("MemAvailable:", "MemTotal:"))}
+    return info["MemAvailable"], info["MemTotal"]
+  except (OSError, KeyError, ValueError, IndexError):
+    return None
+
+
+class HostMemoryWatch:
+  """The machine's available RAM, sampled on a thread: the least seen since the last `take()`
+  (a step's record), and a line to `say` when it falls under `low` of the RAM (at most every
+  `quiet_s`), so a run the kernel kills for memory leaves word of how it got there."""
+
+  def __init__(self, say: Callable[[str], None], low: float = 0.05, every_s: float = 0.1,
+               quiet_s: float = 10.0):
+    self.say, self.low, self.every_s, self.quiet_s = say, low, every_s, quiet_s
+    self.least: int | None = None
+    self.told = -float("inf")
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self._run, name="zinfjax-memwatch", daemon=True)
+    if host_memory() is not None:
+      self.thread.start()
+
+  def _run(self) -> None:
+    while not self.stop.wait(self.every_s):
+      seen = host_memory()
+      if seen is None:
+        return
+      available, total = seen
+      self.least = available if self.least is None else min(self.least, available)
+      now = time.perf_counter()
+      if available < self.low * total and now - self.told >= self.quiet_s:
+        self.told = now
+        self.say(f"host memory low: {human_bytes(available)} available of "
+                 f"{human_bytes(total)}, this process {human_bytes(rss())} resident")
+
+  def take(self) -> int | None:
+    """The least available RAM seen since the last call (None before the first sample)."""
+    least, self.least = self.least, None
+    return least
+
+  def close(self) -> None:
+    self.stop.set()
+    if self.thread.is_alive():
+      self.thread.join()
 
 
 def human_bytes(n: float, digits: int = 1) -> str:
@@ -93,6 +154,8 @@ class Progress:
                f"{human_bytes(record['nvme_bytes_written'])} written)")
     if "peak_rss" in record:
       line += f" | peak RSS {human_bytes(record['peak_rss'])}"
+    if record.get("least_ram_available") is not None:
+      line += f", RAM free at least {human_bytes(record['least_ram_available'])}"
     self.stream.write(("\r" + line) if self.tty else (line + "\n"))
     self.stream.flush()
 
