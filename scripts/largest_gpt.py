@@ -328,7 +328,7 @@ def main(argv=None) -> int:
       if left is not None and left < MIN_TRY_S:
         print(f"{tier}: {left:.0f} s left of --deadline: no more tries", flush=True)
         break
-      if tier == "mixed" and placed is None:  # after a failed run: the plan of fewer layers
+      if tier == "mixed" and placed is None and layers >= 1:  # after a failed run: its plan
         _, placed = search_mixed(room, args, folder, layers)
         if placed is None:  # rooms that shrank (more RAM kept back): the most that place now
           layers, placed = search_mixed(room, args, folder)

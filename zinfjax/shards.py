@@ -45,8 +45,8 @@ def start_host_shards(x: jax.Array, mesh: Mesh, layer: int | None = None,
     shard = s.data if layer is None else s.data[layer]
     on_device = shard.sharding.memory_kind in (None, Tier.DEVICE.memory_kind)
     if pinned and on_device and pinned_reads(s.device):
-      pinned = SingleDeviceSharding(s.device, memory_kind=Tier.PINNED_HOST.memory_kind)
-      shard = jax.device_put(shard, pinned)
+      host = SingleDeviceSharding(s.device, memory_kind=Tier.PINNED_HOST.memory_kind)
+      shard = jax.device_put(shard, host)
     else:
       shard.copy_to_host_async()
     out[devices.index(s.device)] = shard
