@@ -349,7 +349,7 @@ def main(argv=None) -> int:
                                                    "host_arrays")}
       runs.append(run)
       with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:  # after every run: a cut
-        json.dump({"room": first_room, "args": vars(args), "runs": runs}, f, indent=1)  # call keeps it
+        json.dump({"room": first_room, "args": vars(args), "runs": runs}, f, indent=1)  # kept
       shutil.rmtree(folder, ignore_errors=True)
       last = run["records"][-1] if run["records"] else {}
       print(f"{tier}: exit {run['returncode']} after {run['wall_s']:.0f} s"
