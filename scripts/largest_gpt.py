@@ -348,8 +348,9 @@ def main(argv=None) -> int:
         run["placement"] = {k: placed[k] for k in ("offload_param", "offload_optimizer",
                                                    "host_arrays")}
       runs.append(run)
-      with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:  # after every run: a cut
-        json.dump({"room": first_room, "args": vars(args), "runs": runs}, f, indent=1)  # kept
+      # after every run: a call cut short keeps the runs before
+      with open(os.path.join(args.out, "largest_gpt.json"), "w") as f:
+        json.dump({"room": first_room, "args": vars(args), "runs": runs}, f, indent=1)
       shutil.rmtree(folder, ignore_errors=True)
       last = run["records"][-1] if run["records"] else {}
       print(f"{tier}: exit {run['returncode']} after {run['wall_s']:.0f} s"
