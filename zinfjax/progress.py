@@ -75,8 +75,12 @@ class HostMemoryWatch:
                  f"{human_bytes(total)}, this process {human_bytes(rss())} resident")
 
   def take(self) -> int | None:
-    """The least available RAM seen since the last call (None before the first sample)."""
+    """The least available RAM seen since the last call; where no sample came since (a step
+    shorter than `every_s`), what is available now (None where /proc is missing)."""
     least, self.least = self.least, None
+    if least is None:
+      seen = host_memory()
+      least = None if seen is None else seen[0]
     return least
 
   def close(self) -> None:
