@@ -480,6 +480,25 @@ def test_largest_gpt_tries_a_run_killed_for_memory_again_with_more_ram_kept_back
   assert mod.main(argv + ["--deadline", "1000"]) == 0 and trained == [(42, 540), (42, 540)]
 
 
+def test_step_rss_tables_a_step_of_a_mixed_plan(tmp_path):
+  """step_rss.py trains two steps of a plan split over the device, RAM's store and the drive,
+  and tables the plan's count, the program's temporaries and what RSS and numpy's arrays
+  did through the second step."""
+  out = run([os.path.join(SCRIPTS, "step_rss.py"), "--hidden", "64", "--heads", "2",
+             "--layers", "4", "--seq-len", "32", "--offload-param", "device:2,pinned_host",
+             "--offload-optimizer", "pinned_host:3,nvme", "--pinned-budget", "64",
+             "--nvme-path", str(tmp_path / "nvme")])
+  rows = dict(line.strip("| ").split(" | ") for line in out.splitlines()
+              if line.startswith("| ") and "MiB" not in line)
+  got = {k: float(v) for k, v in rows.items()}
+  assert {"plan: device (per device)", "plan: pinned_host (per device)", "plan: nvme (per device)",
+          "plan: host arrays (of pinned host)", "program: temporaries"} <= set(got), got
+  assert 0 < got["RSS at the step's start"] <= got["RSS at its peak"]
+  assert got["plan: host arrays (of pinned host)"] > 0 and got["numpy's arrays at their peak"] > 0
+  losses = out.split("loss ")[1].split(";")[0].split(" -> ")
+  assert all(np.isfinite(float(x)) for x in losses), out
+
+
 def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
   """A Latin-1 text file stops the CLI before any compute with the file and the problem named,
   not a UnicodeDecodeError traceback."""
