@@ -32,7 +32,8 @@ def rss() -> int:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--hidden", type=int, default=1024)
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--layers", type=int, default=42)
