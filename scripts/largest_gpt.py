@@ -87,9 +87,11 @@ def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, i
   if args.ram_gib is not None:
     out["pinned_host"] = int(args.ram_gib * GIB)
   else:
-    with open("/proc/meminfo") as f:
-      avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    out["pinned_host"] = max(0, avail - int(args.host_reserve_gib * GIB)) // args.devices
+    from zinfjax.progress import host_memory
+    seen = host_memory()
+    if seen is None:
+      raise SystemExit("this host reports no available RAM (/proc/meminfo): pass --ram-gib.")
+    out["pinned_host"] = max(0, seen[0] - int(args.host_reserve_gib * GIB)) // args.devices
   from zinfjax.hostlimit import host_room
   out["pinned_host"] = host_room(out["pinned_host"], platform, args.host_optimizer)
   if args.disk_gib is not None:

@@ -6,7 +6,7 @@ step (after a first, compiling one), numpy's arrays traced, the program's own te
 
 The GPT of `train_gpt.py`'s tiny preset at `--hidden` x `--layers` with that placement (the host
 pipeline; NVMe steps rewritten in place, as `largest_gpt.py` runs them) takes two steps on one
-batch. Through the second, a thread samples this process's RSS (`/proc/self/statm`) every
+batch. Through the second, a thread samples this process's RSS (`zinfjax.progress.rss`) every
 `--every-ms`, and `tracemalloc` traces numpy's arrays: the host pipeline's grads on their way
 and new params on their way back. The table puts them beside the plan's host arrays
 (`autoplace.host_array_bytes`), its states per tier, and the compiled program's temporaries
@@ -17,18 +17,12 @@ in RSS; on a GPU they are HBM.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
 import tracemalloc
 
 MIB = 1 << 20
-
-
-def rss() -> int:
-  with open("/proc/self/statm") as f:
-    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main(argv=None) -> int:
@@ -52,6 +46,7 @@ def main(argv=None) -> int:
   import zinfjax
   from zinfjax.autoplace import host_array_bytes, need
   from zinfjax.models import GPT, get_config, lm_loss
+  from zinfjax.progress import rss
 
   config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
                       vocab_size=65, seq_len=args.seq_len)
