@@ -280,19 +280,10 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
 
   import jax
-  import optax
-  import zinfjax
-  from flax import nnx
   from zinfjax import distributed
-  from zinfjax.checkpoint import CheckpointError, Checkpointer
-  from zinfjax.memory import tier_bytes
-  from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
+  from zinfjax.checkpoint import CheckpointError
   from zinfjax.offload import CorruptShardError, EngineError, MissingShardError, NoSpaceError
-  from zinfjax.offload.mixed import used_by_medium
-  from zinfjax.autoplace import need
-  from zinfjax.engine import build_engine
-  from zinfjax.progress import (HostMemoryWatch, Progress, human_bytes, init_line, parse_budgets,
-                                peak_rss)
+  from zinfjax.progress import HostMemoryWatch
 
   # the engine's errors already name the file and the fix: one line for the user, no traceback
   engine_errors = (EngineError, NoSpaceError, CorruptShardError, MissingShardError, CheckpointError)
@@ -305,7 +296,24 @@ def main(argv=None) -> int:
   say = print if main_process else (lambda *a, **k: None)
   # the least RAM left in each step's record, and a line when it runs low (init's too): a run
   # the kernel kills for memory says how close it came, and where
-  watch = HostMemoryWatch(lambda line: say(line, flush=True))
+  with HostMemoryWatch(lambda line: say(line, flush=True)) as watch:  # closed on every way out
+    return train(args, say, main_process, watch)
+
+
+def train(args, say, main_process: bool, watch) -> int:
+  """The run, from the data to the export; `watch` samples the RAM left throughout."""
+  import jax
+  import optax
+  import zinfjax
+  from flax import nnx
+  from zinfjax.checkpoint import CheckpointError, Checkpointer
+  from zinfjax.memory import tier_bytes
+  from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
+  from zinfjax.offload.mixed import used_by_medium
+  from zinfjax.autoplace import need
+  from zinfjax.engine import build_engine
+  from zinfjax.progress import Progress, human_bytes, init_line, parse_budgets, peak_rss
+
   args.resume = args.resume or args.resume_step is not None
   if args.lora_rank and not args.init_from:
     raise SystemExit("error: --lora-rank adapts a pretrained model: give --init-from HF_FOLDER.")
@@ -518,7 +526,6 @@ def main(argv=None) -> int:
     print(f"\ninterrupted during step {step}: {where}.", file=sys.stderr)
     return 130
   progress.close()
-  watch.close()
   if ckpt is not None:
     ckpt.close()  # waits for the last save to commit
   if args.export and main_process:

@@ -13,6 +13,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 
 import jax
@@ -293,6 +294,8 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
       main(["--steps", "1", "--batch-size", "8", *map(str, args)])
     assert str(stop.value).startswith("error: ") and message in str(stop.value), (args, stop.value)
     assert "init " not in capsys.readouterr().out
+    # the RAM watch it started is stopped too: one left sampling would outlive the run
+    assert not [t for t in threading.enumerate() if t.name == "zinfjax-memwatch"], args
   # a zero learning rate is a valid run (pipelines, exports): a warning, and the weights stay
   out = cli("--steps", "2", "--same-batch", "--lr", "0")
   assert "warning: --lr 0" in out.stderr

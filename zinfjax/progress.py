@@ -52,18 +52,20 @@ class HostMemoryWatch:
   `quiet_s`), so a run the kernel kills for memory leaves word of how it got there."""
 
   def __init__(self, say: Callable[[str], None], low: float = 0.05, every_s: float = 0.1,
-               quiet_s: float = 10.0):
+               quiet_s: float = 10.0,
+               read: Callable[[], tuple[int, int] | None] = host_memory):
     self.say, self.low, self.every_s, self.quiet_s = say, low, every_s, quiet_s
+    self.read = read  # (available, total) bytes, or None: host_memory, or a test's own
     self.least: int | None = None
     self.told = -float("inf")
     self.stop = threading.Event()
     self.thread = threading.Thread(target=self._run, name="zinfjax-memwatch", daemon=True)
-    if host_memory() is not None:
+    if read() is not None:
       self.thread.start()
 
   def _run(self) -> None:
     while not self.stop.wait(self.every_s):
-      seen = host_memory()
+      seen = self.read()
       if seen is None:
         return
       available, total = seen
@@ -79,7 +81,7 @@ class HostMemoryWatch:
     shorter than `every_s`), what is available now (None where /proc is missing)."""
     least, self.least = self.least, None
     if least is None:
-      seen = host_memory()
+      seen = self.read()
       least = None if seen is None else seen[0]
     return least
 
@@ -87,6 +89,12 @@ class HostMemoryWatch:
     self.stop.set()
     if self.thread.is_alive():
       self.thread.join()
+
+  def __enter__(self) -> "HostMemoryWatch":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()  # on every way out: a watch left running would outlive its run
 
 
 def human_bytes(n: float, digits: int = 1) -> str:
