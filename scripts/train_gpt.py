@@ -21,6 +21,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+  from zinfjax.progress import HostMemoryWatch
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
 TIERS = ("device", "pinned_host", "nvme")
@@ -300,7 +304,8 @@ def main(argv=None) -> int:
     return train(args, say, main_process, watch)
 
 
-def train(args, say, main_process: bool, watch) -> int:
+def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool,
+          watch: HostMemoryWatch) -> int:
   """The run, from the data to the export; `watch` samples the RAM left throughout."""
   import jax
   import optax
