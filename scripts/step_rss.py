@@ -1,4 +1,4 @@
-"""Where a training step's host memory goes, against the plan's count: RSS sampled through one
+"""Where a training step's host memory goes, against the plan's count: the peak RSS of one
 step (after a first, compiling one), numpy's arrays traced, the program's own temporaries.
 
   python scripts/step_rss.py --hidden 1024 --layers 42 --offload-param device:40,pinned_host \
@@ -6,19 +6,18 @@ step (after a first, compiling one), numpy's arrays traced, the program's own te
 
 The GPT of `train_gpt.py`'s tiny preset at `--hidden` x `--layers` with that placement (the host
 pipeline; NVMe steps rewritten in place, as `largest_gpt.py` runs them) takes two steps on one
-batch. Through the second, a thread samples this process's RSS (`zinfjax.progress.rss`) every
-`--every-ms`, and `tracemalloc` traces numpy's arrays: the host pipeline's grads on their way
-and new params on their way back. The table puts them beside the plan's host arrays
-(`autoplace.host_array_bytes`), its states per tier, and the compiled program's temporaries
-(`memory_analysis()`): on a CPU the device is host memory, so the program's temporaries show
-in RSS; on a GPU they are HBM.
+batch. Through the second, the kernel keeps this process's peak RSS (reset at its start,
+`zinfjax.progress.reset_peak_rss`), and `tracemalloc` traces numpy's arrays: the host
+pipeline's grads on their way and new params on their way back. The table puts them beside
+the plan's host arrays (`autoplace.host_array_bytes`), its states per tier, and the compiled
+program's temporaries (`memory_analysis()`): on a CPU the device is host memory, so the
+program's temporaries show in RSS; on a GPU they are HBM.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 import tracemalloc
 
@@ -38,7 +37,6 @@ def main(argv=None) -> int:
   p.add_argument("--bf16-moments", action="store_true")
   p.add_argument("--nvme-path", default="/tmp/zinfjax-step-rss")
   p.add_argument("--pinned-budget", type=int, default=192, help="MiB of pinned buffers for NVMe")
-  p.add_argument("--every-ms", type=float, default=10.0)
   args = p.parse_args(argv)
 
   import jax
@@ -46,7 +44,7 @@ def main(argv=None) -> int:
   import zinfjax
   from zinfjax.autoplace import host_array_bytes, need
   from zinfjax.models import GPT, get_config, lm_loss
-  from zinfjax.progress import rss
+  from zinfjax.progress import peak_rss, reset_peak_rss, rss
 
   config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
                       vocab_size=65, seq_len=args.seq_len)
@@ -63,14 +61,9 @@ def main(argv=None) -> int:
   state, first = step(state, batch)
   jax.block_until_ready(state.params)
 
-  samples, stop = [], threading.Event()
-  def sample() -> None:
-    while not stop.is_set():
-      samples.append(rss())
-      time.sleep(args.every_ms / 1e3)
-  thread = threading.Thread(target=sample, daemon=True)
+  if not reset_peak_rss():  # the kernel's own peak, from the step's start on
+    raise SystemExit("this kernel does not let /proc/self/clear_refs reset the peak RSS")
   start = rss()
-  thread.start()
   tracemalloc.start()
   t0 = time.perf_counter()
   state, second = step(state, batch)
@@ -78,9 +71,7 @@ def main(argv=None) -> int:
   seconds = time.perf_counter() - t0
   numpy_peak = tracemalloc.get_traced_memory()[1]
   tracemalloc.stop()
-  stop.set()
-  thread.join()
-  after = rss()
+  peak, after = peak_rss(), rss()
 
   engine = state.engine
   plan, run = engine.plan, engine.config
@@ -95,7 +86,7 @@ def main(argv=None) -> int:
           "program: temporaries", "RSS at the step's start", "RSS at its peak",
           "RSS after it", "numpy's arrays at their peak"]
   values = [*states.values(), arrays, program.temp_size_in_bytes, start,
-            max(samples + [after]), after, numpy_peak]
+            peak, after, numpy_peak]
   for name, value in zip(rows, values):
     print(f"| {name} | {value / MIB:.3f} |")
   state.close()

@@ -21,6 +21,17 @@ def peak_rss() -> int:
   return _status_bytes("VmHWM:")
 
 
+def reset_peak_rss() -> bool:
+  """Start `peak_rss` afresh from what is resident now (Linux's /proc/self/clear_refs), so it
+  tells the peak of what follows alone; False where the kernel does not allow it."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
 def rss() -> int:
   """This process's resident memory in bytes now (VmRSS; 0 where /proc is missing)."""
   return _status_bytes("VmRSS:")
