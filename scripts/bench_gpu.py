@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -40,11 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_adam import (bench_calls, bench_host, bench_zinfjax, copy_bandwidth,  # noqa: E402
                         kernel_pass)
 from bench_step import io_alone, median_step  # noqa: E402
+from _gpu_limits import (ceiling_copy, disk, matmul_rate, memory_kind_copies,  # noqa: E402
+                         numpy_copies, peaks, swap_copies)
+from _gpu_table import DEVICE_ROW, SPEC_TFLOPS, phase_line, ratios, table  # noqa: E402
 
-# dense bf16 TFLOP/s of an H100 / H200 SXM (NVIDIA's datasheet): the second MFU denominator
-SPEC_TFLOPS = 989.0
 # (key, params tier, optimizer tier, row name)
-PLACEMENTS = [("device", "device", "device", "all on device (compute alone)"),
+PLACEMENTS = [("device", "device", "device", DEVICE_ROW),
               ("device-explicit", "device", "device",
                "all on device, explicit attention (ZINFJAX_ATTENTION=explicit: no cuDNN)"),
               ("pinned", "pinned_host", "pinned_host", "params + optimizer on pinned_host"),
@@ -118,196 +118,6 @@ def parse_args(argv=None):
   args.tokens = args.tokens or ("64,128" if args.tiny else "4096,16384,65536")
   args.nvme_tokens = args.nvme_tokens or ("64" if args.tiny else "16384")
   return args
-
-
-def median_time(fn, reps: int = 5) -> float:
-  """Median wall time of `fn()` (which blocks until its device work is done), after one warm-up."""
-  fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
-def ceiling_copy(nbytes: int) -> dict:
-  """Plain pinned host <-> device copies through torch (or cupy), timed with CUDA events."""
-  try:
-    import torch
-    if not torch.cuda.is_available():
-      return {"tool": "torch (no CUDA)"}
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).random_(0, 255)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-    def timed(copy):
-      start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      copy()
-      ms = []
-      for _ in range(5):
-        start.record()
-        copy()
-        stop.record()
-        stop.synchronize()
-        ms.append(start.elapsed_time(stop))
-      return nbytes / (statistics.median(ms) / 1e3) / 1e9
-
-    return {"tool": "torch pinned cudaMemcpyAsync",
-            "h2d": timed(lambda: dev.copy_(host, non_blocking=True)),
-            "d2h": timed(lambda: host.copy_(dev, non_blocking=True))}
-  except ImportError:
-    pass
-  try:
-    import cupy as cp
-    host = cp.cuda.alloc_pinned_memory(nbytes)
-    dev = cp.cuda.alloc(nbytes)
-    stream = cp.cuda.Stream(non_blocking=True)
-
-    def timed(copy):
-      copy()
-      stream.synchronize()
-      return nbytes / median_time(lambda: (copy(), stream.synchronize())) / 1e9
-
-    return {"tool": "cupy pinned cudaMemcpyAsync",
-            "h2d": timed(lambda: dev.copy_from_host_async(host.ptr, nbytes, stream)),
-            "d2h": timed(lambda: dev.copy_to_host_async(host.ptr, nbytes, stream))}
-  except ImportError:
-    return {"tool": "none (neither torch nor cupy)"}
-
-
-def memory_kind_copies(jax, nbytes: int) -> dict:
-  """`jax.device_put` between the `device` and `pinned_host` memory kinds."""
-  import jax.numpy as jnp
-  from jax.sharding import SingleDeviceSharding
-  dev = jax.devices()[0]
-  on_dev, on_host = (SingleDeviceSharding(dev, memory_kind=k) for k in ("device", "pinned_host"))
-  x = jax.device_put(jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32), on_dev)
-  h = jax.device_put(x, on_host)
-  out = {"eager_d2h": nbytes / median_time(lambda: jax.device_put(x, on_host).block_until_ready()) / 1e9,
-         "eager_h2d": nbytes / median_time(lambda: jax.device_put(h, on_dev).block_until_ready()) / 1e9}
-  to_host = jax.jit(lambda x: x * 1, out_shardings=on_host)
-  to_dev = jax.jit(lambda h: h * 1, out_shardings=on_dev)  # the copy and one elementwise pass
-  out["jit_d2h"] = nbytes / median_time(lambda: to_host(x).block_until_ready()) / 1e9
-  out["jit_h2d"] = nbytes / median_time(lambda: to_dev(h).block_until_ready()) / 1e9
-  return out
-
-
-def numpy_copies(jax, nbytes: int, reps: int = 5) -> dict:
-  """The host pipeline's own crossings between numpy and the device (the device layers' grads
-  read after the program, their new params put back, init's draws), `nbytes` in four arrays:
-  `np.asarray` of each in turn, of all four with their copies started at once
-  (`copy_to_host_async`, as `runner.grad_reader` reads ahead), and through a pinned-host array;
-  `jax.device_put` of numpy arrays, directly and through a pinned-host array."""
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import SingleDeviceSharding
-  dev = jax.devices()[0]
-  on_dev, on_host = (SingleDeviceSharding(dev, memory_kind=k) for k in ("device", "pinned_host"))
-  make = jax.jit(lambda k: jax.random.normal(k, (nbytes // 16,), jnp.float32), out_shardings=on_dev)
-
-  def read(fn) -> float:  # fresh arrays each time: jax keeps the host copy of an array it read
-    times = []
-    for i in range(reps + 1):
-      xs = jax.block_until_ready([make(jax.random.key(4 * i + j)) for j in range(4)])
-      t0 = time.perf_counter()
-      fn(xs)
-      times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:]) / 1e9
-
-  def started(xs):
-    for x in xs:
-      x.copy_to_host_async()
-    return [np.asarray(x) for x in xs]
-
-  hosts = [np.asarray(x) for x in (make(jax.random.key(100 + j)) for j in range(4))]
-  put = lambda via: jax.block_until_ready([jax.device_put(via(a), on_dev) for a in hosts])
-  return {"d2h_asarray": read(lambda xs: [np.asarray(x) for x in xs]),
-          "d2h_started": read(started),
-          "d2h_via_pinned": read(lambda xs: [np.asarray(jax.device_put(x, on_host)) for x in xs]),
-          "h2d_device_put": nbytes / median_time(lambda: put(lambda a: a), reps) / 1e9,
-          "h2d_via_pinned": nbytes / median_time(
-              lambda: put(lambda a: jax.device_put(a, on_host)), reps) / 1e9}
-
-
-def swap_copies(jax, nbytes: int, folder: str) -> dict:
-  """zinfjax's swap handlers: 4 shards through the store (in `folder`) and back, in a scan."""
-  import jax.numpy as jnp
-  import numpy as np
-  from zinfjax.offload import AioStore, swap
-  store = AioStore(folder, pinned_budget=max(64 << 20, 2 * nbytes))
-  n, layers = nbytes // 4 // 4, 4
-  like = jax.ShapeDtypeStruct((n,), jnp.float32)
-  xs = jax.random.normal(jax.random.key(1), (layers, n), jnp.float32)
-  at = lambda i: swap.layer_at(range(layers), i)
-
-  @jax.jit
-  def put(xs):
-    return jax.lax.scan(lambda t, i: (t + swap.write(store.handle, "bench", xs[i], layer=at(i)), None),
-                        jnp.int32(0), jnp.arange(layers))[0]
-
-  @jax.jit
-  def get(token):
-    nxt = np.minimum(np.arange(layers) + 1, layers - 1)
-
-    def body(ticket, i):
-      (x,) = swap.read_wait_many(store.handle, ["bench"], ticket, [like], layer=at(i))
-      return swap.read_start_many(store.handle, ["bench"], token, layer=swap.layer_at(nxt, i)), x.sum()
-    last, sums = jax.lax.scan(body, swap.read_start_many(store.handle, ["bench"], token, layer=0),
-                              jnp.arange(layers))
-    swap.read_wait_many(store.handle, ["bench"], last, [like], layer=layers - 1)
-    return sums
-
-  def write():
-    put(xs).block_until_ready()  # the device-to-host copies are done; the store writes behind
-    store.sync()
-
-  out = {"d2h_then_store": 4 * n * 4 * layers / median_time(write) / 1e9,
-         "store_then_h2d": 4 * n * 4 * layers / median_time(lambda: get(0).block_until_ready()) / 1e9,
-         "store": store.backend}
-  store.close()
-  return out
-
-
-def matmul_rate(jax, n: int) -> float:
-  """bf16 n^3 matmul TFLOP/s on random inputs (10 products per timed call)."""
-  import jax.numpy as jnp
-  a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
-  many = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda i, c: (a @ b + c).astype(jnp.bfloat16),
-                                                jnp.zeros((n, n), jnp.bfloat16)))
-  return 10 * 2 * n ** 3 / median_time(lambda: many(a, b).block_until_ready()) / 1e12
-
-
-def disk(folder: str, nbytes: int) -> dict:
-  import numpy as np
-  from _disk import disk_ceiling
-  from zinfjax.offload import AioStore
-  tool, w, r = disk_ceiling(folder, nbytes)
-  store = AioStore(os.path.join(folder, "store"))
-  chunk = 64 << 20
-  arrays = [np.random.default_rng(i).integers(0, 255, chunk, dtype=np.uint8) for i in range(2)]
-  keys = [f"d/{i}" for i in range(max(1, nbytes // chunk))]
-  t0 = time.perf_counter()
-  for t in [store.write(k, arrays[i % 2]) for i, k in enumerate(keys)]:
-    t.wait()
-  store.sync()
-  t1 = time.perf_counter()
-  for t in [store.read(k) for k in keys]:
-    t.wait()
-  t2 = time.perf_counter()
-  backend = store.backend
-  store.close()
-  total = len(keys) * chunk
-  return {"ceiling_tool": tool, "ceiling_write": w, "ceiling_read": r,
-          "store_write": total / (t1 - t0) / 1e9, "store_read": total / (t2 - t1) / 1e9,
-          "store_backend": backend}
-
-
-def peaks(jax) -> dict:
-  """The process's peak device memory (None where the backend keeps no count) and peak RSS."""
-  from zinfjax.progress import peak_rss
-  stats = jax.devices()[0].memory_stats() or {}
-  return {"peak_hbm": stats.get("peak_bytes_in_use"), "peak_rss": peak_rss()}
 
 
 def delay_of(name: str) -> str:
@@ -458,21 +268,6 @@ def where_it_went(state, metrics: dict, steps: int) -> dict:
   return out
 
 
-def phase_line(row: dict) -> str:
-  parts = [f"{k[:-2]} {v:.3f} s" for k, v in row.get("phases", {}).items()]
-  if "buffers_made" in row:
-    b = row["buffers_made"]
-    parts.append(f"lent buffers made {b['count']} ({b['bytes'] / 2**30:.2f} GiB) in {b['steps']} steps")
-  if row.get("mapping_pinned_bytes"):
-    parts.append(f"RAM store page-locked {row['mapping_pinned_bytes'] / 2**30:.2f} GiB")
-  if "kernel_pass" in row:
-    k = row["kernel_pass"]
-    parts.append(f"kernel alone on the store {k['views_s']:.3f} s (its largest block tensors, "
-                 f"{k['sample_params'] / 1e6:.0f}M params: {k['sample_views_s']:.3f} s there, "
-                 f"{k['sample_copies_s']:.3f} s on host copies)")
-  return f" ({', '.join(parts)})" if parts else ""
-
-
 def host_alone(args) -> dict:
   """The host's side of a pinned-host step with nothing else running: copy bandwidth on every
   core, the C++ AdamW kernel over the bench GPT's params, and one host-pipeline step over them
@@ -495,39 +290,6 @@ def host_alone(args) -> dict:
     found["pipeline_bf16_s"] = bench_host(n, layer, 3, ml_dtypes.bfloat16,
                                           atomic=False)["in place"]
   return found
-
-
-# bytes of optimizer state per parameter the streamed update moves each way over the host link:
-# fp32 master and both moments (the bench's AdamW keeps fp32 moments)
-STREAMED_BYTES = 12
-
-
-def ratios(rows: list[dict], host: dict | None = None, copies: dict | None = None,
-           params: int | None = None) -> list[dict]:
-  """Each row against the all-device row of its tokens, the NVMe rows against I/O alone, the
-  host-pipeline rows against the host's step alone (`host_alone`), and the streamed update's
-  rows against compute plus its states crossing the link alone, each way at once (at the rate of
-  XLA's own copies inside jit, `memory_kind_copies`): it runs after backward."""
-  for row in rows:
-    base = [r for r in rows if r["tokens"] == row["tokens"] and r["placement"] == PLACEMENTS[0][3]
-            and "step_s" in r]
-    if "step_s" not in row or not base:
-      continue
-    compute = base[0]["step_s"]
-    row["vs_compute"] = row["step_s"] / compute
-    # the host's step alone, with the row's moments (bf16 ones timed where a row asks)
-    if host and "host pipeline" in row["placement"] and "nvme" not in row["placement"]:
-      alone = host.get("pipeline_bf16_s" if "bf16 moments" in row["placement"] else "pipeline_s")
-      if alone is not None:
-        row["host_alone_s"] = alone
-    alone = row.get("io_alone_s", row.get("host_alone_s"))
-    if alone is not None:
-      row["vs_bound"] = row["step_s"] / max(compute, alone)
-    if copies and params and "streamed through the device" in row["placement"]:
-      gbs = min(copies["jit_h2d"], copies["jit_d2h"])
-      row["link_alone_s"] = STREAMED_BYTES * params / (gbs * 1e9)
-      row["vs_bound"] = row["step_s"] / (compute + row["link_alone_s"])
-  return rows
 
 
 def main(argv=None) -> int:
@@ -584,73 +346,6 @@ def main(argv=None) -> int:
   if not args.nvme_path:
     shutil.rmtree(root, ignore_errors=True)
   return 1 if result.get("errors") else 0
-
-
-def table(r: dict) -> str:
-  """The run's table in Markdown; parts that failed or did not run are left out."""
-  c, k, s, d, h, n = (r.get(name, {}) for name in ("ceiling", "memory_kinds", "swap", "disk",
-                                                    "host", "numpy"))
-  ratio = lambda x, key: f"{x / c[key]:.2f}x" if key in c else "n/a"
-  cell = lambda x, key: f"{x:.1f} ({ratio(x, key)})"
-  lines = [f"\n{r['device']}: host <-> device GB/s (ratio to the pinned cudaMemcpyAsync ceiling)",
-           "| path | host->device | device->host |", "|---|---|---|"]
-  if "h2d" in c:
-    lines.append(f"| {c['tool']} (ceiling) | {c['h2d']:.1f} | {c['d2h']:.1f} |")
-  if k:
-    lines += [f"| jax.device_put memory kinds, eager | {cell(k['eager_h2d'], 'h2d')} "
-              f"| {cell(k['eager_d2h'], 'd2h')} |",
-              f"| memory kinds inside jit (+1 elementwise pass) | {cell(k['jit_h2d'], 'h2d')} "
-              f"| {cell(k['jit_d2h'], 'd2h')} |"]
-  if s:
-    lines.append(f"| zinfjax swap handlers, store in /dev/shm | {cell(s['store_then_h2d'], 'h2d')} "
-                 f"| {cell(s['d2h_then_store'], 'd2h')} |")
-  if n:
-    lines += [f"| numpy, one array at a time (`jax.device_put` / `np.asarray`) "
-              f"| {cell(n['h2d_device_put'], 'h2d')} | {cell(n['d2h_asarray'], 'd2h')} |",
-              f"| numpy, four copies started at once (`copy_to_host_async`) | "
-              f"| {cell(n['d2h_started'], 'd2h')} |",
-              f"| numpy through a pinned-host array | {cell(n['h2d_via_pinned'], 'h2d')} "
-              f"| {cell(n['d2h_via_pinned'], 'd2h')} |"]
-  if "matmul_tflops" in r:
-    lines.append(f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s")
-  if d:
-    lines.append(f"\ndisk: {d['ceiling_tool']} write {d['ceiling_write']:.2f} / read "
-                 f"{d['ceiling_read']:.2f} GB/s, zinfjax store ({d['store_backend']}) write "
-                 f"{d['store_write']:.2f} / read {d['store_read']:.2f} GB/s")
-  if h:
-    lines.append(f"\nhost ({h['threads']} threads): copy {h['copy_gbs']:.1f} GB/s (read + write); over "
-                 f"the GPT's {h['params'] / 1e6:.0f}M params the C++ AdamW alone {h['adam_s']:.3f} s, "
-                 f"a host-pipeline step alone (RAM store, in place) {h['pipeline_s']:.3f} s"
-                 + (f" ({h['pipeline_bf16_s']:.3f} s with bf16 moments)"
-                    if "pipeline_bf16_s" in h else "")
-                 + ("; one AdamW call over a block's largest tensor, ms by threads: " + ", ".join(
-                     f"{t}: {ms:.2f}" for t, ms in h["call_ms_by_threads"].items())
-                    if h.get("call_ms_by_threads") else ""))
-  if r.get("steps"):
-    lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
-              f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device "
-              "| vs max(compute, I/O or host alone), or compute + link alone "
-              "| peak HBM GiB | peak RSS GiB | loss |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for row in r.get("steps", []):
-    if "error" in row:
-      lines.append(f"| {row['tokens']} | {row['placement']} | failed: {row['error']} |")
-      continue
-    what, alone = next(((w, row[k]) for w, k in (("I/O alone", "io_alone_s"),
-                                                  ("host alone", "host_alone_s"),
-                                                  ("after compute, link alone", "link_alone_s"))
-                        if k in row), ("", 0.0))
-    bound = f"{row['vs_bound']:.2f}x ({what} {alone:.2f} s)" if "vs_bound" in row else ""
-    vs = f"{row['vs_compute']:.2f}x" if "vs_compute" in row else ""
-    spec = f"{row['mfu_spec']:.1%}" if "mfu_spec" in row else ""
-    mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else ""
-    gib = lambda key: f"{row[key] / 2**30:.1f}" if row.get(key) is not None else ""
-    lines.append(f"| {row['tokens']} | {row['placement']} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} "
-                 f"| {row['tflops']:.1f} | {mfu} | {spec} | {vs} | {bound} | {gib('peak_hbm')} "
-                 f"| {gib('peak_rss')} | {row['loss']:.4f} |")
-  for name, tb in r.get("errors", {}).items():
-    lines.append(f"\n{name} failed: {tb.strip().splitlines()[-1]}")
-  return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -167,9 +167,10 @@ def test_estimate_memory_plan_for_budgets(tmp_path):
 def test_train_gpt_nvme_keeps_host_memory_within_the_pinned_budget(tmp_path):
   """Params and optimizer on NVMe: peak RSS of a model whose states are over 10x the pinned
   budget exceeds that of a 2-layer model (the runtime's own memory: Python, JAX/XLA, compiled
-  programs, activations, which differ by machine) by less than the budget, give or take a
-  tenth of the states (RSS of two processes varies by tens of MiB from run to run: 30 MiB
-  apart alone, 160 MiB once inside the whole suite; the states, 1.5 GB, would not fit). With
+  programs, activations, which differ by machine) by less than the budget and a fifth of the
+  states. The two runs' peaks are usually 70-160 MiB apart on the 2-core VM, but were 300 MiB
+  apart once in a few dozen runs (the budget and a tenth of the states, 272 MiB, was the bound
+  then); holding the states, 1.5 GB, or even a third of them, would not fit. With
   `--no-atomic-steps` the swap files hold one copy of the states (16 bytes a param), not the
   second copy of params and optimizer that atomic steps reserve (30)."""
   budget_mib = 128
@@ -193,7 +194,7 @@ def test_train_gpt_nvme_keeps_host_memory_within_the_pinned_budget(tmp_path):
   assert records[-1]["nvme_bytes_read"] >= 12 * params  # the optimizer states really streamed
   base, _, _ = train(2)
   peak, runtime = (max(r["peak_rss"] for r in rs) for rs in (records, base))
-  assert peak < runtime + (budget_mib << 20) + states // 10, (
+  assert peak < runtime + (budget_mib << 20) + states // 5, (
       f"peak RSS {peak / 2**30:.2f} GiB at 24 layers, {runtime / 2**30:.2f} GiB at 2\n{stdout}")
 
 
