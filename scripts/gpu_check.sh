@@ -43,10 +43,16 @@
 #                with DEADLINE=560, KEEP_GOING=1 and PACK=1, the GPU tests of the host pipeline,
 #                the copy stream and every placement (host_optimizer "auto" and "xla") alone (run
 #                it with the device tool's timeout_s=600)
+#   second       the plan for one call of the peer / largest-model issue: env,build,largest,peer
+#                with DEADLINE=560, KEEP_GOING=1, PACK=1, LARGEST=mixed at 42 layers of hidden
+#                5120 with bf16 moments (13.2B), LARGEST_S=300 and PEER_PLACEMENTS=device,cpu
+#                (each may be set otherwise; carry build/peer; timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
 #               is left, a stage with under 30 s left is not started (listed in the summary)
 # KEEP_GOING=1  a failed stage is reported and the next one runs (a failed build still stops)
+# LARGEST_S=S   the largest stage ends by S seconds after its start (its runs stop 30 s before),
+#               so the stages after it keep the rest of the deadline
 # PACK=1        at the end, every log goes into OUT/logs.tgz (traces and swap files left out), so
 #               what comes back is a few files: progress.txt, logs.tgz, speed.json, gpu_tests.log
 # --dry-run     on a machine without a GPU: checks that every stage's commands exist and run (GPU
@@ -73,11 +79,17 @@ if [[ "$STAGES" == first ]]; then
   STAGES=env,build,speed,gpu-tests
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
   GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update or copy_stream or every_placement}
+elif [[ "$STAGES" == second ]]; then
+  STAGES=env,build,largest,peer
+  DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1} LARGEST=${LARGEST:-mixed}
+  LARGEST_ARGS=${LARGEST_ARGS-"--bf16-moments --hidden 5120 --heads 40 --layers 42"}
+  LARGEST_S=${LARGEST_S:-300} PEER_PLACEMENTS=${PEER_PLACEMENTS:-device,cpu}
 fi
-DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0}
+DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0} LARGEST_S=${LARGEST_S:-0}
 KNOWN=" env build gpu-tests speed bench copy-stream profile ckpt largest peer cpu-confirm cpu-suite "
 for s in ${STAGES//,/ }; do  # a misspelt stage is found before any device time is spent
-  [[ "$KNOWN" == *" $s "* ]] || { echo "gpu_check: unknown stage \"$s\"; choose from:$KNOWN(or first)" >&2; exit 2; }
+  [[ "$KNOWN" == *" $s "* ]] || {
+    echo "gpu_check: unknown stage \"$s\"; choose from:$KNOWN(or first, second)" >&2; exit 2; }
 done
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
@@ -212,13 +224,16 @@ stage_ckpt() {
 
 stage_largest() {
   local dir=${BIG_DIR:-$(mktemp -d /tmp/zinfjax-largest-XXXX)} size=()  # the swap store, on the machine's disk
+  local stop=$(( LARGEST_S > 0 ? $(date +%s) + LARGEST_S : 0 ))
+  # seconds to the stage's end: LARGEST_S's or the deadline's, whichever comes first
+  until_end() {
+    local s=$(( stop > 0 ? stop - $(date +%s) : 1 << 30 ))
+    if (( DEADLINE > 0 && $(left) < s )); then s=$(left); fi
+    echo $s
+  }
   if [[ $DRY == 1 ]]; then
     size=(--hidden 128 --heads 4 --seq-len 64 --batch-size 4 --devices 2 --hbm-gib 0.02
           --ram-gib 0.03 --disk-gib 0.05 --pinned-budget 64)
-  fi
-  if (( DEADLINE > 0 )); then  # the runs stopped before the deadline with the steps they finished;
-    # a second only for a run the host killed for memory (more RAM kept back) or that failed
-    size+=(--tries 2 --deadline $(( $(left) - 30 )))
   fi
   # RAM's store on init's path on this host's cores first (a few seconds): what its init rests on
   local ram=(--gib 4 --repeats 1)
@@ -230,8 +245,14 @@ stage_largest() {
   (cd /tmp && run copies.log 120 $PY "$REPO/scripts/bench_gpu.py" --out "$OUT/copies" \
      --sections copies.ceiling,copies.numpy "${tiny[@]}") \
     || note "largest: the copies bench failed (copies.log); the largest run goes on"
+  if (( DEADLINE > 0 || stop > 0 )); then  # the runs stopped before the end with the steps they
+    # finished; a second only for a run the host killed for memory (more RAM kept back) or failed
+    size+=(--tries 2 --deadline $(( $(until_end) - 30 )))
+  fi
   # LARGEST_ARGS: more largest_gpt.py flags, e.g. "--bf16-moments --hidden 5120 --heads 40"
-  (cd /tmp && run largest_gpt.log 590 $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
+  local limit=$(( $(until_end) - 5 < 590 ? $(until_end) - 5 : 590 ))
+  if (( limit < 1 )); then note "largest: no time left for its runs"; rm -rf "$dir"; return 124; fi
+  (cd /tmp && run largest_gpt.log $limit $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
      --nvme-path "$dir" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}" \
      ${LARGEST_ARGS:-}) \
      || { rm -rf "$dir"; false; }

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -314,6 +315,29 @@ def test_gpu_check_keeps_to_its_deadline_and_packs_its_logs(tmp_path):
   progress = (tmp_path / "late" / "progress.txt").read_text()
   assert "not started before the deadline: env gpu-tests" in progress
   assert not (tmp_path / "late" / "env.txt").exists()
+
+
+def test_gpu_check_second_keeps_the_peers_time_from_the_largest_run(tmp_path):
+  """`gpu_check.sh OUT second`, one call for the peer / largest-model issue: env, build,
+  largest, peer under one deadline; the largest stage ends by LARGEST_S (here too soon for any
+  run: it fails, saying so) and the peer stage still runs after it."""
+  out = tmp_path / "second"
+  env = {**os.environ, "LARGEST_S": "40", "LARGEST_ARGS": "", "PEER_SIDES": "ours",
+         "PEER_PLACEMENTS": "device"}  # the default 13.2B model does not place in a dry run's rooms
+  done = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), str(out), "second",
+                         "--dry-run"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                        env=env)
+  assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+  assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "progress.txt"]  # PACK=1
+  progress = (out / "progress.txt").read_text()
+  assert "stages env,build,largest,peer (dry run), deadline 560s, keep going" in progress
+  took = re.search(r"largest FAILED in (\d+)s", progress)
+  assert took and int(took.group(1)) <= 45, progress
+  assert re.search(r"peer passed in \d+s", progress) and "build: not run in a dry run" in progress
+  with tarfile.open(out / "logs.tgz") as tar:
+    assert "./peer_ours_device/bench_gpu.json" in tar.getnames()
+    largest = tar.extractfile("./largest_gpt.log").read().decode()
+  assert "s left of --deadline: no more tries" in largest, largest
 
 
 def test_bench_gpu_runs_each_row_in_a_process_of_its_own(tmp_path):
