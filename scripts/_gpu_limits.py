@@ -166,8 +166,7 @@ def matmul_rate(jax, n: int) -> float:
   a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
   product = lambda a, b: lambda i, c: (a @ b + c).astype(jnp.bfloat16)
-  zeros = jnp.zeros((n, n), jnp.bfloat16)
-  many = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, product(a, b), zeros))
+  many = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, product(a, b), jnp.zeros_like(a)))
   return 10 * 2 * n ** 3 / median_time(lambda: many(a, b).block_until_ready()) / 1e12
 
 
