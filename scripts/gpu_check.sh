@@ -35,7 +35,9 @@
 #                (peer_table.txt); deepspeed comes from the bundle scripts/peer_bundle.sh makes in
 #                build/peer (carry it); PEER_PLACEMENTS a subset of device,cpu,nvme (split the
 #                placements over calls, both sides in each, so each table compares one machine:
-#                device,cpu then nvme); PEER_SIDES="ours" or "deepspeed" runs one side alone
+#                device,cpu then nvme); PEER_SIDES="ours" or "deepspeed" runs one side alone;
+#                PEER_CPU_KEYS, zinfjax's bench_gpu.py rows beside DeepSpeed's cpu offload (default
+#                "pinned pipeline-under": XLA's host update and the host pipeline under backward)
 #   cpu-confirm  the CPU tests that failed under jax 0.11 before their fixes, on this machine's
 #                jax with JAX_PLATFORMS=cpu (cpu_confirm.log)
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
@@ -45,8 +47,9 @@
 #                it with the device tool's timeout_s=600)
 #   second       the plan for one call of the peer / largest-model issue: env,build,largest,peer
 #                with DEADLINE=560, KEEP_GOING=1, PACK=1, LARGEST=mixed at 42 layers of hidden
-#                5120 with bf16 moments (13.2B), LARGEST_S=300 and PEER_PLACEMENTS=device,cpu
-#                (each may be set otherwise; carry build/peer; timeout_s=600)
+#                5120 with bf16 moments (13.2B), LARGEST_S=300, PEER_PLACEMENTS=device,cpu and
+#                PEER_CPU_KEYS=pipeline-under (each may be set otherwise; carry build/peer;
+#                timeout_s=600)
 #
 # DEADLINE=S    every stage ends by S seconds after the start: a stage's time limit is cut to what
 #               is left, a stage with under 30 s left is not started (listed in the summary)
@@ -84,6 +87,7 @@ elif [[ "$STAGES" == second ]]; then
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1} LARGEST=${LARGEST:-mixed}
   LARGEST_ARGS=${LARGEST_ARGS-"--bf16-moments --hidden 5120 --heads 40 --layers 42"}
   LARGEST_S=${LARGEST_S:-300} PEER_PLACEMENTS=${PEER_PLACEMENTS:-device,cpu}
+  PEER_CPU_KEYS=${PEER_CPU_KEYS:-pipeline-under}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0} LARGEST_S=${LARGEST_S:-0}
 KNOWN=" env build gpu-tests speed bench copy-stream profile ckpt largest peer cpu-confirm cpu-suite "
@@ -278,7 +282,8 @@ stage_peer() {
   fi
   if [[ ",$sides," == *",ours,"* ]]; then
     for placement in ${placements//,/ }; do  # one process per placement: its own peaks
-      case $placement in device) keys="device";; cpu) keys="pinned pipeline-under";; nvme) keys="nvme";; esac
+      case $placement in device) keys="device";; cpu) keys=${PEER_CPU_KEYS:-pinned pipeline-under};;
+        nvme) keys="nvme";; esac
       for key in $keys; do
         (cd /tmp && run "peer_ours_$key.log" 300 $PY "$REPO/scripts/bench_gpu.py" --out "$OUT/peer_ours_$key" \
            --sections matmul,steps --placements "$key" "${ours_size[@]}")
