@@ -337,8 +337,9 @@ def test_gpu_check_second_keeps_the_peers_time_from_the_largest_run(tmp_path):
   assert re.search(r"peer passed in \d+s", progress) and "build: not run in a dry run" in progress
   with tarfile.open(out / "logs.tgz") as tar:  # the peer at device and cpu: the host pipeline
     names = tar.getnames()
-    assert {"./peer_ours_device/bench_gpu.json", "./peer_ours_pipeline-under/bench_gpu.json"} <= set(
-        names) and not any(n.startswith("./peer_ours_pinned") for n in names), names
+    ours = {"./peer_ours_device/bench_gpu.json", "./peer_ours_pipeline-under/bench_gpu.json"}
+    assert ours <= set(names), names
+    assert not any(n.startswith("./peer_ours_pinned") for n in names), names
     largest = tar.extractfile("./largest_gpt.log").read().decode()
   assert "s left of --deadline: no more tries" in largest, largest
 
