@@ -254,7 +254,8 @@ stage_largest() {
     size+=(--tries 2 --deadline $(( $(until_end) - 30 )))
   fi
   # LARGEST_ARGS: more largest_gpt.py flags, e.g. "--bf16-moments --hidden 5120 --heads 40"
-  local limit=$(( $(until_end) - 5 < 590 ? $(until_end) - 5 : 590 ))
+  local limit
+  limit=$(( $(until_end) - 5 )); limit=$(( limit < 590 ? limit : 590 ))
   if (( limit < 1 )); then note "largest: no time left for its runs"; rm -rf "$dir"; return 124; fi
   (cd /tmp && run largest_gpt.log $limit $PY "$REPO/scripts/largest_gpt.py" --out "$OUT/largest" \
      --nvme-path "$dir" --placements ${LARGEST:-device pinned_host nvme} "${size[@]}" \

@@ -44,7 +44,8 @@ import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
-SPEC_TFLOPS = 989.0  # dense bf16 TFLOP/s of an H100 / H200 SXM, as in _gpu_table.py
+sys.path.insert(0, SCRIPTS)
+from _gpu_table import SPEC_TFLOPS  # noqa: E402  (bench_gpu.py's second MFU denominator)
 LR_WIDTH_DEPTH = 0.02  # lr x hidden x layers of the default learning rate (see above)
 KILLED = -9  # a run's exit status when the kernel's out-of-memory killer (SIGKILL) stopped it
 MIN_TRY_S = 60  # under --deadline, a try with less time than this left is not started

@@ -39,7 +39,8 @@ import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
-SPEC_TFLOPS = 989.0  # dense bf16 TFLOP/s of an H100 / H200 SXM, as in _gpu_table.py
+sys.path.insert(0, SCRIPTS)
+from _gpu_table import SPEC_TFLOPS  # noqa: E402  (bench_gpu.py's second MFU denominator)
 PLACEMENTS = ("device", "cpu", "nvme")
 # zinfjax's bench_gpu.py placement names that match each DeepSpeed placement
 OURS = {"device": ("all on device",), "cpu": ("params + optimizer on pinned_host",),
