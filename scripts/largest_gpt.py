@@ -2,27 +2,26 @@
 
   python scripts/largest_gpt.py --out OUT --nvme-path /local_nvme/big [--placements device pinned_host nvme]
 
-For each placement (params and optimizer on one tier, grads with the params), the machine's
-room on that tier, times `--fill`, bounds the model: the GPU's HBM (jax's `bytes_limit`), the
-host's available RAM less `--host-reserve-gib`, or the free space under `--nvme-path`. The
-largest number of layers at `--hidden` whose states (zinfjax.memory's estimate, embeddings
-counted) fit every tier it uses is trained by `train_gpt.py` for `--steps` steps. If that run
-fails (out of memory), the layers shrink by `--shrink` and it runs again, up to `--tries`
-runs. The table: layers, params, states per tier, init s, step s, tokens/s, TFLOP/s
-(6 x params x tokens/s), losses, peak host RSS; OUT/largest_gpt.json holds every run.
-`--hbm-gib`, `--ram-gib` and `--disk-gib` (per device) replace the measured rooms (a check of the script
-on a small machine). `--deadline` bounds all the runs together (each run's timeout is cut to
-what is left; a try with under a minute left is not started). A mixed run the host kills for
-memory (SIGKILL, the out-of-memory killer) is tried again at the same layers with
+For each placement (params and optimizer on one tier, grads with the params), the machine's room
+on that tier, times `--fill`, bounds the model: the GPU's HBM (jax's `bytes_limit`: XLA takes 75%
+of it unless `XLA_PYTHON_CLIENT_MEM_FRACTION`, passed on to the runs, says otherwise), the host's
+available RAM less `--host-reserve-gib`, or the free space under `--nvme-path`. The most layers at
+`--hidden` whose states (zinfjax.memory's estimate, embeddings counted) fit every tier it uses
+train with `train_gpt.py` for `--steps` steps. If that run fails (out of memory), the layers
+shrink by `--shrink` and it runs again, up to `--tries` runs. The table: layers, params, states
+per tier, step s, tokens/s, TFLOP/s, losses, peak HBM and RSS; OUT/largest_gpt.json holds every
+run. `--hbm-gib`, `--ram-gib` and `--disk-gib` (per device) replace the measured rooms (a check of
+the script on a small machine). `--deadline` bounds all the runs together (each run's timeout is
+cut to what is left; a try with under a minute left is not started). A mixed run the host kills
+for memory (SIGKILL, the out-of-memory killer) is tried again at the same layers with
 `--oom-reserve-gib` more RAM kept back, where RAM is measured: the plan then puts more on the
 drive, and the layers shrink only if they no longer place.
 
 The placement `mixed` uses every tier at once: zinfjax's `offload="auto"` fills HBM first, then
 host RAM, then the drive, layer by layer (params before optimizer states), with each tier's
 room x `--fill` as its budget (the device's less the activations' estimate). The search builds
-the placement plan alone (no state, in a CPU child process) for each layer count and keeps the
-largest that fits; NVMe steps rewrite in place (`--no-atomic-steps`: all-or-nothing steps would
-need the drive twice over).
+the plan alone (no state, in a CPU child process) for each layer count and keeps the largest
+that fits; NVMe steps rewrite in place (`--no-atomic-steps`: atomic ones need the drive twice).
 
 Each run trains one batch `--steps` times with no warm-up, so its first AdamW step moves every
 weight by about the learning rate, all in the direction that lowers the loss: the blocks'
