@@ -4,16 +4,19 @@ makes of it, before any device time is spent.
   pip install "jax[cuda13]"   # the CUDA plugin and its libraries: no GPU or driver needed
   python scripts/compile_gpu.py --tokens 16384,65536
   python scripts/compile_gpu.py --target h200 --layer-residuals recompute --json out.json
+  python scripts/compile_gpu.py --target h200 --layers 42 --hidden 5120 --heads 40 --vocab 65 \
+      --tokens 8192 --offload-optimizer device:15,pinned_host --bf16-moments
 
 XLA compiles for a GPU described in text (`--target`: its memory, bandwidth,
 SMs, compute capability) with no device present (jax's deviceless
 `topologies`). For each token count, the step with every state on the device
-(the row `bench_gpu.py` times first) is compiled, and one table row says:
+(the row `bench_gpu.py` times first, or the optimizer placed by `--offload-optimizer`)
+is compiled, and one table row says:
 
 * residuals: what the layer scan keeps for backward ("save", "dots" or
   recompute; `ZeroConfig.layer_residuals`) and its bytes per layer, under the
   budget the GPU would give it (half of what the states leave of XLA's
-  allocator limit, 75% of the memory; or `--residual-budget`);
+  allocator limit, `--mem-fraction` of the memory; or `--residual-budget`);
 * products run: the TFLOPs of the matrix products the program executes (every
   dot, cuBLAS GEMM and cuDNN attention call, times the loops' trip counts:
   `_hlo.py`), against the model's 6·N·T + causal attention: more than 1.0x is
@@ -23,12 +26,19 @@ SMs, compute capability) with no device present (jax's deviceless
   a floor of its memory traffic;
 * not bf16: product TFLOPs with other than bf16 operands;
 * cuDNN: the fused attention's forward / backward calls in the program;
-* HBM: arguments + temporaries from `memory_analysis()`, against the target;
+* HBM: arguments + temporaries from `memory_analysis()`, against the
+  allocator's limit (what must fit) and the target's memory;
 * state copies: fp32 bytes the entry computation copies (states copied around
   a branch, each step).
 
-Offloaded placements are not compiled here: a device-less target reports no
-host memory, so jax traces `pinned_host` arrays as device arrays.
+`--offload-optimizer` places the optimizer states (fp32 master and moments)
+per layer, as `ZeroConfig.offload_optimizer` does: where they are off the
+device, the host pipeline updates them in its stores (RAM's, the drive's)
+outside the program, which then holds only device arrays, so it compiles here
+and its HBM is that of the run (`largest_gpt.py`'s mixed plans keep params on
+the device this way). Params off the device are not compiled here: a
+device-less target reports no host memory, and their program calls the swap
+store, which needs the GPU.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ device_description_str: "{name}"
 TARGETS = {"h100": dict(name="NVIDIA H100 80GB HBM3", memory=84929347584, bandwidth=3352320000000),
            "h200": dict(name="NVIDIA H200", memory=150754820096, bandwidth=4800000000000)}
 ALLOCATOR_FRACTION = 0.75  # of the memory XLA:GPU's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
+GIB = 1 << 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--residual-budget", type=float, default=None,
                  help="GiB the saved residuals may take (default: what the target's GPU gives)")
   p.add_argument("--attention", default="cudnn", choices=("cudnn", "explicit"))
+  p.add_argument("--offload-optimizer", default="device",
+                 help="tier of the optimizer states, or a per-layer split such as "
+                      "'device:15,pinned_host' (off the device: the host pipeline's stores)")
+  p.add_argument("--bf16-moments", action="store_true", help="Adam's moments in bf16")
+  p.add_argument("--mem-fraction", type=float, default=ALLOCATOR_FRACTION,
+                 help="of the GPU's memory XLA's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)")
   p.add_argument("--hlo", default=None, help="folder to write each program's optimized HLO to")
   p.add_argument("--json", default=None, help="write the rows to this file too")
   return p.parse_args(argv)
@@ -95,6 +112,33 @@ def gpu_mesh(target: str):
   return topologies.make_mesh(topology, (1,), ("data",)), jax
 
 
+def zero_config(args):
+  """The step's `ZeroConfig`: every param on the device, the optimizer states where
+  `--offload-optimizer` says; off the device they are the host pipeline's (as
+  `largest_gpt.py` runs them: NVMe rewritten in place), updated outside the program."""
+  import tempfile
+
+  import zinfjax
+  zero = zinfjax.ZeroConfig(layer_residuals=args.layer_residuals)
+  if args.offload_optimizer == "device":
+    return zero
+  try:
+    return dataclasses.replace(
+        zero, offload_optimizer=args.offload_optimizer, host_optimizer="pipeline",
+        nvme_path=os.path.join(tempfile.gettempdir(), "zinfjax-compile-gpu"),
+        nvme_atomic_steps=False)
+  except ValueError as e:
+    raise SystemExit(f"compile_gpu: --offload-optimizer {args.offload_optimizer!r}: {e}") from None
+
+
+def placed(args) -> str:
+  """The placement, in the table's words."""
+  moments = ", bf16 moments" if args.bf16_moments else ""
+  if args.offload_optimizer == "device":
+    return "all states on the device" + moments
+  return f"params on the device, optimizer {args.offload_optimizer}{moments}"
+
+
 def compile_step(args, mesh, tokens: int) -> dict:
   """Compile the all-device step for `tokens` tokens; its row of the table."""
   import jax
@@ -110,12 +154,15 @@ def compile_step(args, mesh, tokens: int) -> dict:
   config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
                       seq_len=args.seq_len, vocab_size=args.vocab)
   target = TARGETS[args.target]
-  make = lambda zero: zinfjax.abstract_init(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4),
-                                            zero, mesh)
-  zero = zinfjax.ZeroConfig(layer_residuals=args.layer_residuals)
-  budget = (int(args.residual_budget * 2**30) if args.residual_budget is not None else R.free_share(
-      int(target["memory"] * ALLOCATOR_FRACTION),  # the allocator's limit, as the GPU reports it
-      make(zero).engine.plan.tier_bytes()[Tier.DEVICE]))
+  limit = int(target["memory"] * args.mem_fraction)  # the allocator's limit, as the GPU reports it
+  tx = zinfjax.optim.adamw(1e-4, moment_dtype="bfloat16" if args.bf16_moments else "float32")
+  make = lambda zero: zinfjax.abstract_init(lambda r: GPT(config, rngs=r), tx, zero, mesh)
+  zero = zero_config(args)
+  try:
+    budget = (int(args.residual_budget * GIB) if args.residual_budget is not None else
+              R.free_share(limit, make(zero).engine.plan.tier_bytes()[Tier.DEVICE]))
+  except ValueError as e:  # a split the model's layers cannot take
+    raise SystemExit(f"compile_gpu: {e}") from None
   state = make(dataclasses.replace(zero, residual_budget=budget))
   batch = {k: jax.ShapeDtypeStruct((max(1, tokens // config.seq_len), config.seq_len), jnp.int32,
                                    sharding=NamedSharding(mesh, P("data")))
@@ -155,23 +202,28 @@ def compile_step(args, mesh, tokens: int) -> dict:
           "run_over_model": flops.total / model, "written_gib": _hlo.written_bytes(hlo) / 2**30,
           "not_bf16_tflop": sum(v for k, v in flops.by_dtype.items() if k != "bf16") / 1e12,
           "cudnn_forward": attention[False], "cudnn_backward": attention[True],
-          "hbm_gib": hbm / 2**30, "hbm_fraction": hbm / target["memory"],
+          "hbm_gib": hbm / GIB, "hbm_fraction": hbm / target["memory"], "hbm_of_limit": hbm / limit,
+          "arguments_gib": memory.argument_size_in_bytes / GIB,
+          "temporaries_gib": memory.temp_size_in_bytes / GIB,
           "state_copies_gib": _hlo.entry_copies(hlo) / 2**30, "compile_s": seconds}
 
 
 def table(rows: list[dict], args) -> str:
   head = (f"GPT {args.layers} x {args.hidden} ({args.heads} heads, seq {args.seq_len}, vocab "
-          f"{args.vocab}), all states on the device, compiled for {TARGETS[args.target]['name']} "
+          f"{args.vocab}), {placed(args)}, compiled for {TARGETS[args.target]['name']} "
           f"(no GPU present), layer_residuals={args.layer_residuals}, attention {args.attention}")
   lines = [head, "", "| tokens | residuals (GiB/layer) | products run TFLOP | model TFLOP | run / model "
-           "| written GiB | not bf16 TFLOP | cuDNN fwd / bwd | HBM GiB (of target) | state copies GiB |",
+           "| written GiB | not bf16 TFLOP | cuDNN fwd / bwd | HBM GiB: arguments + temporaries "
+           f"(of the {args.mem_fraction:.0%} limit / of memory) | state copies GiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['tokens']} | {r['residuals']} ({r['residual_gib_per_layer']:.2f}) | "
                  f"{r['run_tflop']:.2f} | {r['model_tflop']:.2f} | {r['run_over_model']:.3f}x | "
                  f"{r['written_gib']:.1f} | "
                  f"{r['not_bf16_tflop']:.2f} | {r['cudnn_forward']} / {r['cudnn_backward']} | "
-                 f"{r['hbm_gib']:.1f} ({r['hbm_fraction']:.0%}) | {r['state_copies_gib']:.2f} |")
+                 f"{r['arguments_gib']:.1f} + {r['temporaries_gib']:.1f} = {r['hbm_gib']:.1f} "
+                 f"({r['hbm_of_limit']:.0%} / {r['hbm_fraction']:.0%}) | "
+                 f"{r['state_copies_gib']:.2f} |")
   return "\n".join(lines)
 
 
@@ -181,6 +233,7 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
   os.environ["ZINFJAX_ATTENTION"] = args.attention  # the CPU is jax's backend here
+  zero_config(args)  # a misspelt tier is refused before XLA:GPU is asked for
   mesh, _ = gpu_mesh(args.target)
   rows = [compile_step(args, mesh, int(t)) for t in args.tokens.split(",")]
   print(table(rows, args), flush=True)

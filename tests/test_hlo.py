@@ -1,6 +1,6 @@
 """scripts/_hlo.py: the matrix products a compiled program runs, read from its HLO (checked on
-XLA:CPU programs, and on XLA:GPU's custom calls as they print), and scripts/compile_gpu.py's
-refusal where XLA:GPU is not installed."""
+XLA:CPU programs, and on XLA:GPU's custom calls as they print), and scripts/compile_gpu.py: its
+refusals, and its rows for a placed optimizer (compiled here for the CPU)."""
 
 import importlib.util
 import os
@@ -114,3 +114,45 @@ def test_compile_gpu_says_what_to_install_without_xla_gpu():
                        capture_output=True, text=True, timeout=300)
   assert out.returncode != 0
   assert 'pip install "jax[cuda13]"' in out.stderr, out.stderr
+
+
+def test_compile_gpu_refuses_a_misspelt_tier_before_asking_for_xla_gpu():
+  """A bad --offload-optimizer is named, with the tiers there are, whether or not XLA:GPU is
+  installed: nothing is compiled."""
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "compile_gpu.py"), "--tokens", "64",
+                        "--offload-optimizer", "devcie:2,pinned_host"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert "--offload-optimizer 'devcie:2,pinned_host'" in out.stderr, out.stderr
+  assert "('device', 'pinned_host', 'nvme')" in out.stderr and "pip install" not in out.stderr
+
+
+def test_compile_gpu_rows_drop_the_optimizer_the_host_pipeline_holds():
+  """The step compiled with the optimizer of all but the first layer in the host pipeline's
+  store: the program's arguments are smaller by exactly the optimizer bytes the plan moved off
+  the device (master and bf16 moments, 8 bytes a param), and it computes the same products."""
+  import compile_gpu
+  import zinfjax
+  from zinfjax.models import GPT, get_config
+  from zinfjax.tier import Tier
+
+  mesh = zinfjax.make_mesh(1)
+  rows, moved = {}, {}
+  for optimizer in ("device", "device:1,pinned_host"):
+    args = compile_gpu.parse_args(["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len",
+                                   "32", "--vocab", "65", "--offload-optimizer", optimizer,
+                                   "--bf16-moments", "--layer-residuals", "recompute"])
+    rows[optimizer] = compile_gpu.compile_step(args, mesh, 128)
+    tx = zinfjax.optim.adamw(1e-4, moment_dtype="bfloat16")
+    config = get_config("tiny", num_layers=4, hidden=64, num_heads=4, seq_len=32, vocab_size=65)
+    state = zinfjax.abstract_init(lambda r: GPT(config, rngs=r), tx,
+                                  compile_gpu.zero_config(args), mesh)
+    moved[optimizer] = state.engine.plan.tier_bytes()[Tier.DEVICE]
+  whole, placed = rows["device"], rows["device:1,pinned_host"]
+  gone = moved["device"] - moved["device:1,pinned_host"]
+  block = 12 * 64 * 64 + 13 * 64  # a GPT block's params: qkv, proj, MLP in and out, biases, norms
+  assert gone == 3 * 8 * block, (gone, block)
+  assert (whole["arguments_gib"] - placed["arguments_gib"]) * 2**30 == pytest.approx(gone, rel=1e-9)
+  assert placed["run_tflop"] == pytest.approx(whole["run_tflop"], rel=1e-9)
+  assert placed["hbm_gib"] < whole["hbm_gib"] and placed["residuals"] == "recompute"
+  assert "optimizer device:1,pinned_host, bf16 moments" in compile_gpu.table([placed], args)

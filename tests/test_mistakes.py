@@ -278,6 +278,9 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
       (["--layers", "2", "--offload-param", "device:5,pinned_host"],
        "offload_param='device:5,pinned_host' places 5 layers by count, but the model's stacks "
        "have 2 layers"),
+      # the host pipeline keeps pinned host in its store: the message names the tier as given
+      (["--layers", "2", "--offload-optimizer", "device:3,pinned_host", "--host-optimizer",
+        "pipeline"], "offload_optimizer='device:3,pinned_host' places 3 layers by count"),
       (["--save-every", "-1"], "--save-every -1: give a number of steps above 0"),
       (["--eval-every", "-2"], "--eval-every -2: give a number of steps above 0"),
       (["--keep", "0"], "--keep 0: keep at least 1 checkpoint"),

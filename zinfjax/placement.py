@@ -358,7 +358,8 @@ def _check_counts(split: TierSplit, field: str, depth: int | None) -> None:
   would be cut silently, and the run would not be placed as asked."""
   asked = sum(a for _, a in split if isinstance(a, int))
   if depth is not None and asked > depth:
-    text = ",".join(t if a is None else f"{t}:{a}" for t, a in split)
+    # as the user wrote it: the host pipeline's store is pinned host to them
+    text = ",".join(f"{Tier(t).medium}" + ("" if a is None else f":{a}") for t, a in split)
     raise ValueError(
         f"ZeroConfig.{field}={text!r} places {asked} layers by count, but the model's stacks "
         f"have {depth} layers: ask for at most {depth}, or give fractions (such as "
