@@ -31,7 +31,9 @@ def batches():
 # norms: every step clips), per-layer splits, bf16 compute params
 CASES = [("device", "pinned_host", "fp32", None),
          ("pinned_host", "pinned_host", "fp32", 0.5),
-         ("device:2,pinned_host", "device:1,pinned_host", "bf16", 0.5)]
+         ("device:2,pinned_host", "device:1,pinned_host", "bf16", 0.5),
+         # the largest model's plan: every param on the device, some layers' optimizer too
+         ("device", "device:1,pinned_host", "bf16", 0.5)]
 
 
 @pytest.mark.parametrize("param,optimizer,precision,clip", CASES)
