@@ -140,7 +140,8 @@ def placed(args) -> str:
 
 
 def compile_step(args, mesh, tokens: int) -> dict:
-  """Compile the all-device step for `tokens` tokens; its row of the table."""
+  """Compile the step (every state on the device, or the optimizer where `--offload-optimizer`
+  says) for `tokens` tokens; its row of the table."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -196,16 +197,16 @@ def compile_step(args, mesh, tokens: int) -> dict:
       attention["Backward" in call] += n
   memory = program.memory_analysis()
   hbm = memory.argument_size_in_bytes + memory.temp_size_in_bytes
-  return {"tokens": tokens, "residuals": mode, "residual_gib_per_layer": (kept[0] / 2**30 if kept
-                                                                          else 0.0),
+  return {"tokens": tokens, "residuals": mode,
+          "residual_gib_per_layer": kept[0] / GIB if kept else 0.0,
           "run_tflop": flops.total / 1e12, "model_tflop": model / 1e12,
-          "run_over_model": flops.total / model, "written_gib": _hlo.written_bytes(hlo) / 2**30,
+          "run_over_model": flops.total / model, "written_gib": _hlo.written_bytes(hlo) / GIB,
           "not_bf16_tflop": sum(v for k, v in flops.by_dtype.items() if k != "bf16") / 1e12,
           "cudnn_forward": attention[False], "cudnn_backward": attention[True],
           "hbm_gib": hbm / GIB, "hbm_fraction": hbm / target["memory"], "hbm_of_limit": hbm / limit,
           "arguments_gib": memory.argument_size_in_bytes / GIB,
           "temporaries_gib": memory.temp_size_in_bytes / GIB,
-          "state_copies_gib": _hlo.entry_copies(hlo) / 2**30, "compile_s": seconds}
+          "state_copies_gib": _hlo.entry_copies(hlo) / GIB, "compile_s": seconds}
 
 
 def table(rows: list[dict], args) -> str:

@@ -137,7 +137,7 @@ def test_compile_gpu_rows_drop_the_optimizer_the_host_pipeline_holds():
   from zinfjax.tier import Tier
 
   mesh = zinfjax.make_mesh(1)
-  rows, moved = {}, {}
+  rows, device_bytes = {}, {}  # each placement's row, and its plan's bytes on the device
   for optimizer in ("device", "device:1,pinned_host"):
     args = compile_gpu.parse_args(["--layers", "4", "--hidden", "64", "--heads", "4", "--seq-len",
                                    "32", "--vocab", "65", "--offload-optimizer", optimizer,
@@ -147,9 +147,9 @@ def test_compile_gpu_rows_drop_the_optimizer_the_host_pipeline_holds():
     config = get_config("tiny", num_layers=4, hidden=64, num_heads=4, seq_len=32, vocab_size=65)
     state = zinfjax.abstract_init(lambda r: GPT(config, rngs=r), tx,
                                   compile_gpu.zero_config(args), mesh)
-    moved[optimizer] = state.engine.plan.tier_bytes()[Tier.DEVICE]
+    device_bytes[optimizer] = state.engine.plan.tier_bytes()[Tier.DEVICE]
   whole, placed = rows["device"], rows["device:1,pinned_host"]
-  gone = moved["device"] - moved["device:1,pinned_host"]
+  gone = device_bytes["device"] - device_bytes["device:1,pinned_host"]
   block = 12 * 64 * 64 + 13 * 64  # a GPT block's params: qkv, proj, MLP in and out, biases, norms
   assert gone == 3 * 8 * block, (gone, block)
   assert (whole["arguments_gib"] - placed["arguments_gib"]) * 2**30 == pytest.approx(gone, rel=1e-9)
