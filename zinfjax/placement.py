@@ -359,7 +359,7 @@ def _check_counts(split: TierSplit, field: str, depth: int | None) -> None:
   asked = sum(a for _, a in split if isinstance(a, int))
   if depth is not None and asked > depth:
     # as the user wrote it: the host pipeline's store is pinned host to them
-    text = ",".join(f"{Tier(t).medium}" + ("" if a is None else f":{a}") for t, a in split)
+    text = ",".join(f"{t.medium}" + ("" if a is None else f":{a}") for t, a in split)
     raise ValueError(
         f"ZeroConfig.{field}={text!r} places {asked} layers by count, but the model's stacks "
         f"have {depth} layers: ask for at most {depth}, or give fractions (such as "
