@@ -22,6 +22,9 @@ host RAM, then the drive, layer by layer (params before optimizer states), with 
 room x `--fill` as its budget (the device's less the activations' estimate). The search builds
 the plan alone (no state, in a CPU child process) for each layer count and keeps the largest
 that fits; NVMe steps rewrite in place (`--no-atomic-steps`: atomic ones need the drive twice).
+With `--delay-update all` the host's AdamW runs beside the next step's program instead of after
+it (the step's time is then about the longer of the two), and its held grads and new params
+count in RAM's need: the same rooms place less.
 
 Each run trains one batch `--steps` times with no warm-up, so its first AdamW step moves every
 weight by about the learning rate, all in the direction that lowers the loss: the blocks'
@@ -42,9 +45,11 @@ import sys
 import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-GIB = 1 << 30
 sys.path.insert(0, SCRIPTS)
 from _gpu_table import SPEC_TFLOPS  # noqa: E402  (bench_gpu.py's second MFU denominator)
+from _largest_plan import (  # noqa: E402,F401  (the tests reach them through this script)
+    GIB, delay_of, gpt_config, largest, mixed_budgets, mixed_plan, need, num_params, rooms,
+    search_mixed)
 LR_WIDTH_DEPTH = 0.02  # lr x hidden x layers of the default learning rate (see above)
 KILLED = -9  # a run's exit status when the kernel's out-of-memory killer (SIGKILL) stopped it
 MIN_TRY_S = 60  # under --deadline, a try with less time than this left is not started
@@ -74,141 +79,6 @@ def devices_here(devices: int | None) -> tuple[str, int, int | None]:
   return platform, devices or count, limit
 
 
-def rooms(args, nvme_path: str, limit: int | None, platform: str) -> dict[str, int]:
-  """Bytes of states each tier may hold per device (before `--fill`): measured unless given; RAM's
-  less what XLA's host update copies on a GPU (`zinfjax.hostlimit.host_room`)."""
-  out = {}
-  if args.hbm_gib is not None:
-    out["device"] = int(args.hbm_gib * GIB)
-  elif limit is None:
-    raise SystemExit(f"{platform} devices report no memory limit: pass --hbm-gib.")
-  else:
-    out["device"] = int(limit)
-  if args.ram_gib is not None:
-    out["pinned_host"] = int(args.ram_gib * GIB)
-  else:
-    from zinfjax.progress import host_memory
-    seen = host_memory()
-    if seen is None:
-      raise SystemExit("this host reports no available RAM (/proc/meminfo): pass --ram-gib.")
-    out["pinned_host"] = max(0, seen[0] - int(args.host_reserve_gib * GIB)) // args.devices
-  from zinfjax.hostlimit import host_room
-  out["pinned_host"] = host_room(out["pinned_host"], platform, args.host_optimizer)
-  if args.disk_gib is not None:
-    out["nvme"] = int(args.disk_gib * GIB)
-  else:
-    os.makedirs(nvme_path, exist_ok=True)
-    out["nvme"] = shutil.disk_usage(nvme_path).free // args.devices
-  return out
-
-
-def gpt_config(layers: int, args):
-  """The GPT `train_gpt.py` builds with `layers` layers."""
-  from zinfjax.models import get_config
-  return get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
-                    vocab_size=65, seq_len=args.seq_len)
-
-
-def num_params(layers: int, args) -> int:
-  """Parameters of that GPT (embeddings counted)."""
-  return gpt_config(layers, args).num_params
-
-
-def need(layers: int, tier: str, args) -> dict[str, int]:
-  """Bytes per device on each tier for `layers` layers with params and optimizer on `tier`."""
-  from zinfjax.memory import estimate_memory
-  est = estimate_memory(layers=layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                        batch_per_device=max(1, args.batch_size // args.devices), devices=args.devices,
-                        offload_param=tier, offload_optimizer=tier, num_params=num_params(layers, args),
-                        bf16_moments=getattr(args, "bf16_moments", False))
-  out = dict(est.per_device)
-  out["device"] += (est.activation_checkpoints + est.activation_working_memory +
-                    est.model_state_working_memory)
-  return out
-
-
-def mixed_budgets(layers: int, room: dict[str, int], args) -> dict[str, int]:
-  """`offload="auto"` budgets per device for `layers` layers: each tier's room x `--fill`, the
-  device's less the activations and working memory (zinfjax.memory's estimate)."""
-  from zinfjax.memory import estimate_memory
-  est = estimate_memory(layers=layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                        batch_per_device=max(1, args.batch_size // args.devices), devices=args.devices,
-                        num_params=num_params(layers, args))
-  work = est.activation_checkpoints + est.activation_working_memory + est.model_state_working_memory
-  return {"device": max(0, int(args.fill * room["device"]) - work),
-          "pinned_host": int(args.fill * room["pinned_host"]), "nvme": int(args.fill * room["nvme"])}
-
-
-def mixed_plan(layers: int, room: dict[str, int], args, folder: str) -> dict | None:
-  """The placement `offload="auto"` chooses for `layers` layers (its splits and the bytes per tier
-  per device), or None where the model does not fit the budgets. Builds the plan only."""
-  import zinfjax
-  from zinfjax.autoplace import PlacementError
-  from zinfjax.engine import build_engine
-  from zinfjax.models import GPT, get_config
-  config = get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
-                      vocab_size=65, seq_len=args.seq_len)
-  zero = zinfjax.ZeroConfig(offload="auto", tier_budgets=mixed_budgets(layers, room, args),
-                            nvme_path=folder, nvme_atomic_steps=False,
-                            pinned_budget=args.pinned_budget << 20,
-                            host_optimizer=args.host_optimizer)
-  try:
-    tx = zinfjax.optim.adamw(1e-3, moment_dtype="bfloat16" if args.bf16_moments else "float32")
-    auto = build_engine(lambda r: GPT(config, rngs=r), tx, zero, zinfjax.make_mesh(),
-                        open_store_=False).auto
-  except PlacementError:
-    return None
-  return {"offload_param": auto.offload_param, "offload_optimizer": auto.offload_optimizer,
-          "need": {str(t): int(b) for t, b in auto.need.items()}, "budgets": auto.budgets,
-          "host_arrays": auto.host_arrays}
-
-
-def search_mixed(room: dict[str, int], args, folder: str,
-                 layers: int | None = None) -> tuple[int, dict | None]:
-  """The most layers `mixed_plan` places and its placement (or, given `layers`, that count's
-  placement), asked of a child process on the CPU with `--devices` host devices: this one must
-  not hold the GPU."""
-  code = ("import json, sys, types; sys.path.insert(0, sys.argv[1]); import largest_gpt as L; "
-          "a = json.loads(sys.argv[2]); ns = types.SimpleNamespace(**a['args']); "
-          "place = lambda n: L.mixed_plan(n, a['room'], ns, a['folder']); "
-          "print(json.dumps(L.bisect(place) if a['layers'] is None "
-          "else (a['layers'], place(a['layers']))))")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
-  payload = json.dumps({"room": room, "args": vars(args), "folder": folder, "layers": layers})
-  out = subprocess.run([sys.executable, "-c", code, SCRIPTS, payload], capture_output=True,
-                       text=True, env=env, cwd="/")
-  if out.returncode:
-    raise SystemExit(f"the mixed placement search failed:\n{out.stderr[-3000:]}")
-  found, plan = json.loads(out.stdout.strip().splitlines()[-1])
-  return found, plan
-
-
-def bisect(place) -> tuple[int, object]:
-  """The largest n >= 1 with `place(n)` not None (doubling, then halving) and its value;
-  (0, None) when not even one layer places."""
-  lo, hi, best = 0, 1, None
-  while (got := place(hi)) is not None:
-    lo, hi, best = hi, hi * 2, got
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    got = place(mid)
-    lo, hi, best = (mid, hi, got) if got is not None else (lo, mid, best)
-  return lo, best
-
-
-def largest(tier: str, room: dict[str, int], args) -> int:
-  """The most layers whose estimate fits `room` x `--fill` on every tier (0: not even one)."""
-  fits = lambda n: all(b <= args.fill * room[t] for t, b in need(n, tier, args).items() if b)
-  lo, hi = 0, 1
-  while fits(hi):
-    lo, hi = hi, hi * 2
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-  return lo
-
-
 def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None,
           timeout: float | None = None) -> dict:
   """One `train_gpt.py` run, stopped after `timeout` s (`--timeout`); its metrics, return code
@@ -220,7 +90,7 @@ def train(tier: str, layers: int, args, folder: str, budgets: dict | None = None
          "--layers", str(layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
          "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
          "--steps", str(args.steps), "--log-every", "1", "--same-batch", "--warmup-steps", "0",
-         "--lr", str(lr),
+         "--lr", str(lr), "--delay-update", delay_of(tier, args),
          "--metrics-jsonl", metrics] + (["--bf16-moments"] if args.bf16_moments else [])
   if tier == "mixed":
     cmd += ["--offload", "auto"] + [f"--budget={t}={b}" for t, b in budgets.items()]
@@ -278,10 +148,12 @@ def main(argv=None) -> int:
                  help="Adam's moments in bf16 (8 optimizer bytes per parameter instead of 12)")
   p.add_argument("--host-optimizer", default="pipeline", choices=("xla", "pipeline", "stream"),
                  help="who updates the optimizer states in pinned host (train_gpt.py's flag): "
-                      "'pipeline' (the default), the C++ AdamW on host threads, the pinned-host "
-                      "states in a store in RAM beside the drive's, updated in place; 'xla', the "
-                      "step's program, whose copies on a GPU leave RAM's room / 2.3 for states; "
-                      "'stream', the step's program on the device, a layer's states streamed at a time")
+                      "'pipeline' (the default), the C++ AdamW on host threads, the states in a "
+                      "store in RAM; 'xla', the step's program (on a GPU, RAM's room / 2.3 for "
+                      "states); 'stream', the program on the device, a layer's states at a time")
+  p.add_argument("--delay-update", default="none", choices=("none", "tail", "all"),
+                 help="ZeroConfig.delay_update of the runs, counted in their plans: 'all' runs the "
+                      "host's AdamW beside the next step's program (ZeRO-Offload's delayed update)")
   p.add_argument("--lr", type=float, default=None,
                  help=f"learning rate (default: {LR_WIDTH_DEPTH} / (hidden x layers), see above)")
   p.add_argument("--devices", type=int, default=None, help="devices used (default: all)")
@@ -290,9 +162,8 @@ def main(argv=None) -> int:
                  help="host RAM kept for the runtime, data and staging (measured RAM only)")
   p.add_argument("--nvme-path", default=None, help="swap store folder (default: under --out)")
   p.add_argument("--pinned-budget", type=int, default=4096, help="MiB of pinned buffers for NVMe")
-  p.add_argument("--hbm-gib", type=float, default=None)
-  p.add_argument("--ram-gib", type=float, default=None)
-  p.add_argument("--disk-gib", type=float, default=None)
+  for room_flag in ("--hbm-gib", "--ram-gib", "--disk-gib"):  # rooms given (see above)
+    p.add_argument(room_flag, type=float, default=None)
   p.add_argument("--shrink", type=float, default=0.8, help="layers kept after a failed run")
   p.add_argument("--tries", type=int, default=2, help="runs per placement at most")
   p.add_argument("--timeout", type=int, default=540, help="seconds per run")
@@ -363,7 +234,8 @@ def main(argv=None) -> int:
       layers, room = next_try(tier, layers, run, room, args, folder, limit, platform)
       placed = None
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
-        f"{args.steps} steps (the first compiles); states may take {args.fill:.0%} of each tier's room\n")
+        f"{args.steps} steps (the first compiles), delay_update {args.delay_update}; states may "
+        f"take {args.fill:.0%} of each tier's room\n")
   print("| placement | layers | params B | states per device | exit | step s (last) | "
         f"tokens/s | TFLOP/s | MFU ({SPEC_TFLOPS:.0f} spec) | lr | loss first -> last | peak HBM GiB | "
         "peak RSS GiB (RAM free at least) | disk used GB | wall s |")

@@ -35,6 +35,8 @@ def main(argv=None) -> int:
   p.add_argument("--offload-param", default="device:40,pinned_host")
   p.add_argument("--offload-optimizer", default="pinned_host:39,nvme")
   p.add_argument("--bf16-moments", action="store_true")
+  p.add_argument("--delay-update", default="none", choices=("none", "tail", "all"),
+                 help="ZeroConfig.delay_update (the second step then holds the first's grads)")
   p.add_argument("--nvme-path", default="/tmp/zinfjax-step-rss")
   p.add_argument("--pinned-budget", type=int, default=192, help="MiB of pinned buffers for NVMe")
   args = p.parse_args(argv)
@@ -51,7 +53,8 @@ def main(argv=None) -> int:
   zero = zinfjax.ZeroConfig(precision="bf16", offload_param=args.offload_param,
                             offload_optimizer=args.offload_optimizer, host_optimizer="pipeline",
                             nvme_path=args.nvme_path, nvme_atomic_steps=False,
-                            pinned_budget=args.pinned_budget << 20)
+                            pinned_budget=args.pinned_budget << 20,
+                            delay_update=args.delay_update)
   tx = zinfjax.optim.adamw(1e-6, moment_dtype="bfloat16" if args.bf16_moments else "float32")
   state = zinfjax.init(lambda r: GPT(config, rngs=r), tx, zero, zinfjax.make_mesh(), 0)
   tokens = np.random.default_rng(0).integers(0, 65, (args.batch_size, args.seq_len + 1))
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
   arrays = host_array_bytes(plan, run)
   print(f"GPT {args.layers} x {args.hidden} ({config.num_params / 1e9:.2f}B params), "
         f"{args.batch_size} x {args.seq_len} tokens, params {args.offload_param}, optimizer "
-        f"{args.offload_optimizer}, on {jax.devices()[0].platform}; loss {float(first['loss']):.4f}"
+        f"{args.offload_optimizer}, delay_update {args.delay_update}, on "
+        f"{jax.devices()[0].platform}; loss {float(first['loss']):.4f}"
         f" -> {float(second['loss']):.4f}; the second step {seconds:.1f} s\n")
   print("| | MiB |\n|---|---|")
   rows = [*(f"plan: {t} (per device)" for t in states), "plan: host arrays (of pinned host)",

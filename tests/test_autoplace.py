@@ -85,6 +85,32 @@ def test_auto_keeps_everything_on_the_fastest_tier_that_holds_it(mesh, tmp_path)
       "pinned_host", "pinned_host")
 
 
+def test_auto_delays_the_updates_of_the_host_pipeline_where_it_places_any(mesh, tmp_path):
+  """delay_update="all" with offload="auto": where the budgets keep every optimizer state on the
+  device there is nothing to delay (it runs as "none", where an explicit device placement is
+  refused); where they put some in the host pipeline, those are delayed, and their held grads
+  count in RAM's need."""
+  big = {"device": 1 << 30, "pinned_host": 1 << 30, "nvme": 1 << 30}
+  late = dict(precision="fp32", offload="auto", host_optimizer="pipeline", delay_update="all")
+  engine = build_engine(gpt, tx(), zinfjax.ZeroConfig(**late, tier_budgets=big), mesh,
+                        open_store_=False)
+  assert (engine.config.offload_optimizer, engine.config.delay_update) == ("device", "none")
+  with pytest.raises(ValueError, match="delay_update='all'.*no optimizer state is in the host"):
+    build_engine(gpt, tx(), zinfjax.ZeroConfig(precision="fp32", delay_update="all"), mesh,
+                 open_store_=False)
+  # room on the device for the params and no optimizer state: the optimizer goes to RAM
+  device = budgets_of(mesh, "device", "pinned_host", str(tmp_path),
+                      host_optimizer="pipeline")["device"]
+  small = dict(big, device=device)
+  now = build_engine(gpt, tx(), zinfjax.ZeroConfig(**dict(late, delay_update="none"),
+                                                   tier_budgets=small), mesh, open_store_=False)
+  engine = build_engine(gpt, tx(), zinfjax.ZeroConfig(**late, tier_budgets=small), mesh,
+                        open_store_=False)
+  assert engine.config.delay_update == "all" and engine.plan.optimizer_in_store
+  assert engine.auto.offload_optimizer == now.auto.offload_optimizer == "pinned_host"
+  assert engine.auto.need[Tier.PINNED_HOST] > now.auto.need[Tier.PINNED_HOST]
+
+
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(mesh, tmp_path):
   path = tmp_path / "nvme"
   budgets = {"device": 0, "pinned_host": 10_000, "nvme": 100_000}

@@ -442,6 +442,29 @@ def test_largest_gpt_sizes_for_the_host_optimizer_and_steps_below_overshoot(tmp_
   assert not mod.loss_falls(loss(4.2, 5.9, 3.9)) and not mod.loss_falls(loss(4.2))
 
 
+def test_largest_gpt_counts_the_delayed_update_in_its_plans(tmp_path):
+  """`--delay-update all`: the held grads and new params count in RAM's need, in a tier's own
+  sizing and in the mixed plan (the same rooms place more in RAM, or less), and a model whose
+  optimizer the plan keeps on the device still places (nothing to delay)."""
+  import types
+  mod = load_script("largest_gpt")
+  gib = 1 << 30
+  args = lambda delay: types.SimpleNamespace(
+      hidden=128, heads=4, seq_len=64, batch_size=8, devices=8, bf16_moments=True, fill=0.85,
+      host_optimizer="pipeline", delay_update=delay, pinned_budget=64)
+  ram = {d: mod.need(4, "pinned_host", args(d))["pinned_host"] for d in ("none", "all")}
+  assert ram["all"] > ram["none"], ram
+  assert mod.need(4, "device", args("all")) == mod.need(4, "device", args("none"))
+  # the plan on this process's 8 devices: room for the params, not for Adam's states
+  room = {"device": int(0.0012 * gib), "pinned_host": gib, "nvme": gib}
+  plans = {d: mod.mixed_plan(4, room, args(d), str(tmp_path)) for d in ("none", "all")}
+  assert all((p["offload_param"], p["offload_optimizer"]) == ("device", "pinned_host")
+             for p in plans.values()), plans
+  assert plans["all"]["need"]["pinned_host"] > plans["none"]["need"]["pinned_host"], plans
+  roomy = dict(room, device=gib)
+  assert mod.mixed_plan(4, roomy, args("all"), str(tmp_path))["offload_optimizer"] == "device"
+
+
 def test_largest_gpt_tries_a_run_killed_for_memory_again_with_more_ram_kept_back(tmp_path,
                                                                                  monkeypatch):
   """A mixed run the host kills for memory (SIGKILL: the two 13.2B runs on the H100 ended so)

@@ -173,6 +173,9 @@ class ZeroConfig:
       were; checkpoints keep the held grads, and a run resumed with the same
       delay applies them).
       "none" (default): no delay.
+      With offload="auto", a placement that keeps every optimizer state on
+      the device has nothing to delay: it runs as "none" (any other
+      placement without the host pipeline is refused).
     host_nice: added to the nice value of zinfjax's background host threads
       (the NVMe optimizer pipeline and the swap store's I/O threads), so the
       threads running the XLA program keep the CPU first: on XLA:CPU they

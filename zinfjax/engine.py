@@ -267,7 +267,9 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
       raise
     raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
                      f") to fit the budgets: {e}") from None
-  if config.delay_update != "none" and not plan.optimizer_in_store:
+  if config.delay_update != "none" and not plan.optimizer_in_store and auto is not None:
+    config = config.replace(delay_update="none")  # "auto" kept every optimizer state on the device
+  elif config.delay_update != "none" and not plan.optimizer_in_store:
     raise ValueError(
         f"ZeroConfig.delay_update={config.delay_update!r} delays updates of the host pipeline, but "
         "no optimizer state is in the host pipeline: place the optimizer on NVMe "
