@@ -24,7 +24,10 @@ the plan alone (no state, in a CPU child process) for each layer count and keeps
 that fits; NVMe steps rewrite in place (`--no-atomic-steps`: atomic ones need the drive twice).
 With `--delay-update all` the host's AdamW runs beside the next step's program instead of after
 it (the step's time is then about the longer of the two), and its held grads and new params
-count in RAM's need: the same rooms place less.
+count in RAM's need: the same rooms place less. Such a run's loss is judged from its second step
+on (the second may run the first's params unchanged). The table's "program / after it" splits
+the last step: the program, then the host's work after it (the host pipeline's update, where
+it runs after backward).
 
 Each run trains one batch `--steps` times with no warm-up, so its first AdamW step moves every
 weight by about the learning rate, all in the direction that lowers the loss: the blocks'
@@ -62,9 +65,14 @@ def default_lr(hidden: int, layers: int) -> float:
   return LR_WIDTH_DEPTH / (hidden * layers)
 
 
-def loss_falls(records: list[dict]) -> bool:
-  """Whether a run's loss fell at every step it logged (and it logged two or more)."""
+def loss_falls(records: list[dict], late: bool = False) -> bool:
+  """Whether a run's loss fell at every step it logged (and it logged two or more). `late`:
+  updates one step late (`--delay-update all`), so the second step may run the first's params
+  unchanged where the host pipeline holds every layer's optimizer: from the second step on,
+  and the last below the first."""
   losses = [r["loss"] for r in records]
+  if late:
+    return len(losses) > 2 and losses[-1] < losses[0] and loss_falls(records[1:])
   return len(losses) > 1 and all(b < a for a, b in zip(losses, losses[1:]))
 
 
@@ -236,15 +244,19 @@ def main(argv=None) -> int:
   print(f"\nGPT x{args.hidden} ({args.heads} heads), {args.batch_size} x {args.seq_len} tokens a step, "
         f"{args.steps} steps (the first compiles), delay_update {args.delay_update}; states may "
         f"take {args.fill:.0%} of each tier's room\n")
+  # program / after it: the step's program, then the host's work it waited for (the host
+  # pipeline's update after backward, its grads read and new params put back)
   print("| placement | layers | params B | states per device | exit | step s (last) | "
+        "program / after it s | "
         f"tokens/s | TFLOP/s | MFU ({SPEC_TFLOPS:.0f} spec) | lr | loss first -> last | peak HBM GiB | "
         "peak RSS GiB (RAM free at least) | disk used GB | wall s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---" * 16 + "|")
+  late = lambda run: delay_of(run["tier"], args) == "all"  # judged from the second step on
   for run in runs:
     config, rs = gpt_config(run["layers"], args), run["records"]
     n = config.num_params
     states = ", ".join(f"{t} {human_bytes(b)}" for t, b in run["need"].items() if b)
-    trained = ["-"] * 4 + [f"{run['lr']:.2g}"] + ["-"] * 4  # a run that wrote no step
+    trained = ["-"] * 5 + [f"{run['lr']:.2g}"] + ["-"] * 4  # a run that wrote no step
     if rs:
       last = rs[-1]
       # 6·N·T plus causal attention, the standard count (GPTConfig.train_flops)
@@ -252,10 +264,13 @@ def main(argv=None) -> int:
       hbm = [r["peak_hbm"] for r in rs if r.get("peak_hbm") is not None]
       disk = last.get("tiers", {}).get("nvme", 0) * args.devices
       free = [r["least_ram_available"] for r in rs if r.get("least_ram_available") is not None]
-      trained = [f"{last['step_time_s']:.2f}", f"{last['tokens_per_s']:,.0f}", f"{tflops:.1f}",
-                 f"{tflops / SPEC_TFLOPS:.1%}" if platform == "gpu" else "-",
+      split = (f"{last['fwd_bwd_s']:.2f} / {last['after_program_s']:.2f}"
+               if "after_program_s" in last else "-")  # no host pipeline: the program alone
+      trained = [f"{last['step_time_s']:.2f}", split, f"{last['tokens_per_s']:,.0f}",
+                 f"{tflops:.1f}", f"{tflops / SPEC_TFLOPS:.1%}" if platform == "gpu" else "-",
                  f"{run['lr']:.2g}", f"{rs[0]['loss']:.3f} -> {last['loss']:.3f}"
-                 + (" (falls at every step)" if loss_falls(rs) else " (**not falling**)"),
+                 + (" (falls at every step)" if loss_falls(rs, late(run))
+                    else " (**not falling**)"),
                  f"{max(hbm) / GIB:.2f}" if hbm else "-",
                  f"{max(r['peak_rss'] for r in rs) / GIB:.2f}"
                  + (f" ({min(free) / GIB:.1f})" if free else ""), f"{disk / 1e9:.1f}"]
@@ -264,7 +279,8 @@ def main(argv=None) -> int:
     print("| " + " | ".join([where, str(run["layers"]), f"{n / 1e9:.2f}", states,
                              str(run["returncode"]), *trained, f"{run['wall_s']:.0f}"]) + " |")
   # each placement's last run: it ran, and its loss fell
-  last = {run["tier"]: run["returncode"] == 0 and loss_falls(run["records"]) for run in runs}
+  last = {run["tier"]: run["returncode"] == 0 and loss_falls(run["records"], late(run))
+          for run in runs}
   return 0 if len(last) == len(args.placements) and all(last.values()) else 1
 
 

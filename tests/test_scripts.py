@@ -440,6 +440,9 @@ def test_largest_gpt_sizes_for_the_host_optimizer_and_steps_below_overshoot(tmp_
   loss = lambda *xs: [{"loss": x} for x in xs]
   assert mod.loss_falls(loss(4.2, 3.9, 3.7))
   assert not mod.loss_falls(loss(4.2, 5.9, 3.9)) and not mod.loss_falls(loss(4.2))
+  # every update one step late: the second step may run the first's params unchanged
+  assert not mod.loss_falls(loss(4.2, 4.2, 3.9)) and mod.loss_falls(loss(4.2, 4.2, 3.9), True)
+  assert not mod.loss_falls(loss(4.2, 3.9, 4.0), True) and not mod.loss_falls(loss(4.2, 3.9), True)
 
 
 def test_largest_gpt_counts_the_delayed_update_in_its_plans(tmp_path):
