@@ -6,6 +6,7 @@ norm, a non-finite step's grads dropped), and through a checkpoint."""
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -92,6 +93,62 @@ def test_every_update_one_step_late_equals_the_reference(param, optimizer, extra
   kept = sum(a.nbytes for a in arrays) + sum(twins)
   count = delayed_bytes(state.engine.plan, zero.with_host_pipeline()) * len(pipeline.ranks)
   assert kept == (count if param != "device" else count * 2 // 3) > 0
+  state.close()
+
+
+def split_reference(batches, clip, first_late: int):
+  """`late_reference` where only the stacked layers from `first_late` on are late: the other
+  layers and the leaves outside the stack are updated by their own step (each part with its
+  own AdamW state, so its count is its own number of updates)."""
+  params, grads = reference_grads(scaled_loss, clip)
+  adam = optax.adamw(LR, weight_decay=DECAY)
+
+  def late(path, x):  # which entries of a leaf are late: the stack's layers >= first_late
+    if "blocks" not in jax.tree_util.keystr(path):
+      return np.zeros(x.shape, bool)
+    return np.broadcast_to((np.arange(x.shape[0]) >= first_late).reshape(-1, *[1] * (x.ndim - 1)),
+                           x.shape)
+
+  mask = jax.tree_util.tree_map_with_path(late, params)
+
+  @jax.jit
+  def update(p, g, opt):
+    u, opt = adam.update(g, opt, p)
+    return optax.apply_updates(p, u), opt
+
+  now, later, held, losses = adam.init(params), adam.init(params), None, []
+  for batch in batches:
+    value, g, _ = grads(params, batch)
+    losses.append(float(value))
+    fresh, now = update(params, g, now)
+    if held is not None:
+      stale, later = update(params, held, later)
+    else:
+      stale = params
+    params = jax.tree.map(lambda m, a, b: jnp.where(m, a, b), mask, stale, fresh)
+    held = g
+  return np.asarray(losses), params
+
+
+def test_the_largest_runs_placement_one_step_late(mesh, batches):
+  """The largest run's placement with every host update one step late: every param on the
+  device, the optimizer of the stack's first layers there too (updated by their own step, in
+  the program) and of the rest in RAM's store (updated one step late by the host pipeline),
+  with clipping: as a reference that delays only those layers."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="device",
+                            offload_optimizer="device:1,pinned_host", host_optimizer="pipeline",
+                            delay_update="all")
+  tx = zinfjax.optim.adamw(LR, weight_decay=DECAY, max_grad_norm=0.5)
+  feed = batches[:STEPS]
+  losses, state = zero_training(factory, tx, zero, mesh, feed, scaled_loss)
+  assert {(p.layer, p.leaf) for u in state.engine.pipeline.units for p in u.parts} == {
+      (layer, l.index) for l in state.engine.plan.leaves if l.stacked for layer in (1, 2, 3)}
+  want_losses, want = split_reference(feed, 0.5, first_late=1)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  check_params(state, want)
+  # the reference tells the split apart from the whole stack late, or none of it
+  for other in (0, 4):
+    assert not np.allclose(split_reference(feed, 0.5, other)[0], want_losses, rtol=1e-5)
   state.close()
 
 
