@@ -103,9 +103,8 @@ def mixed_plan(layers: int, room: dict[str, int], args, folder: str) -> dict | N
   import zinfjax
   from zinfjax.autoplace import PlacementError
   from zinfjax.engine import build_engine
-  from zinfjax.models import GPT, get_config
-  config = get_config("tiny", num_layers=layers, hidden=args.hidden, num_heads=args.heads,
-                      vocab_size=65, seq_len=args.seq_len)
+  from zinfjax.models import GPT
+  config = gpt_config(layers, args)
   zero = zinfjax.ZeroConfig(offload="auto", tier_budgets=mixed_budgets(layers, room, args),
                             nvme_path=folder, nvme_atomic_steps=False,
                             pinned_budget=args.pinned_budget << 20,

@@ -267,14 +267,15 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
       raise
     raise ValueError(f"offload='auto' put optimizer states off the device ({auto.offload_optimizer}"
                      f") to fit the budgets: {e}") from None
-  if config.delay_update != "none" and not plan.optimizer_in_store and auto is not None:
-    config = config.replace(delay_update="none")  # "auto" kept every optimizer state on the device
-  elif config.delay_update != "none" and not plan.optimizer_in_store:
-    raise ValueError(
-        f"ZeroConfig.delay_update={config.delay_update!r} delays updates of the host pipeline, but "
-        "no optimizer state is in the host pipeline: place the optimizer on NVMe "
-        "(offload_optimizer='nvme') or in pinned host with host_optimizer='pipeline', or leave "
-        "delay_update='none'.")
+  if config.delay_update != "none" and not plan.optimizer_in_store:
+    if auto is not None:  # "auto" kept every optimizer state on the device: nothing to delay
+      config = config.replace(delay_update="none")
+    else:
+      raise ValueError(
+          f"ZeroConfig.delay_update={config.delay_update!r} delays updates of the host "
+          "pipeline, but no optimizer state is in the host pipeline: place the optimizer on NVMe "
+          "(offload_optimizer='nvme') or in pinned host with host_optimizer='pipeline', or "
+          "leave delay_update='none'.")
   decays = ()
   if hyper is not None:
     shapes = plan.unflatten([jax.ShapeDtypeStruct(l.layout.storage_shape, jnp.float32)
