@@ -130,17 +130,30 @@ def split_reference(batches, clip, first_late: int):
   return np.asarray(losses), params
 
 
-def test_the_largest_runs_placement_one_step_late(mesh, batches):
+def test_the_largest_runs_placement_one_step_late(mesh, batches, monkeypatch):
   """The largest run's placement with every host update one step late: every param on the
   device, the optimizer of the stack's first layers there too (updated by their own step, in
   the program) and of the rest in RAM's store (updated one step late by the host pipeline),
-  with clipping: as a reference that delays only those layers."""
+  with clipping: as a reference that delays only those layers. The held update's new params
+  cross to the device between this step's grad reads, not all of them after the last."""
+  from zinfjax import runner
+  from zinfjax.putback import PutBack
+  events: list[str] = []
+  spy = lambda name, fn: lambda *a: (events.append(name), fn(*a))[1]
+  monkeypatch.setattr(runner, "to_host", spy("read", runner.to_host))
+  monkeypatch.setattr(PutBack, "_put", spy("put", PutBack._put))
+  monkeypatch.setattr(PutBack, "finish", spy("finish", PutBack.finish))
   zero = zinfjax.ZeroConfig(precision="fp32", offload_param="device",
                             offload_optimizer="device:1,pinned_host", host_optimizer="pipeline",
                             delay_update="all")
   tx = zinfjax.optim.adamw(LR, weight_decay=DECAY, max_grad_norm=0.5)
   feed = batches[:STEPS]
   losses, state = zero_training(factory, tx, zero, mesh, feed, scaled_loss)
+  steps = " ".join(events).split("finish")[:-1]
+  assert len(steps) == STEPS and "put" not in steps[0]  # the first step holds no update yet
+  for step in (s.split() for s in steps[1:]):  # puts between the reads, none left for finish
+    assert step[0] == "read" and step.index("put") < len(step) - 1 - step[::-1].index("read")
+    assert step.count("put") == 3 * sum(l.stacked for l in state.engine.plan.leaves)
   assert {(p.layer, p.leaf) for u in state.engine.pipeline.units for p in u.parts} == {
       (layer, l.index) for l in state.engine.plan.leaves if l.stacked for layer in (1, 2, 3)}
   want_losses, want = split_reference(feed, 0.5, first_late=1)

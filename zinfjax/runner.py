@@ -176,12 +176,13 @@ class PipelineRunner:
 
     def stands() -> bool | None:
       """Whether this pass's update stands: None while the program runs. New params go back
-      to the device only once known (the params the program returned are then donated)."""
+      to the device only once known (the params the program returned are then donated).
+      With every update one step late, the held update stands whatever this step's norm."""
       if not all(x.is_ready() for x in jax.tree.leaves(running[1])):
         return None
       watched.wait()  # nothing it blocks on may be donated before
       norm = float(running[1]["grad_norm"])
-      return not (self.skipped(norm) or self.redo(norm, predicted))
+      return self.delayed or not (self.skipped(norm) or self.redo(norm, predicted))
 
     back = PutBack(engine.plan, running[0].params, stands)
     if clip is None or self.delayed:
