@@ -87,7 +87,9 @@ def numpy_copies(jax, nbytes: int, reps: int = 5) -> dict:
   read after the program, their new params put back, init's draws), `nbytes` in four arrays:
   `np.asarray` of each in turn, of all four with their copies started at once
   (`copy_to_host_async`, as `runner.grad_reader` reads ahead), and through a pinned-host array;
-  `jax.device_put` of numpy arrays, directly and through a pinned-host array."""
+  `jax.device_put` of numpy arrays, directly and through a pinned-host array; and both ways at
+  once (`duplex`: the bytes of both directions a second, as a delayed update's new params go
+  back while the step's grads are read)."""
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import SingleDeviceSharding
@@ -111,12 +113,19 @@ def numpy_copies(jax, nbytes: int, reps: int = 5) -> dict:
 
   hosts = [np.asarray(x) for x in (make(jax.random.key(100 + j)) for j in range(4))]
   put = lambda via: jax.block_until_ready([jax.device_put(via(a), on_dev) for a in hosts])
+
+  def both(xs):
+    ins = [jax.device_put(a, on_dev) for a in hosts]
+    started(xs)
+    jax.block_until_ready(ins)
+
   return {"d2h_asarray": read(lambda xs: [np.asarray(x) for x in xs]),
           "d2h_started": read(started),
           "d2h_via_pinned": read(lambda xs: [np.asarray(jax.device_put(x, on_host)) for x in xs]),
           "h2d_device_put": nbytes / median_time(lambda: put(lambda a: a), reps) / 1e9,
           "h2d_via_pinned": nbytes / median_time(
-              lambda: put(lambda a: jax.device_put(a, on_host)), reps) / 1e9}
+              lambda: put(lambda a: jax.device_put(a, on_host)), reps) / 1e9,
+          "duplex": 2 * read(both)}
 
 
 def swap_copies(jax, nbytes: int, folder: str) -> dict:

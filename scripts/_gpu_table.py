@@ -66,6 +66,10 @@ def table(r: dict) -> str:
               f"| {cell(n['d2h_started'], 'd2h')} |",
               f"| numpy through a pinned-host array | {cell(n['h2d_via_pinned'], 'h2d')} "
               f"| {cell(n['d2h_via_pinned'], 'd2h')} |"]
+    if "duplex" in n:  # both ways at once, against the two ceilings added
+      both = f"{c['h2d'] + c['d2h']:.1f}" if "h2d" in c else "n/a"
+      lines.append(f"| numpy, both ways at once (GB/s of the two; ceilings added: {both}) "
+                   f"| {n['duplex']:.1f} | |")
   if "matmul_tflops" in r:
     lines.append(f"\nbf16 matmul {r['matmul_n']}^3: {r['matmul_tflops']:.0f} TFLOP/s")
   if d:

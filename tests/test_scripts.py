@@ -244,7 +244,7 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   for folder in (out, out / "copies"):
     rates = json.loads((folder / "bench_gpu.json").read_text())["numpy"]
     assert set(rates) == {"d2h_asarray", "d2h_started", "d2h_via_pinned", "h2d_device_put",
-                          "h2d_via_pinned"} and all(v > 0 for v in rates.values()), rates
+                          "h2d_via_pinned", "duplex"} and all(v > 0 for v in rates.values()), rates
   # the peer stage: zinfjax's side, one process per placement (DeepSpeed's where it is installed)
   for key in ("device", "pinned", "pipeline-under"):
     rows = json.loads((out / f"peer_ours_{key}" / "bench_gpu.json").read_text())["steps"]
