@@ -200,8 +200,8 @@ class NvmePipeline(StreamAdam):
       return (outs[p.id] if p.id in outs
               else self.store.view(self._twin_key("params", p))).reshape(-1)
 
-    def returned(p: Part) -> None:
-      if p.id in own and putback.take(*p.id, outs[p.id]):
+    def returned(p: Part) -> None:  # new params of a device array: to `putback`, if it takes them
+      if p.id in outs and putback.wants(p.leaf, p.layer) and putback.take(*p.id, outs[p.id]):
         del outs[p.id]
     runs = []  # each stream's stats, summed for the step
     if held is not None:  # the delayed parts, with the grads held from the step before
@@ -216,7 +216,8 @@ class NvmePipeline(StreamAdam):
       runs.append(self.last_step)
     if self.tail:
       kept = tuple(p for u in self.tail for p in u.parts if twins and self.on_store("grads", p))
-      self._pending = Held(self._grads_of(self.tail, grad_of, gate, outs, kept, putback),
+      self._pending = Held(self._grads_of(self.tail, grad_of, gate, outs, kept,
+                                          returned if putback is not None else None),
                            count, in_store=kept)
     self.last_step = {k: sum(r.get(k, 0.0) for r in runs) for k in STATS}
     return outs
@@ -240,17 +241,17 @@ class NvmePipeline(StreamAdam):
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
                 gate: "GradGate | None", outs: dict[PartKey, np.ndarray],
-                kept: Sequence[Part] = (), putback: PutBack | None = None
+                kept: Sequence[Part] = (), returned: Callable[[Part], None] | None = None
                 ) -> dict[PartKey, np.ndarray]:
     """Copies of the grads of `units`' parts: from the store (in the order backward writes
     them, each run of written ones read at once while backward goes on), then from `grad_of`
     (once the program is done). A part's grads written, the program reads its params no more:
     its new params in `outs` whose tier is the store (the held update's) are written there
-    then, not after the program, and leave `outs`; those whose tier is a device array go to
-    `putback` as each part's grads arrive from the device (taken once the step is known to
-    stand), so a layer's new params cross to the device while the next layer's grads cross
-    from it, instead of all of them after all the reads. The grads of `kept` are not copied:
-    they stay in the store (`advance` moves them to their twins)."""
+    then, not after the program, and leave `outs`; those whose tier is a device array are
+    `returned` (to the step's `PutBack`, taken once the step is known to stand) as each part's
+    grads arrive from the device, so a layer's new params cross to the device while the next
+    layer's grads cross from it, instead of all of them after all the reads. The grads of
+    `kept` are not copied: they stay in the store (`advance` moves them to their twins)."""
     left = {p.id for p in kept}
     parts = [p for u in units for p in u.parts if p.id not in left]
     out = {p.id: self._array("grads", p) for p in parts}
@@ -278,9 +279,8 @@ class NvmePipeline(StreamAdam):
     rest = [p for p in parts if not self.on_store("grads", p)]
     for p in rest:
       out[p.id][...] = grad_of(p)
-      if (putback is not None and p.id in outs and putback.wants(p.leaf, p.layer)
-          and putback.take(*p.id, outs[p.id])):
-        del outs[p.id]
+      if returned is not None:
+        returned(p)
     past(rest)
     for t in tickets:
       t.wait()
