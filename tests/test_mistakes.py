@@ -238,6 +238,12 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
         zinfjax.train_step(state, bad[-1][0], chunked)
     with pytest.raises(ValueError, match=re.escape(bad[-1][1])):
       zinfjax.eval_step(state, bad[-1][0], lm_loss)
+    # inside jax.jit the state is traced: refused by name, not by a tracer error deep inside
+    for call in (lambda s: zinfjax.train_step(s, good, lm_loss)[1]["loss"],
+                 lambda s: zinfjax.eval_step(s, good, lm_loss)["loss"]):
+      with pytest.raises(TypeError, match="inside a jax transformation .* outside jax.jit"):
+        jax.jit(call)(state)
+      state.check_usable("the test")
     # a leaf of bf16 (an ml_dtypes type, numpy kind "V") is numbers like any other
     good["weight"] = np.ones(16, ml_dtypes.bfloat16)
     state, metrics = zinfjax.train_step(state, good, lm_loss)
@@ -253,6 +259,14 @@ def test_a_model_factory_that_builds_no_model_is_named(mesh):
     for build in (zinfjax.init, zinfjax.abstract_init):
       with pytest.raises(TypeError, match=re.escape(message)):
         build(make, tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
+
+
+def test_a_tx_that_is_no_optax_transformation_is_named(mesh):
+  """`tx` is checked before the model is traced: None (or an optimizer class rather than its
+  transformation) is refused with the form it needs, not an AttributeError from inside."""
+  for bad in (None, zinfjax.optim.adamw):
+    with pytest.raises(TypeError, match="tx must be an optax GradientTransformation, got"):
+      zinfjax.init(factory, bad, zinfjax.ZeroConfig(precision="fp32"), mesh)
 
 
 # ------------------------------------------------------------------ the CLI's input checks

@@ -233,6 +233,9 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   if config.axis not in mesh.shape:
     raise ValueError(f"mesh axes {tuple(mesh.shape)} have no {config.axis!r} axis; "
                      "build the mesh with zinfjax.make_mesh().")
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}: e.g. "
+                    "tx=optax.adamw(3e-4), or zinfjax.optim.adamw(3e-4) for states off the device.")
   config = config.for_platform(mesh.devices.flat[0].platform, _ffi.CUDA_HANDLERS)
   abstract_model = nnx.eval_shape(lambda: model_of(model_factory, nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)

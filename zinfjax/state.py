@@ -78,7 +78,13 @@ class TrainState:
   consumed: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
   def check_usable(self, use: str) -> None:
-    """Raise `UnusableStateError` naming `use` when this state was donated or its run closed."""
+    """Raise `UnusableStateError` naming `use` when this state was donated or its run closed
+    (a `TypeError` when it is traced: `use` called under jax.jit)."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(self)):
+      raise TypeError(
+          f"{use} was called inside a jax transformation (jax.jit, grad, vmap, a scan...) on a "
+          "traced TrainState. zinfjax's entry points compile their own programs and move states "
+          "between tiers outside XLA: call them from plain Python, outside jax.jit.")
     if self.consumed is not None:
       raise UnusableStateError(f"{use}: {self.consumed}")
     closed = self.engine.life.closed
