@@ -487,3 +487,29 @@ def test_a_failed_background_save_is_reported_at_the_next_check(device_ckpt, mes
   assert ckpt.save(state)  # the directory still takes saves
   ckpt.close()
   assert Checkpointer(tmp_path / "new").all_steps() == [6, 8]
+
+
+def test_a_restore_right_after_a_save_waits_for_it(device_ckpt, mesh, tmp_path, monkeypatch):
+  """A save returns before its arrays are written; a restore (or `restore_newest`) from the same
+  Checkpointer right after waits for it and restores what was saved, not an error that the
+  step it lists has no metadata yet."""
+  import time
+  from zinfjax.checkpoint import handler
+  state, _ = restore(device_ckpt, mesh)
+  state, _ = zinfjax.train_step(state, W.batches()[5], lm_loss)
+  want = jax.tree.map(np.asarray, state.full_params())
+  written = handler.write_chunks
+
+  def slow(items):  # the background writes, still going when restore starts
+    time.sleep(0.5)
+    written(items)
+
+  monkeypatch.setattr(handler, "write_chunks", slow)
+  with Checkpointer(tmp_path / "new") as ckpt:
+    assert ckpt.save(state)
+    for again in (ckpt.restore, lambda *a: ckpt.restore_newest(*a)[:2]):
+      got, _ = again(W.model_factory, W.make_tx("device"),
+                     W.zero_config("device", "device", "bf16", None), mesh)
+      jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got.full_params()), want)
+      got.close()
+      assert ckpt.save(state) is False  # step 6 is saved, once

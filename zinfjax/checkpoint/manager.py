@@ -104,7 +104,8 @@ class Checkpointer:
     self._unlock = weakref.finalize(self, dirlock.release, self.directory)
 
   def all_steps(self) -> list[int]:
-    """Committed steps, oldest first (folders of unfinished saves are not steps)."""
+    """Committed steps, oldest first, and the one this Checkpointer is saving in the background
+    (folders of saves that did not finish are not steps)."""
     if not os.path.isdir(self.directory):
       return []
     return sorted(self.manager.all_steps())
@@ -178,7 +179,9 @@ class Checkpointer:
 
   # ---------------------------------------------------------------- restore
   def metadata(self, step: int | None = None) -> dict:
-    """The JSON metadata of `step` (default: the latest); `["step"]` is the step it holds."""
+    """The JSON metadata of `step` (default: the latest); `["step"]` is the step it holds. A save
+    of this Checkpointer still in the background is waited for: its step is listed already."""
+    self.wait()
     step = self._step(step)
     path = os.path.join(self.directory, str(step), "meta", "metadata")
     try:
@@ -259,6 +262,7 @@ class Checkpointer:
     """`(state, extra, skipped)`: the newest step that restores (every chunk checked), and
     the newer steps skipped, each with the reason. A checkpoint of another model or optimizer
     is raised at once (an older step would not fit either). `progress`: as `restore`'s."""
+    self.wait()  # this Checkpointer's own save in the background is a step to restore
     skipped = []
     for step in reversed(self.all_steps()):
       try:
