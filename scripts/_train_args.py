@@ -157,6 +157,9 @@ def check_args(args) -> None:
   if not (math.isfinite(args.lr) and args.lr >= 0):
     raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number, "
                      "0 or above.")
+  if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+    raise SystemExit(f"error: --weight-decay {args.weight_decay}: give a finite number, 0 or "
+                     "above (0: no decay).")
   if args.lr == 0:
     print("warning: --lr 0: the weights will not change (a run to check the pipeline, "
           "checkpoints or an export).", file=sys.stderr)

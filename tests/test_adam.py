@@ -207,6 +207,13 @@ def test_bad_options():
     zinfjax.optim.adamw(1e-3, offload="disk")
   with pytest.raises(ValueError, match="needs nvme_path"):
     zinfjax.optim.adamw(1e-3, offload="nvme")
+  # each of these trains without an error, to a wrong answer (moments that never decay, ascent)
+  for kwargs, named in [({"b1": 1.0}, "b1=1.0 (0 <= b1 < 1)"), ({"b2": 1.5}, "b2=1.5"),
+                        ({"eps": -1e-8}, "eps=-1e-08"), ({"weight_decay": -0.1}, "weight_decay=-0.1"),
+                        ({"learning_rate": -1e-3}, "learning_rate=-0.001 (>= 0)")]:
+    with pytest.raises(ValueError, match=re.escape(f"adamw: {named}")):
+      zinfjax.optim.adamw(**{"learning_rate": 1e-3, **kwargs})
+  zinfjax.optim.adamw(0.0, b1=0.0, eps=0.0, weight_decay=0.0)  # the edges are fine
 
 
 def test_nvme_store_missing_or_corrupted(tmp_path):

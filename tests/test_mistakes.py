@@ -298,6 +298,7 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
       (["--save-every", "-1"], "--save-every -1: give a number of steps above 0"),
       (["--eval-every", "-2"], "--eval-every -2: give a number of steps above 0"),
       (["--keep", "0"], "--keep 0: keep at least 1 checkpoint"),
+      (["--weight-decay", "-0.1"], "--weight-decay -0.1: give a finite number, 0 or above"),
       (["--offload-optimizer", "pinned_host:1,nvme"],
        "--offload-optimizer pinned_host:1,nvme puts states on NVMe: give --nvme-path FOLDER"),
       (["--export", a_file], f"--export {a_file} is an existing file"),

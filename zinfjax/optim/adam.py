@@ -114,6 +114,14 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     raise ValueError(f"max_grad_norm must be positive (or None), got {max_grad_norm!r}.")
   if not isinstance(learning_rate, (int, float)) and not callable(learning_rate):
     raise ValueError(f"learning_rate must be a float or a schedule, got {learning_rate!r}.")
+  bad = [f"{name}={v!r} ({want})" for name, v, ok, want in (
+      ("b1", b1, 0 <= b1 < 1, "0 <= b1 < 1"), ("b2", b2, 0 <= b2 < 1, "0 <= b2 < 1"),
+      ("eps", eps, eps >= 0, ">= 0"), ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+      ("learning_rate", learning_rate, callable(learning_rate) or learning_rate >= 0, ">= 0"))
+      if not ok]
+  if bad:  # each would train without an error, to a wrong answer (b1 >= 1: moments that grow)
+    raise ValueError(f"adamw: {', '.join(bad)}; e.g. adamw(3e-4, b1=0.9, b2=0.95, eps=1e-8, "
+                     "weight_decay=0.1).")
   constants = AdamConstants(b1, b2, eps)
   moments = moment_dtype_of(moment_dtype)
   schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
