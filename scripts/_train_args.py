@@ -157,9 +157,13 @@ def check_args(args) -> None:
   if not (math.isfinite(args.lr) and args.lr >= 0):
     raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number, "
                      "0 or above.")
-  if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-    raise SystemExit(f"error: --weight-decay {args.weight_decay}: give a finite number, 0 or "
-                     "above (0: no decay).")
+  for name, zero in (("weight_decay", "no decay"), ("clip", "no clipping"),
+                     ("schedule_steps", "--steps"), ("warmup_steps", "no warmup"), ("seed", "")):
+    value = getattr(args, name)
+    if value is not None and not (math.isfinite(value) and value >= 0):
+      flag = "--" + name.replace("_", "-")
+      raise SystemExit(f"error: {flag} {value}: give a finite number, 0 or above"
+                       + (f" (0: {zero})" if zero else "") + ".")
   if args.lr == 0:
     print("warning: --lr 0: the weights will not change (a run to check the pipeline, "
           "checkpoints or an export).", file=sys.stderr)
