@@ -88,6 +88,10 @@ class TokenDataset:
   step: int = 0
 
   def __post_init__(self):
+    for name in ("seq_len", "batch_size"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, np.integer)) and value >= 1):
+        raise ValueError(f"TokenDataset.{name} must be a positive int, got {value!r}.")
     if len(self.tokens) <= self.seq_len + 1:
       raise ValueError(
           f"data has {len(self.tokens)} tokens, too few for seq_len={self.seq_len}.")

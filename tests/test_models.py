@@ -98,6 +98,14 @@ def test_missing_data_file_names_the_flag(tmp_path):
     load_tokens(tmp_path / "nope.txt")
 
 
+def test_a_dataset_of_empty_batches_is_refused():
+  tokens = np.arange(100, dtype=np.uint16)
+  for kwargs, named in [({"batch_size": 0}, "batch_size must be a positive int, got 0"),
+                        ({"seq_len": 8.0}, "seq_len must be a positive int, got 8\\.0")]:
+    with pytest.raises(ValueError, match=f"TokenDataset.{named}"):
+      TokenDataset(**{"tokens": tokens, "seq_len": 8, "batch_size": 2, **kwargs})
+
+
 @pytest.mark.parametrize("name,content,problem", [
     ("empty.txt", b"", "is empty"),
     ("empty.bin", b"", "is empty"),
