@@ -261,6 +261,21 @@ def test_a_model_factory_that_builds_no_model_is_named(mesh):
         build(make, tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
 
 
+class _WithIds(nnx.Module):
+  def __init__(self, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 4)))
+    self.ids = nnx.Param(jax.numpy.arange(4))
+
+  def __call__(self, x):
+    return x @ self.w + self.ids
+
+
+def test_an_integer_param_is_named(mesh):
+  """An int nnx.Param would be cast to the compute dtype and moved by Adam: refused, named."""
+  with pytest.raises(ValueError, match=re.escape("these nnx.Params are not: ids (int32)")):
+    zinfjax.init(_WithIds, tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
+
+
 def test_a_tx_that_is_no_optax_transformation_is_named(mesh):
   """`tx` is checked before the model is traced: None (or an optimizer class rather than its
   transformation) is refused with the form it needs, not an AttributeError from inside."""

@@ -110,6 +110,14 @@ def _check_params_only(model: nnx.Module) -> None:
         "zinfjax trains models whose state is all nnx.Param; this model also holds "
         f"{len(leaves)} other variables (rng counters, batch stats). Build the model "
         "without dropout/rngs state or keep them outside the module.")
+  not_float = [f"{'/'.join(map(str, path))} ({jnp.dtype(v.dtype).name})"
+               for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if not jnp.issubdtype(v.dtype, jnp.floating)]
+  if not_float:  # cast to the compute dtype and updated by Adam, they would train as floats
+    raise ValueError(
+        f"zinfjax trains float params; these nnx.Params are not: {', '.join(not_float[:5])}"
+        f"{' ...' if len(not_float) > 5 else ''}. Keep integer tables out of the params (a "
+        "Python constant or an input in the batch).")
 
 
 def leaf_names(model: nnx.Module, which: Any = nnx.Param) -> frozenset[str]:
