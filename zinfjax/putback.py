@@ -15,8 +15,9 @@ could not be taken back. What it does not take, `finish` puts back at the end.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 
 from .placement import Plan, Tier
@@ -43,6 +44,10 @@ class PutBack:
     # overlaps the update of layer k + 1 (`autoplace.RETURNING` counts the two)
     self._worker: concurrent.futures.ThreadPoolExecutor | None = None
     self._sent: concurrent.futures.Future | None = None
+    self._spent: list[np.ndarray] = []  # host arrays whose layer is on the device (`spent`)
+    self._landing: tuple[jax.Array, list[np.ndarray]] | None = None  # the last layer put
+    # a CPU device may alias a numpy array it is given: each layer goes as a copy there
+    self._copy = plan.mesh.devices.flat[0].platform == "cpu"
 
   def wants(self, leaf: int, layer: int) -> bool:
     """Whether that layer's new params may go back as they are made: its params are an array
@@ -119,15 +124,56 @@ class PutBack:
     if not plan_leaf.stacked:
       self.flat[leaf][j] = from_host_shards(shards, x.sharding, x.shape)
       return
-    one = from_host_shards({r: a[None] for r, a in shards.items()}, x.sharding,
-                           (1, *x.shape[1:]))
+    # layers of a whole segment's buffer (`NvmePipeline._new_params`) serve the next step's
+    # update, once their copy is on the device; other host arrays are let go now
+    kept = [a for a in shards.values() if a.base is not None]
+    copy = self._copy and bool(kept)
+    one = from_host_shards({r: (a.copy() if copy else a)[None] for r, a in shards.items()},
+                           x.sharding, (1, *x.shape[1:]))
     self.flat[leaf][j] = set_layer(x.sharding)(x, one, np.int32(layer - seg.start))
+    self._landed()
+    self._landing = (one, kept) if kept else None
+
+  def _landed(self) -> None:
+    """The layer put before is on the device: its host arrays are spent. (Waited for at the
+    next put, so one layer's copy on the device is held, as `autoplace.RETURNING` counts.)"""
+    if self._landing is not None:
+      one, arrays = self._landing
+      one.block_until_ready()
+      self._spent.extend(arrays)
+      self._landing = None
+
+  def spent(self) -> list[np.ndarray]:
+    """After `finish`: the host arrays it put into device arrays, each now free to be written
+    again (its copy to the device done). Asked when they are wanted, not at `finish`, so the
+    step never waits for its last copy."""
+    self._landed()
+    return self._spent
 
 
 def _segment(plan: Plan, leaf: int, layer: int):
   """(index among the leaf's param arrays, segment) of `layer`, or None: not an array."""
   return next(((j, s) for j, s in enumerate(plan.leaves[leaf].array_segments("params"))
                if layer in s), None)
+
+
+def whole_buffers(spent: Sequence[np.ndarray]) -> list[np.ndarray]:
+  """The [layers, ...] buffers of which every layer is in `spent` (as a view): the pipeline's
+  new params of a whole segment (`NvmePipeline._new_params`), all put back on the device."""
+  views: dict[int, list[np.ndarray]] = {}
+  for a in spent:
+    if isinstance(a.base, np.ndarray) and a.base.shape[1:] == a.shape:
+      views.setdefault(id(a.base), []).append(a)
+  return [v[0].base for v in views.values() if len(v) == v[0].base.shape[0]]
+
+
+def reuse(free: list[np.ndarray], shape: tuple[int, ...], dtype) -> np.ndarray:
+  """A buffer of `free` with this shape and dtype (taken from it), else a new one: written
+  again, its pages are not faulted in again (a page fault a 4 KiB page, a core's time)."""
+  for i, b in enumerate(free):
+    if b.shape == shape and b.dtype == dtype:
+      return free.pop(i)
+  return np.empty(shape, dtype)
 
 
 def stacked(layers: list[np.ndarray]) -> np.ndarray:

@@ -120,6 +120,7 @@ class PipelineRunner:
       norm = float(metrics["grad_norm"])
       pipeline.advance(norm, self.skipped(norm))
     new.params = back.finish(outs)
+    pipeline.recycle(back.spent)
     stats = pipeline.last_step if not skipped else dict.fromkeys(STATS, 0.0)
     # after_program_s: the host's work after the program ended, on the step's critical path
     metrics = {**metrics, "fwd_bwd_s": t1 - t0, "after_program_s": time.perf_counter() - t1,

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..offload.store import AioStore
 from ..placement import Plan
-from ..putback import PutBack
+from ..putback import PutBack, reuse, whole_buffers
 from ..schedule import Phase, timeline
 from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
@@ -84,6 +84,8 @@ class NvmePipeline(StreamAdam):
     # host arrays of held grads and written params a step is done with, for a later step's
     # (fresh pages cost a page fault each: two bytes a param, twice a step, under "all")
     self._spare: dict[tuple[str, PartKey], np.ndarray] = {}
+    # likewise the whole-segment buffers of new params a step put back on the device
+    self._put_back: Callable[[], Sequence[np.ndarray]] = list
     # (leaf, layer) pairs this pipeline updates (master and moments in the store), whose grads
     # it reads from the store, and whose compute params it writes there: the timeline says
     moves = timeline(plan)
@@ -331,11 +333,17 @@ class NvmePipeline(StreamAdam):
     """`parts`' `state` shards and their twins trade places (the program that used them done)."""
     self.store.exchange([(self.key(state, p), self._twin_key(state, p)) for p in parts])
 
+  def recycle(self, put_back: Callable[[], Sequence[np.ndarray]]) -> None:
+    """`put_back()` (`PutBack.spent`, asked at the next step's update) lists host arrays of new
+    params the step put on the device: the whole-segment buffers among them serve again."""
+    self._put_back = put_back
+
   def _new_params(self, made: Sequence[Part]) -> dict[PartKey, np.ndarray]:
     """Host arrays for the new compute params of `made`. Where a rank's parts cover a whole
     stacked segment of arrays, they are views into one [layers, ...] buffer, which the step
     puts back as it is (`PutBack.finish`) instead of stacking a second copy."""
-    ids, outs = {p.id for p in made}, {}
+    ids, outs, free = {p.id for p in made}, {}, whole_buffers(self._put_back())
+    self._put_back = list
     for p in made:
       if p.id in outs:
         continue
@@ -343,7 +351,7 @@ class NvmePipeline(StreamAdam):
       seg = next((s for s in leaf.array_segments("params") if p.layer in s), None)
       if (leaf.stacked and seg is not None
           and all((p.leaf, p.rank, l) in ids for l in range(seg.start, seg.stop))):
-        whole = np.empty((seg.layers, *self.shape(p)), self.params_dtype)
+        whole = reuse(free, (seg.layers, *self.shape(p)), self.params_dtype)
         outs.update(((p.leaf, p.rank, l), whole[l - seg.start]) for l in range(seg.start, seg.stop))
       else:
         outs[p.id] = self._array("params", p)
