@@ -209,7 +209,8 @@ def test_bad_options():
     zinfjax.optim.adamw(1e-3, offload="nvme")
   # each of these trains without an error, to a wrong answer (moments that never decay, ascent)
   for kwargs, named in [({"b1": 1.0}, "b1=1.0 (0 <= b1 < 1)"), ({"b2": 1.5}, "b2=1.5"),
-                        ({"eps": -1e-8}, "eps=-1e-08"), ({"weight_decay": -0.1}, "weight_decay=-0.1"),
+                        ({"eps": -1e-8}, "eps=-1e-08"),
+                        ({"weight_decay": -0.1}, "weight_decay=-0.1"),
                         ({"learning_rate": -1e-3}, "learning_rate=-0.001 (>= 0)")]:
     with pytest.raises(ValueError, match=re.escape(f"adamw: {named}")):
       zinfjax.optim.adamw(**{"learning_rate": 1e-3, **kwargs})
