@@ -29,6 +29,9 @@ from .progress import InitReport, Tally
 from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
 
+# what jax traces a function's arguments as (() where a jax release has moved it: no check)
+_TRACER = getattr(jax.core, "Tracer", ())
+
 
 class _EngineRef:
   """A state's engine as pytree metadata, held weakly. jax keeps treedefs (of jitted steps'
@@ -80,7 +83,7 @@ class TrainState:
   def check_usable(self, use: str) -> None:
     """Raise `UnusableStateError` naming `use` when this state was donated or its run closed
     (a `TypeError` when it is traced: `use` called under jax.jit)."""
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(self)):
+    if any(isinstance(x, _TRACER) for x in jax.tree.leaves(self)):
       raise TypeError(
           f"{use} was called inside a jax transformation (jax.jit, grad, vmap, a scan...) on a "
           "traced TrainState. zinfjax's entry points compile their own programs and move states "
