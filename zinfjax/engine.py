@@ -103,7 +103,7 @@ def _stack_paths(model: nnx.Module) -> tuple[Path, ...]:
 
 
 def _check_params_only(model: nnx.Module) -> None:
-  _, _, other = nnx.split(model, nnx.Param, ...)
+  _, params, other = nnx.split(model, nnx.Param, ...)
   leaves = jax.tree.leaves(other)
   if leaves:
     raise ValueError(
@@ -111,7 +111,7 @@ def _check_params_only(model: nnx.Module) -> None:
         f"{len(leaves)} other variables (rng counters, batch stats). Build the model "
         "without dropout/rngs state or keep them outside the module.")
   not_float = [f"{'/'.join(map(str, path))} ({jnp.dtype(v.dtype).name})"
-               for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               for path, v in nnx.to_flat_state(params)
                if not jnp.issubdtype(v.dtype, jnp.floating)]
   if not_float:  # cast to the compute dtype and updated by Adam, they would train as floats
     raise ValueError(
