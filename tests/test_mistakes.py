@@ -276,6 +276,23 @@ def test_an_integer_param_is_named(mesh):
     zinfjax.init(_WithIds, tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
 
 
+class _WithState(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.linear(x))
+
+
+def test_state_that_is_no_param_is_named(mesh):
+  """Batch stats (or a dropout's rng counter) would not be carried by the step: refused before
+  compute, each variable named with its kind and the fix."""
+  with pytest.raises(ValueError, match=r"holds 2 other variables: norm/mean \(BatchStat\), "
+                     r"norm/var \(BatchStat\)\. Build it without them"):
+    zinfjax.init(_WithState, tx(), zinfjax.ZeroConfig(precision="fp32"), mesh)
+
+
 def test_a_tx_that_is_no_optax_transformation_is_named(mesh):
   """`tx` is checked before the model is traced: None (or an optimizer class rather than its
   transformation) is refused with the form it needs, not an AttributeError from inside."""

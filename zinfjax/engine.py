@@ -102,22 +102,27 @@ def _stack_paths(model: nnx.Module) -> tuple[Path, ...]:
   return tuple(tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Stack))
 
 
+def _some(names: list[str], shown: int = 5) -> str:
+  return ", ".join(names[:shown]) + (" ..." if len(names) > shown else "")
+
+
 def _check_params_only(model: nnx.Module) -> None:
   _, params, other = nnx.split(model, nnx.Param, ...)
-  leaves = jax.tree.leaves(other)
-  if leaves:
+  others = [f"{'/'.join(map(str, path))} ({type(v).__name__})"
+            for path, v in nnx.to_flat_state(other)]
+  if others:  # the step would not carry them: dropout keys repeat, batch stats never move
     raise ValueError(
         "zinfjax trains models whose state is all nnx.Param; this model also holds "
-        f"{len(leaves)} other variables (rng counters, batch stats). Build the model "
-        "without dropout/rngs state or keep them outside the module.")
+        f"{len(others)} other variables: {_some(others)}. Build it without them (nnx.Dropout "
+        "built without rngs, LayerNorm or RMSNorm for BatchNorm) or keep such state outside "
+        "the module.")
   not_float = [f"{'/'.join(map(str, path))} ({jnp.dtype(v.dtype).name})"
                for path, v in nnx.to_flat_state(params)
                if not jnp.issubdtype(v.dtype, jnp.floating)]
   if not_float:  # cast to the compute dtype and updated by Adam, they would train as floats
     raise ValueError(
-        f"zinfjax trains float params; these nnx.Params are not: {', '.join(not_float[:5])}"
-        f"{' ...' if len(not_float) > 5 else ''}. Keep integer tables out of the params (a "
-        "Python constant or an input in the batch).")
+        f"zinfjax trains float params; these nnx.Params are not: {_some(not_float)}. Keep "
+        "integer tables out of the params (a Python constant or an input in the batch).")
 
 
 def leaf_names(model: nnx.Module, which: Any = nnx.Param) -> frozenset[str]:
