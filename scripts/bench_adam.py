@@ -18,7 +18,11 @@ updated in place; all or nothing (the kernel reads the committed copy and writes
 new one); and all or nothing through the pipeline's buffers, as a store that lends nothing
 is driven (read in, updated, written back: 48 more bytes per parameter), against the same
 bound as table 1. Table 4 (with --call-sizes): one kernel call's time over tensors of those
-sizes as the slices (threads) grow: what splitting one tensor over the cores costs.
+sizes as the slices (threads) grow: what splitting one tensor over the cores costs. Table 5
+(with --small-parts): the pipeline's own cost per part: a host-pipeline step over that many
+small parts in the RAM store (in place; all or nothing) against the kernel alone called on
+the same shards, in microseconds per part (a model's biases and norms are such parts, and
+every layer adds its own).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def parse_args(argv=None):
   p.add_argument("--sub-group", type=float, default=5e7, help="NVMe sub-group size (elements)")
   p.add_argument("--call-sizes", default="", help="e.g. 1e6,1.6e7: also time one call per size")
   p.add_argument("--call-threads", default="1,2,16", help="slices per call in table 4")
+  p.add_argument("--small-parts", type=int, default=0, help="table 5: this many parts")
+  p.add_argument("--part-size", type=int, default=4096, help="elements per part in table 5")
   p.add_argument("--json", action="store_true")
   return p.parse_args(argv)
 
@@ -237,6 +243,43 @@ def bench_host(n: int, sub_group: int, repeats: int, moments=np.float32,
   return rows
 
 
+def bench_parts(count: int, size: int, repeats: int) -> dict[str, float]:
+  """Seconds per part: the kernel alone on `count` RAM-store shards of `size` elements (its
+  calls, nothing else), then one host-pipeline step over them in place and all or nothing."""
+  import ml_dtypes
+  from zinfjax.optim.kernel import AdamConstants, adamw_numpy
+  from zinfjax.optim.nvme import NvmeAdam
+  from zinfjax.placement import PREFIX
+  pipe = NvmeAdam("", sub_group_size=size, constants=AdamConstants(0.9, 0.999, 1e-8),
+                  memory=True)
+  pipe.configure([(size,)] * count)
+  rng = np.random.default_rng(0)
+  params = [rng.standard_normal(size, np.float32) for _ in range(count)]
+  pipe.host_init(*params)
+  grads = [p.astype(ml_dtypes.bfloat16) for p in params]
+  outs = [np.zeros(size, ml_dtypes.bfloat16) for _ in params]
+  store = pipe.store
+  shards = [[store.view(pipe.key(s, p)) for s in ("master", "mu", "nu")] for p in pipe.parts]
+
+  def kernel() -> None:
+    for (master, m, v), g, out in zip(shards, grads, outs):
+      adamw_numpy(master, m, v, g, out, 1e-3, 0.1, 0.001, pipe.constants, 0.01)
+
+  def step(atomic: bool) -> None:
+    if atomic:
+      store.begin([PREFIX[s] for s in ("master", "mu", "nu")])
+    pipe.stream(1e-3, 0.1, 0.001, [0.01] * count, lambda p: grads[p.leaf],
+                lambda p: outs[p.leaf], step=1)
+    if atomic:
+      store.commit()
+
+  rows = {"the kernel alone on the store's shards": best_time(kernel, repeats),
+          "pipeline step, in place": best_time(lambda: step(False), repeats),
+          "pipeline step, all or nothing": best_time(lambda: step(True), repeats)}
+  pipe.close()
+  return {name: t / count for name, t in rows.items()}
+
+
 def kernel_pass(pipeline, repeats: int = 2, sample: int = 1 << 26) -> dict:
   """The C++ AdamW over the parts a RAM-store pipeline updates, with nothing else running, in
   seconds (best of `repeats`): over all of them on the store's own shards (`views_s`, the
@@ -301,6 +344,8 @@ def main(argv=None) -> int:
   threads = [int(x) for x in args.call_threads.split(",")]
   if sizes:
     report["calls"] = bench_calls(sizes, threads, args.repeats)
+  if args.small_parts:
+    report["parts"] = bench_parts(args.small_parts, args.part_size, args.repeats)
   if args.json:
     print(json.dumps(report, indent=2))
     return 0
@@ -337,6 +382,11 @@ def main(argv=None) -> int:
     print(f"{'elements':>12} " + " ".join(f"{f'{t} slices':>10}" for t in threads))
     for n, by in report["calls"].items():
       print(f"{n:12.3g} " + " ".join(f"{by[t] * 1e3:10.3f}" for t in threads))
+  if args.small_parts:
+    print(f"\nPer part, over {args.small_parts} parts of {args.part_size} elements in the RAM store:")
+    floor = report["parts"]["the kernel alone on the store's shards"]
+    for name, t in report["parts"].items():
+      print(f"{name:40} {t * 1e6:8.1f} us {t / floor:6.2f}x  ({t * 1e6 - floor * 1e6:+.1f} us)")
   return 0
 
 

@@ -114,10 +114,13 @@ def test_bench_host_ram_puts_device_params_back_as_made(tmp_path):
 
 def test_bench_adam_times_the_host_pipeline_in_ram():
   """Table 3: a step over the RAM store in place, all or nothing, and through the buffers;
-  table 4: one kernel call per size and thread count."""
+  table 4: one kernel call per size and thread count; table 5: each per part."""
   data = json.loads(run([os.path.join(SCRIPTS, "bench_adam.py"), "--params", "1e5", "--repeats",
                          "1", "--host-params", "3e5", "--sub-group", "1e5", "--call-sizes",
-                         "1e5,3e5", "--call-threads", "1,3", "--json"]))
+                         "1e5,3e5", "--call-threads", "1,3", "--small-parts", "6",
+                         "--part-size", "2048", "--json"]))
+  parts = data["parts"]
+  assert len(parts) == 3 and all(t > 0 for t in parts.values()), parts
   rows = data["host"]
   assert len(rows) == 3 and "in place" in rows and all(t > 0 for t in rows.values())
   assert any(name.startswith("all or nothing through the buffers") for name in rows)

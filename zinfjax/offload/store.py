@@ -9,6 +9,7 @@ the engine's error types with a message that says what to do.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable, Protocol, Sequence
 
@@ -30,12 +31,19 @@ PoolExhaustedError = _engine.PoolExhaustedError
 PathLike = str | os.PathLike
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_of(name: str) -> np.dtype:
-  """numpy dtype for a manifest dtype name (ml_dtypes' names included)."""
+  """numpy dtype for a manifest dtype name (ml_dtypes' names included); made once a name."""
   try:
     return np.dtype(name)
   except TypeError:
     return np.dtype(getattr(ml_dtypes, name))
+
+
+@functools.lru_cache(maxsize=None)
+def _name(dtype: np.dtype) -> str:
+  """`dtype.name` (a Python property numpy builds each time), once a dtype."""
+  return dtype.name
 
 
 def _typed(raw: np.ndarray, dtype: str, shape: Sequence[int]) -> np.ndarray:
@@ -183,7 +191,7 @@ class AioStore:
 
   def write(self, key: str, array: np.ndarray) -> Ticket:
     array = np.ascontiguousarray(array)
-    ticket = self._store.write_async(key, _as_bytes(array), array.dtype.name, list(array.shape))
+    ticket = self._store.write_async(key, _as_bytes(array), _name(array.dtype), list(array.shape))
     return Ticket(lambda: self._store.wait(ticket), array)
 
   def write_zeros(self, key: str, zeros: np.ndarray) -> Ticket:
@@ -191,7 +199,7 @@ class AioStore:
     never written (a fresh store's tail) already holds: then nothing is copied or written,
     only registered (`bytes_left_zero` counts it)."""
     zeros = np.ascontiguousarray(zeros)
-    ticket = self._store.write_zeros_async(key, _as_bytes(zeros), zeros.dtype.name,
+    ticket = self._store.write_zeros_async(key, _as_bytes(zeros), _name(zeros.dtype),
                                            list(zeros.shape))
     return Ticket(lambda: self._store.wait(ticket), zeros)
 
@@ -199,7 +207,7 @@ class AioStore:
     if out is None:
       entry = self._store.entry(key)
       out = aligned_empty(entry["shape"], dtype_of(entry["dtype"]))
-    ticket = self._store.read_async(key, _as_bytes(out), out.dtype.name, list(out.shape))
+    ticket = self._store.read_async(key, _as_bytes(out), _name(out.dtype), list(out.shape))
 
     def finish():
       self._store.wait(ticket)
@@ -212,7 +220,7 @@ class AioStore:
     than `write` for small shards)."""
     arrays = [np.ascontiguousarray(a) for _, a in items]
     ticket = self._store.write_many([k for k, _ in items], [_as_bytes(a) for a in arrays],
-                                    [a.dtype.name for a in arrays], [list(a.shape) for a in arrays])
+                                    [_name(a.dtype) for a in arrays], [list(a.shape) for a in arrays])
     return Ticket(lambda: self._store.wait(ticket), arrays)
 
   def read_many(self, items: Sequence[tuple[str, np.ndarray]]) -> Ticket:
@@ -223,7 +231,7 @@ class AioStore:
       if not (out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("read_many needs writable C-contiguous output arrays")
     ticket = self._store.read_many([k for k, _ in items], [_as_bytes(o) for o in outs],
-                                   [o.dtype.name for o in outs], [list(o.shape) for o in outs])
+                                   [_name(o.dtype) for o in outs], [list(o.shape) for o in outs])
 
     def finish():
       self._store.wait(ticket)

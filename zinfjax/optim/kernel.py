@@ -14,6 +14,7 @@ so the jnp and C++ versions round every value the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -163,7 +164,13 @@ def adamw_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarr
                 weight_decay=float(np.float32(weight_decay)), bc1=float(bc1), bc2=float(bc2),
                 threads=threads, seed=int(step) & 0xFFFFFFFF,
                 sources=None if sources is None else [_flat(x) for x in sources],
-                **{k: float(x) for k, x in c.attrs.items()})
+                **_floats(c))
+
+
+@functools.lru_cache(maxsize=16)
+def _floats(c: AdamConstants) -> dict[str, float]:
+  """`c.attrs` as Python floats, made once per constants (asked at every kernel call)."""
+  return {k: float(x) for k, x in c.attrs.items()}
 
 
 def _flat(x: np.ndarray) -> np.ndarray:

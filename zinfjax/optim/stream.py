@@ -159,11 +159,22 @@ class StreamAdam:
     self.last_step: dict[str, float] = {}
     self._buffers: tuple[str, ...] = STATES
     self._slots: list[dict[str, np.ndarray]] = []
+    self._slot_views: dict[tuple[int, PartKey], dict[str, np.ndarray]] = {}
     self._zero_buf: np.ndarray | None = None
+    self._keys: dict[PartKey, dict[str, str]] = {}
 
   # ---------------------------------------------------------------- layout
   def key(self, state: str, part: Part) -> str:
     raise NotImplementedError
+
+  def keys_of(self, part: Part) -> dict[str, str]:
+    """Every state's store key of `part` ("master" ... "params"), made once: a step asks for
+    them several times a part, and the key scheme (formatted in C++) cost more than a small
+    part's update."""
+    got = self._keys.get(part.id)
+    if got is None:
+      got = self._keys[part.id] = {s: self.key(s, part) for s in STATES + ("grads", "params")}
+    return got
 
   def on_store(self, state: str, part: Part) -> bool:
     """Whether `part`'s "grads" or "params" are in the store (else the caller gives and takes
@@ -182,7 +193,7 @@ class StreamAdam:
     """Take `units`, with per-set buffers `buffers` (the states plus "grads" / "params" where
     some part keeps them in the store), as many sets as `budget` bytes hold (3 to 8). Returns
     the bytes one set takes."""
-    self.units = units
+    self.units, self._keys, self._slot_views = units, {}, {}
     dtypes = self._dtypes()
     largest = max((u.size for u in units), default=0)
     per_set = largest * sum(dtypes[b].itemsize for b in buffers)
@@ -203,10 +214,15 @@ class StreamAdam:
     return self._slots[k % self.slots]
 
   def _views(self, k: int, part: Part) -> dict[str, np.ndarray]:
-    """Part `part` of sub-group k's buffers, in its stored shape."""
-    shape = self.shape(part)
-    return {name: buf[part.offset:part.offset + part.size].reshape(shape)
-            for name, buf in self._slot(k).items()}
+    """Part `part` of sub-group k's buffers, in its stored shape (made once a slot and part:
+    the buffers live as long as the layout)."""
+    at = (k % self.slots, part.id)
+    got = self._slot_views.get(at)
+    if got is None:
+      shape = self.shape(part)
+      got = self._slot_views[at] = {name: buf[part.offset:part.offset + part.size].reshape(shape)
+                                    for name, buf in self._slot(k).items()}
+    return got
 
   # ------------------------------------------------------------------ init
   def write_part(self, part: Part, master: np.ndarray, params: np.ndarray | None = None) -> list:
@@ -263,8 +279,12 @@ class StreamAdam:
     c = self.constants
     waited = [0.0]
 
+    item = {b: dt.itemsize for b, dt in self._dtypes().items()}
+    moved_bytes = {True: 0, False: 0}
+
     def keys(p: Part, extra: str) -> list[tuple[str, str]]:
-      return [(s, self.key(s, p)) for s in STATES + ((extra,) if stored(extra, p) else ())]
+      every = self.keys_of(p)
+      return [(s, every[s]) for s in STATES + ((extra,) if stored(extra, p) else ())]
 
     def views(k, reading: bool):
       """Sub-group k's transfers: its keys the store does not lend, and their buffers."""
@@ -273,6 +293,7 @@ class StreamAdam:
         moved = [(s, key) for s, key in keys(p, "grads" if reading else "params") if not lent(key)]
         bufs = self._views(k, p) if moved else {}
         out += [(key, bufs[s]) for s, key in moved]
+        moved_bytes[reading] += sum(p.size * item[s] for s, _ in moved)
       return out
 
     def read_when_written(key, out):
@@ -293,7 +314,7 @@ class StreamAdam:
       """Where the update reads `state` of `p` and where it writes it: sub-group k's buffers
       (`bufs`: their views for `p`, made on first need), or the store's shard (in an
       all-or-nothing step, the committed copy and the step's new one)."""
-      key = self.key(state, p)
+      key = self.keys_of(p)[state]
       if not lent(key):
         if not bufs:
           bufs.update(self._views(k, p))
@@ -328,10 +349,7 @@ class StreamAdam:
     stats = run_pipeline(len(units), start_read, compute, start_write, self.slots)
     stats["compute_s"] -= waited[0]  # waits on backward inside the update: the reads' waits
     stats["read_wait_s"] += waited[0]
-    item = {b: dt.itemsize for b, dt in self._dtypes().items()}
-    moved = lambda extra: sum(p.size * item[s] for p in (p for u in units for p in u.parts)
-                              for s, key in keys(p, extra) if not lent(key))
-    stats["bytes_read"], stats["bytes_written"] = moved("grads"), moved("params")
+    stats["bytes_read"], stats["bytes_written"] = moved_bytes[True], moved_bytes[False]
     self.last_step = stats
 
   def _dtypes(self) -> dict[str, np.dtype]:
