@@ -69,13 +69,14 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                       "space, but a step that fails on NVMe is not rolled back")
   p.add_argument("--host-optimizer", default="auto", choices=("auto", "xla", "pipeline", "stream"),
                  help="who updates the optimizer states in pinned host memory: 'auto' (the "
-                      "default), 'pipeline' on a GPU and 'xla' elsewhere; the step's XLA "
+                      "default), 'pipeline' on a GPU or with --delay-update or "
+                      "--host-atomic-steps, and 'xla' elsewhere; the step's XLA "
                       "program on the host ('xla'), zinfjax's host pipeline (C++ AdamW on host "
                       "threads, states in a store in RAM, updated in place; beside the drive's "
                       "store when states are on NVMe too), or the step's program on the device, "
                       "each layer's states brought over and sent back ('stream')")
   p.add_argument("--host-atomic-steps", action="store_true",
-                 help="with --host-optimizer pipeline: all-or-nothing steps in the RAM store "
+                 help="with the host pipeline: all-or-nothing steps in the RAM store "
                       "(twice its RAM), so the update runs under backward with clipping and "
                       "skips too")
   p.add_argument("--delay-update", choices=("none", "tail", "all"), default="none",

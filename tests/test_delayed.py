@@ -134,11 +134,20 @@ def test_delayed_tail_update_equals_the_reference(param, optimizer, extra, clip,
 
 
 def test_delay_update_needs_the_host_pipeline(mesh):
+  """A delay (or all-or-nothing RAM steps) with the optimizer in pinned host settles
+  host_optimizer="auto" to the pipeline, the one that does it, on any platform; another
+  optimizer named outright is refused."""
+  from zinfjax.engine import build_engine
   tx = zinfjax.optim.adamw(LR)
   for delay in ("tail", "all"):
     with pytest.raises(ValueError, match=f"delay_update='{delay}'.*offload_optimizer='nvme'"):
       zinfjax.init(factory, tx, zinfjax.ZeroConfig(offload_optimizer="pinned_host",
-                                                   delay_update=delay), mesh)
+                                                   host_optimizer="xla", delay_update=delay), mesh)
+  host = zinfjax.ZeroConfig(offload_optimizer="pinned_host")
+  for asks in (dict(delay_update="all"), dict(host_atomic_steps=True), {}):
+    engine = build_engine(factory, tx, host.replace(**asks), mesh, open_store_=False)
+    assert engine.plan.optimizer_in_store == bool(asks), asks
+    assert engine.config.host_optimizer == ("pipeline" if asks else "xla"), asks
   with pytest.raises(ValueError, match="delay_update must be 'none', 'tail' or 'all'"):
     zinfjax.ZeroConfig(delay_update=True)
 

@@ -129,7 +129,8 @@ class ZeroConfig:
     host_optimizer: who updates the optimizer states placed in pinned host
       memory. "auto" (the default): "pipeline" on a GPU with zinfjax's CUDA
       handlers (on an H200 its step ran 1.5-1.9x faster than "xla"'s, at half
-      the RAM), "xla" elsewhere (`for_platform`). "xla": the step's program,
+      the RAM) and with `delay_update` or `host_atomic_steps`, which only it
+      does; "xla" elsewhere (`for_platform`). "xla": the step's program,
       in XLA's host computation. "stream": the step's program on the device, after
       backward, a layer at a time: each layer's master and moments cross to
       the device and back (twice their bytes over the host link per step, no
@@ -345,12 +346,14 @@ class ZeroConfig:
   def for_platform(self, platform: str, cuda_handlers: bool) -> "ZeroConfig":
     """The config with host_optimizer="auto" settled for the mesh's `platform`: "pipeline" on a
     GPU where zinfjax's CUDA handlers are built (the C++ AdamW on host threads beside the
-    step, instead of XLA:GPU's host computation), else "xla" (on XLA:CPU the host
+    step, instead of XLA:GPU's host computation), and wherever the config asks for what only
+    the pipeline does (`delay_update`, `host_atomic_steps`); else "xla" (on XLA:CPU the host
     computation is the program's own). Other values are kept."""
     if self.host_optimizer != "auto":
       return self
     gpu = platform in ("gpu", "cuda") and cuda_handlers
-    return self.replace(host_optimizer="pipeline" if gpu else "xla")
+    asks = self.delay_update != "none" or self.host_atomic_steps
+    return self.replace(host_optimizer="pipeline" if gpu or asks else "xla")
 
   def with_host_pipeline(self) -> "ZeroConfig":
     """The config the engine plans with: under host_optimizer="pipeline", with an optimizer
