@@ -143,6 +143,8 @@ def test_delay_update_needs_the_host_pipeline(mesh):
     with pytest.raises(ValueError, match=f"delay_update='{delay}'.*offload_optimizer='nvme'"):
       zinfjax.init(factory, tx, zinfjax.ZeroConfig(offload_optimizer="pinned_host",
                                                    host_optimizer="xla", delay_update=delay), mesh)
+  with pytest.raises(ValueError, match="host_atomic_steps=True .* host_optimizer='xla'"):
+    zinfjax.ZeroConfig(host_optimizer="xla", host_atomic_steps=True)
   host = zinfjax.ZeroConfig(offload_optimizer="pinned_host")
   for asks in (dict(delay_update="all"), dict(host_atomic_steps=True), {}):
     engine = build_engine(factory, tx, host.replace(**asks), mesh, open_store_=False)

@@ -300,6 +300,11 @@ class ZeroConfig:
     if not isinstance(self.host_atomic_steps, bool):
       raise ValueError(f"ZeroConfig.host_atomic_steps must be True or False, got "
                        f"{self.host_atomic_steps!r}.")
+    if self.host_atomic_steps and self.host_optimizer in ("xla", "stream"):
+      raise ValueError(
+          f"ZeroConfig.host_atomic_steps=True makes the host pipeline's steps all or nothing, "
+          f"but host_optimizer={self.host_optimizer!r} updates the pinned-host states in the "
+          "step's program: set host_optimizer='pipeline' (or 'auto'), or drop host_atomic_steps.")
     if self.delay_update not in ("none", "tail", "all"):
       raise ValueError(f"ZeroConfig.delay_update must be 'none', 'tail' or 'all', got "
                        f"{self.delay_update!r}.")
