@@ -275,7 +275,9 @@ class ZeroConfig:
           f"offloading (offload_param={self.offload_param!r}, offload_optimizer="
           f"{self.offload_optimizer!r}, offload_activations={self.offload_activations}) needs "
           f"stage=3, got stage={self.stage}: zinfjax moves each rank's 1/dp shard of every state "
-          "between tiers, and stages 1 and 2 keep whole params on every device.")
+          "between tiers, and stages 1 and 2 keep whole params on every device. ZeRO-Offload's "
+          "setup (params on the device, the optimizer on the host) is stage=3 with "
+          "offload_param='device' (the default).")
     if self.host_optimizer not in HOST_OPTIMIZERS:
       raise ValueError(f"ZeroConfig.host_optimizer must be one of {', '.join(map(repr, HOST_OPTIMIZERS))}, "
                        f"got {self.host_optimizer!r}.")
