@@ -116,7 +116,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                  help="devices per process on the data axis (host devices when there is no "
                       "accelerator); the mesh spans every process's devices")
   p.add_argument("--checkpoint-dir", default=None, help="folder of the run's checkpoints")
-  p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps")
+  p.add_argument("--save-every", type=int, default=0,
+                 help="save a checkpoint every N steps (with --checkpoint-dir the last step is "
+                      "saved whatever N; 0: only the last)")
   p.add_argument("--keep", type=int, default=3, help="checkpoints kept (the newest)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the newest checkpoint in --checkpoint-dir that restores (a "

@@ -603,6 +603,10 @@ def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
                                 "--heads", "2"], capture_output=True, text=True, timeout=300, env=ENV)
   assert done.returncode != 0
   assert "trained with another model (num_heads 4 there, 2 here)" in done.stderr, done.stderr[-2000:]
+  # a checkpoint folder and no --save-every: the last step is saved
+  last = tmp_path / "last"
+  run([a for a in args[1:] if a not in ("--save-every", "1")] + ["--checkpoint-dir", str(last)])
+  assert [n for n in os.listdir(last) if n.isdigit()] == ["2"], os.listdir(last)
 
 
 def test_train_gpt_offload_auto_prints_the_plan_and_keeps_to_it(tmp_path):
