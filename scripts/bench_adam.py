@@ -383,7 +383,8 @@ def main(argv=None) -> int:
     for n, by in report["calls"].items():
       print(f"{n:12.3g} " + " ".join(f"{by[t] * 1e3:10.3f}" for t in threads))
   if args.small_parts:
-    print(f"\nPer part, over {args.small_parts} parts of {args.part_size} elements in the RAM store:")
+    print(f"\nPer part, over {args.small_parts} parts of {args.part_size} elements in the RAM "
+          "store:")
     floor = report["parts"]["the kernel alone on the store's shards"]
     for name, t in report["parts"].items():
       print(f"{name:40} {t * 1e6:8.1f} us {t / floor:6.2f}x  ({t * 1e6 - floor * 1e6:+.1f} us)")

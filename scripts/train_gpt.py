@@ -6,8 +6,9 @@ Hugging Face checkpoint (Llama, Mistral, Qwen2, GPT-2).
 
 With no accelerator, `--devices N` runs on N host (CPU) devices (per process).
 Checkpoints: `--checkpoint-dir D --save-every N` (the last step is saved too, with
-no --save-every alone), and `--resume` to continue from the latest one in D. Several processes: `scripts/launch.py --nproc N
-scripts/train_gpt.py ...` (or `--distributed` under a cluster launcher).
+no --save-every alone), and `--resume` to continue from the latest one in D.
+Several processes: `scripts/launch.py --nproc N scripts/train_gpt.py ...` (or
+`--distributed` under a cluster launcher).
 """
 
 from __future__ import annotations
@@ -340,7 +341,8 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
                              "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                              "tiers": tiers, "peak_rss": peak_rss(), "peak_hbm": peak_hbm(),
                              "least_ram_available": watch.take(), **breakdown})
-      if ckpt is not None and (step == args.steps or args.save_every and step % args.save_every == 0):
+      due = step == args.steps or args.save_every and step % args.save_every == 0
+      if ckpt is not None and due:
         ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
   except KeyboardInterrupt:
     progress.close()

@@ -210,7 +210,7 @@ def test_host_optimizer_needs_zinfjax_adamw(mesh):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(offload_param="nvme"), "nvme_path is not set"),
     (dict(offload_param="disk"), "offload_param must be one of"),
-    (dict(stage=2, offload_optimizer="pinned_host"), "needs stage=3.*is stage=3 with offload_param"),
+    (dict(stage=2, offload_optimizer="pinned_host"), "needs stage=3.*stage=3 with offload_param"),
     (dict(offload_param="pinned_host", offload_grad="device"), "offload_grad"),
     (dict(pinned_budget=1000), "pinned_budget"),
 ])

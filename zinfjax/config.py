@@ -303,10 +303,9 @@ class ZeroConfig:
       raise ValueError(f"ZeroConfig.host_atomic_steps must be True or False, got "
                        f"{self.host_atomic_steps!r}.")
     if self.host_atomic_steps and self.host_optimizer in ("xla", "stream"):
-      raise ValueError(
-          f"ZeroConfig.host_atomic_steps=True makes the host pipeline's steps all or nothing, "
-          f"but host_optimizer={self.host_optimizer!r} updates the pinned-host states in the "
-          "step's program: set host_optimizer='pipeline' (or 'auto'), or drop host_atomic_steps.")
+      raise ValueError(f"ZeroConfig.host_atomic_steps=True is for the host pipeline, but host_"
+                       f"optimizer={self.host_optimizer!r} updates in the step's program: set "
+                       "host_optimizer='pipeline' (or 'auto'), or drop host_atomic_steps.")
     if self.delay_update not in ("none", "tail", "all"):
       raise ValueError(f"ZeroConfig.delay_update must be 'none', 'tail' or 'all', got "
                        f"{self.delay_update!r}.")
@@ -358,9 +357,9 @@ class ZeroConfig:
     computation is the program's own). Other values are kept."""
     if self.host_optimizer != "auto":
       return self
-    gpu = platform in ("gpu", "cuda") and cuda_handlers
-    asks = self.delay_update != "none" or self.host_atomic_steps
-    return self.replace(host_optimizer="pipeline" if gpu or asks else "xla")
+    pipeline = (platform in ("gpu", "cuda") and cuda_handlers or self.delay_update != "none"
+                or self.host_atomic_steps)
+    return self.replace(host_optimizer="pipeline" if pipeline else "xla")
 
   def with_host_pipeline(self) -> "ZeroConfig":
     """The config the engine plans with: under host_optimizer="pipeline", with an optimizer

@@ -220,7 +220,8 @@ class AioStore:
     than `write` for small shards)."""
     arrays = [np.ascontiguousarray(a) for _, a in items]
     ticket = self._store.write_many([k for k, _ in items], [_as_bytes(a) for a in arrays],
-                                    [_name(a.dtype) for a in arrays], [list(a.shape) for a in arrays])
+                                    [_name(a.dtype) for a in arrays],
+                                    [list(a.shape) for a in arrays])
     return Ticket(lambda: self._store.wait(ticket), arrays)
 
   def read_many(self, items: Sequence[tuple[str, np.ndarray]]) -> Ticket:
