@@ -313,6 +313,47 @@ def test_sub_groups_pack_small_leaves_without_growing_the_buffers():
     assert ends == u.size
 
 
+@pytest.mark.parametrize("memory", [True, False])
+def test_a_pipeline_laid_out_again_updates_like_a_new_one(memory, tmp_path):
+  """The pipeline keeps each part's store keys and buffer views once made; a new layout (other
+  leaves, sizes and names under the same part ids) must not see the old ones: it updates bit for
+  bit like a pipeline built for it, in the RAM store and through the drive's buffers."""
+  from zinfjax.optim.nvme import NvmeAdam, _slice
+  rng = np.random.default_rng(3)
+
+  def pipeline(folder):
+    return NvmeAdam(str(folder), sub_group_size=1024, memory=memory,
+                    constants=AdamConstants(0.9, 0.999, 1e-8))
+
+  def step(pipe, shapes, names):
+    pipe.configure(shapes, names)
+    params = [rng.standard_normal(int(np.prod(s)), np.float32) for s in shapes]
+    grads = [rng.standard_normal(p.size, np.float32).astype(ml_dtypes.bfloat16) for p in params]
+    return params, grads
+
+  def run(pipe, params, grads):
+    pipe.host_init(*params)
+    outs = [np.zeros(p.size, ml_dtypes.bfloat16) for p in params]
+    for _ in range(2):
+      pipe.stream(1e-2, 0.1, 0.001, [0.01] * len(params), lambda p: _slice(grads[p.leaf], p),
+                  lambda p: _slice(outs[p.leaf], p), step=1)
+    return [o.astype(np.float32) for o in outs]
+
+  again = pipeline(tmp_path / "again")
+  run(again, *step(again, [(3000,), (40,)], ["a", "b"]))
+  shapes, names = [(40,), (2500,), (7,)], ["c", "d", "e"]
+  params, grads = step(again, shapes, names)
+  fresh = pipeline(tmp_path / "fresh")
+  fresh.configure(shapes, names)
+  want = run(fresh, params, grads)
+  got = run(again, params, grads)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(got[1], params[1].astype(ml_dtypes.bfloat16).astype(np.float32))
+  again.close()
+  fresh.close()
+
+
 @pytest.mark.parametrize("moments", [jnp.float32, jnp.bfloat16])
 def test_a_skipped_update_is_folded_into_the_pass(moments):
   """`adamw_jnp(..., ok=)`: True is the plain update bit for bit; False gives back every state
