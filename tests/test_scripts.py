@@ -668,3 +668,20 @@ def test_a_row_in_a_child_of_a_large_process_reports_its_own_peak_rss():
   own, carried = map(int, done.stdout.split())
   assert carried >= held.nbytes  # the parent's peak, as ru_maxrss tells it
   assert 0 < own < held.nbytes // 2
+
+
+def test_the_progress_line_names_the_drive_only_where_it_moved_bytes():
+  """An offloaded optimizer's breakdown: a step in RAM's store moves nothing through the drive,
+  so the line leaves out the drive's waits and bytes, which a step on NVMe shows."""
+  import io
+  from zinfjax.progress import Progress
+  out = io.StringIO()
+  progress = Progress(2, stream=out)
+  step = {"loss": 1.0, "step_time_s": 0.5, "tokens_per_s": 10.0, "fwd_bwd_s": 0.2,
+          "optimizer_s": 0.3, "adam_s": 0.1, "nvme_read_wait_s": 0.02, "nvme_write_wait_s": 0.01}
+  progress.update(1, dict(step, nvme_bytes_read=0, nvme_bytes_written=0))
+  progress.update(2, dict(step, nvme_bytes_read=1 << 20, nvme_bytes_written=3 << 20))
+  ram, drive = out.getvalue().splitlines()[:2]
+  assert "optimizer 0.30 s (Adam 0.10 s)" in ram and "NVMe" not in ram, ram
+  assert ("(Adam 0.10 s, NVMe read wait 0.02 s, write wait 0.01 s, 1.0 MiB read, 3.0 MiB "
+          "written)") in drive, drive

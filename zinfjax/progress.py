@@ -171,10 +171,13 @@ class Progress:
             f"per device: {tiers}")
     if "optimizer_s" in record:  # offloaded optimizer: where the step's time went
       line += (f" | fwd/bwd {record['fwd_bwd_s']:.2f} s, optimizer {record['optimizer_s']:.2f} s "
-               f"(Adam {record['adam_s']:.2f} s, NVMe read wait {record['nvme_read_wait_s']:.2f} s, "
-               f"write wait {record['nvme_write_wait_s']:.2f} s, "
-               f"{human_bytes(record['nvme_bytes_read'])} read, "
-               f"{human_bytes(record['nvme_bytes_written'])} written)")
+               f"(Adam {record['adam_s']:.2f} s")
+      if record["nvme_bytes_read"] or record["nvme_bytes_written"]:  # none in RAM's store
+        line += (f", NVMe read wait {record['nvme_read_wait_s']:.2f} s, "
+                 f"write wait {record['nvme_write_wait_s']:.2f} s, "
+                 f"{human_bytes(record['nvme_bytes_read'])} read, "
+                 f"{human_bytes(record['nvme_bytes_written'])} written")
+      line += ")"
     if "peak_rss" in record:
       line += f" | peak RSS {human_bytes(record['peak_rss'])}"
     if record.get("least_ram_available") is not None:
