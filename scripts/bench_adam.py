@@ -202,6 +202,26 @@ class _LendsNothing:
     return getattr(self._store, name)
 
 
+def ram_pipeline(shapes: list[tuple[int, ...]], sub_group: int, moments=np.float32):
+  """An `NvmeAdam` over leaves of `shapes` with its states in the RAM store."""
+  from zinfjax.optim.kernel import AdamConstants
+  from zinfjax.optim.nvme import NvmeAdam
+  pipe = NvmeAdam("", sub_group_size=sub_group, constants=AdamConstants(0.9, 0.999, 1e-8),
+                  moment_dtype=moments, memory=True)
+  pipe.configure(shapes)
+  return pipe
+
+
+def ram_step(pipe, store, atomic: bool, decays: list[float], grad_of, out_of) -> None:
+  """One host-pipeline step of `pipe`; with `atomic`, all or nothing in `store`."""
+  from zinfjax.placement import PREFIX
+  if atomic:
+    store.begin([PREFIX[s] for s in ("master", "mu", "nu")])
+  pipe.stream(1e-3, 0.1, 0.001, decays, grad_of, out_of, step=1)
+  if atomic:
+    store.commit()
+
+
 def bench_host(n: int, sub_group: int, repeats: int, moments=np.float32,
                atomic: bool = True) -> dict[str, float]:
   """Seconds of one host-pipeline step over `n` params in the RAM store (bf16 grads in, bf16
@@ -210,26 +230,16 @@ def bench_host(n: int, sub_group: int, repeats: int, moments=np.float32,
   the steps, as the engine's go to the store's (a new one each step would add its first
   touch: a sixth of the step on a 2-core VM)."""
   import ml_dtypes
-  from zinfjax.optim.kernel import AdamConstants
-  from zinfjax.optim.nvme import NvmeAdam, _slice
-  from zinfjax.placement import PREFIX
-  pipe = NvmeAdam("", sub_group_size=sub_group, constants=AdamConstants(0.9, 0.999, 1e-8),
-                  moment_dtype=moments, memory=True)
-  pipe.configure([(n,)])
+  from zinfjax.optim.nvme import _slice
+  pipe = ram_pipeline([(n,)], sub_group, moments)
   params = np.random.default_rng(0).standard_normal(n, np.float32)
   pipe.host_init(params)
   grad = params.astype(ml_dtypes.bfloat16)
   out = np.zeros(n, ml_dtypes.bfloat16)
   del params
   store = pipe.store
-
-  def step(atomic: bool) -> None:
-    if atomic:
-      store.begin([PREFIX[s] for s in ("master", "mu", "nu")])
-    pipe.stream(1e-3, 0.1, 0.001, [0.01], lambda p: _slice(grad, p), lambda p: _slice(out, p),
-                step=1)
-    if atomic:
-      store.commit()
+  step = lambda atomic: ram_step(pipe, store, atomic, [0.01], lambda p: _slice(grad, p),
+                                 lambda p: _slice(out, p))
 
   rows = {"in place": best_time(lambda: step(False), repeats)}
   if atomic:
@@ -247,12 +257,8 @@ def bench_parts(count: int, size: int, repeats: int) -> dict[str, float]:
   """Seconds per part: the kernel alone on `count` RAM-store shards of `size` elements (its
   calls, nothing else), then one host-pipeline step over them in place and all or nothing."""
   import ml_dtypes
-  from zinfjax.optim.kernel import AdamConstants, adamw_numpy
-  from zinfjax.optim.nvme import NvmeAdam
-  from zinfjax.placement import PREFIX
-  pipe = NvmeAdam("", sub_group_size=size, constants=AdamConstants(0.9, 0.999, 1e-8),
-                  memory=True)
-  pipe.configure([(size,)] * count)
+  from zinfjax.optim.kernel import adamw_numpy
+  pipe = ram_pipeline([(size,)] * count, size)
   rng = np.random.default_rng(0)
   params = [rng.standard_normal(size, np.float32) for _ in range(count)]
   pipe.host_init(*params)
@@ -265,14 +271,8 @@ def bench_parts(count: int, size: int, repeats: int) -> dict[str, float]:
     for (master, m, v), g, out in zip(shards, grads, outs):
       adamw_numpy(master, m, v, g, out, 1e-3, 0.1, 0.001, pipe.constants, 0.01)
 
-  def step(atomic: bool) -> None:
-    if atomic:
-      store.begin([PREFIX[s] for s in ("master", "mu", "nu")])
-    pipe.stream(1e-3, 0.1, 0.001, [0.01] * count, lambda p: grads[p.leaf],
-                lambda p: outs[p.leaf], step=1)
-    if atomic:
-      store.commit()
-
+  step = lambda atomic: ram_step(pipe, store, atomic, [0.01] * count, lambda p: grads[p.leaf],
+                                 lambda p: outs[p.leaf])
   rows = {"the kernel alone on the store's shards": best_time(kernel, repeats),
           "pipeline step, in place": best_time(lambda: step(False), repeats),
           "pipeline step, all or nothing": best_time(lambda: step(True), repeats)}

@@ -102,13 +102,18 @@ def _stack_paths(model: nnx.Module) -> tuple[Path, ...]:
   return tuple(tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Stack))
 
 
+def _path_name(path: tuple) -> str:
+  """A variable's name in the plan and in messages: its path joined by "/"."""
+  return "/".join(map(str, path))
+
+
 def _some(names: list[str], shown: int = 5) -> str:
   return ", ".join(names[:shown]) + (" ..." if len(names) > shown else "")
 
 
 def _check_params_only(model: nnx.Module) -> None:
   _, params, other = nnx.split(model, nnx.Param, ...)
-  others = [f"{'/'.join(map(str, path))} ({type(v).__name__})"
+  others = [f"{_path_name(path)} ({type(v).__name__})"
             for path, v in nnx.to_flat_state(other)]
   if others:  # the step would not carry them: dropout keys repeat, batch stats never move
     raise ValueError(
@@ -116,7 +121,7 @@ def _check_params_only(model: nnx.Module) -> None:
         f"{len(others)} other variables: {_some(others)}. Build it without them (nnx.Dropout "
         "built without rngs, LayerNorm or RMSNorm for BatchNorm) or keep such state outside "
         "the module.")
-  not_float = [f"{'/'.join(map(str, path))} ({jnp.dtype(v.dtype).name})"
+  not_float = [f"{_path_name(path)} ({jnp.dtype(v.dtype).name})"
                for path, v in nnx.to_flat_state(params)
                if not jnp.issubdtype(v.dtype, jnp.floating)]
   if not_float:  # cast to the compute dtype and updated by Adam, they would train as floats
@@ -127,8 +132,7 @@ def _check_params_only(model: nnx.Module) -> None:
 
 def leaf_names(model: nnx.Module, which: Any = nnx.Param) -> frozenset[str]:
   """The plan's names ("a/b/kernel") of the model's variables that the nnx filter `which` selects."""
-  return frozenset("/".join(str(k) for k in path)
-                   for path, _ in nnx.to_flat_state(nnx.state(model, which)))
+  return frozenset(_path_name(path) for path, _ in nnx.to_flat_state(nnx.state(model, which)))
 
 
 def frozen_leaves(model: nnx.Module, config: ZeroConfig) -> frozenset[str]:
