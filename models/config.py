@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .linear import check_lora_rank
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -16,6 +18,8 @@ class GPTConfig:
     num_heads: attention heads; must divide `hidden`.
     hidden: model width (the paper's hd).
     remat: recompute each block in backward, keeping one checkpoint per block.
+    lora_rank: > 0 makes every projection of the blocks an `nnx.LoRALinear` of this rank
+      (adapters `nnx.LoRAParam`, train them with `ZeroConfig(trainable=nnx.LoRAParam)`).
   """
 
   vocab_size: int = 65
@@ -24,12 +28,14 @@ class GPTConfig:
   num_heads: int = 4
   hidden: int = 64
   remat: bool = True
+  lora_rank: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "hidden"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}.")
+    check_lora_rank("GPTConfig", self.lora_rank)
     if self.hidden % self.num_heads:
       raise ValueError(
           f"GPTConfig.hidden={self.hidden} is not divisible by num_heads="
@@ -37,7 +43,7 @@ class GPTConfig:
 
   @property
   def num_params(self) -> int:
-    """Exact parameter count (tied embedding counted once)."""
+    """Exact parameter count (tied embedding counted once; LoRA adapters not counted)."""
     d, v, t, l = self.hidden, self.vocab_size, self.seq_len, self.num_layers
     block = (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 4 * d
     return v * d + t * d + l * block + 2 * d

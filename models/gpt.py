@@ -1,5 +1,7 @@
 """A GPT in Flax NNX: pre-LN blocks, learned positions, GELU MLP 4x, tied embedding.
 
+With `GPTConfig.lora_rank` every projection of the blocks carries LoRA adapters.
+
 Blocks are built by `zinfjax.layers.Stack` (parameters stacked on a layer axis,
 run with `nnx.scan`, each block remat-able), so the same model trains on one
 device or layer by layer under ZeRO-3. Activations and matrix products are in the
@@ -23,6 +25,7 @@ from zinfjax.layers import Stack
 from .attention import causal_attention
 from .config import GPTConfig
 from .embedding import lookup
+from .linear import linears
 from .loss import lm_loss, tied
 
 __all__ = ["Block", "GPT", "lm_loss"]
@@ -40,12 +43,13 @@ class Block(nnx.Module):
     init = nnx.initializers.normal(0.02)
     # GPT-2: residual projections scaled by 1/sqrt(2 * layers).
     out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.num_layers))
+    linear = linears(config.lora_rank, rngs)
     self.ln1 = _layer_norm(d, rngs)
-    self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
-    self.proj = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
+    self.qkv = linear(d, 3 * d, True, init)
+    self.proj = linear(d, d, True, out_init)
     self.ln2 = _layer_norm(d, rngs)
-    self.fc = nnx.Linear(d, 4 * d, kernel_init=init, rngs=rngs)
-    self.out = nnx.Linear(4 * d, d, kernel_init=out_init, rngs=rngs)
+    self.fc = linear(d, 4 * d, True, init)
+    self.out = linear(4 * d, d, True, out_init)
     self.num_heads = config.num_heads
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:

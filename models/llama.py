@@ -19,6 +19,7 @@ from flax import nnx
 from zinfjax.layers import Stack
 from .attention import causal_attention
 from .embedding import lookup
+from .linear import check_lora_rank, linears
 from .loss import dense, tied
 
 
@@ -61,6 +62,7 @@ class LlamaConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
                        f"num_heads={self.num_heads}.")
+    check_lora_rank("LlamaConfig", self.lora_rank)
     if self.head_dim is None and self.hidden % self.num_heads:
       raise ValueError(f"LlamaConfig.hidden={self.hidden} is not divisible by num_heads="
                        f"{self.num_heads}; give head_dim.")
@@ -71,6 +73,7 @@ class LlamaConfig:
 
   @property
   def num_params(self) -> int:
+    """Exact parameter count (tied embedding counted once; LoRA adapters not counted)."""
     d, h, kv, f = self.hidden, self.num_heads * self.dim, self.num_kv_heads * self.dim, self.intermediate
     block = d * h + 2 * d * kv + h * d + 3 * d * f + 2 * d + (h + 2 * kv if self.qkv_bias else 0)
     head = 0 if self.tie_embeddings else d * self.vocab_size
@@ -102,12 +105,8 @@ class Block(nnx.Module):
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, k = config.hidden, config.dim
     init = nnx.initializers.normal(0.02)
-    if config.lora_rank:
-      linear = lambda i, o, bias=False: nnx.LoRALinear(
-          i, o, lora_rank=config.lora_rank, use_bias=bias, kernel_init=init, rngs=rngs)
-    else:
-      linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, kernel_init=init,
-                                                   rngs=rngs)
+    make = linears(config.lora_rank, rngs)
+    linear = lambda i, o, bias=False: make(i, o, bias, init)
     self.ln1 = _rms_norm(d, config.rms_eps, rngs)
     self.q = linear(d, config.num_heads * k, config.qkv_bias)
     self.k = linear(d, config.num_kv_heads * k, config.qkv_bias)

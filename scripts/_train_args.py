@@ -23,9 +23,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                  help="fine-tune this Hugging Face checkpoint folder (config.json + safetensors): "
                       "its weights are streamed into the placement's tiers")
   p.add_argument("--lora-rank", type=int, default=0,
-                 help="with --init-from a Llama-family checkpoint: train LoRA adapters of this "
-                      "rank on every projection, the pretrained weights frozen (no grads, master "
-                      "or optimizer state); --export merges them into the weights")
+                 help="with --init-from: train LoRA adapters of this rank on every projection "
+                      "of the blocks, the pretrained weights frozen (no grads, master or "
+                      "optimizer state); --export merges them into the weights")
   p.add_argument("--export", default=None, metavar="FOLDER",
                  help="at the end, write the model as a Hugging Face checkpoint folder")
   p.add_argument("--eval-every", type=int, default=0,

@@ -154,8 +154,6 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     if args.init_from:
       config, model_factory, weights = hf.load(args.init_from)
       if args.lora_rank:
-        if not hasattr(config, "lora_rank"):
-          raise ValueError("--lora-rank needs a Llama-family checkpoint (llama, mistral, qwen2).")
         config = config.replace(lora_rank=args.lora_rank)
         model_factory = hf.factory(config)
       tokens = finetune_tokens(args.data, args.init_from, config.vocab_size, load_tokens)

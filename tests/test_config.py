@@ -32,6 +32,15 @@ def test_heads_must_divide_width():
     get_config("tiny", num_heads=5)
 
 
+def test_lora_rank_is_an_int_of_at_least_zero():
+  from zinfjax.models import LlamaConfig
+  for make in (lambda r: get_config("tiny", lora_rank=r), lambda r: LlamaConfig(lora_rank=r)):
+    for bad in (-1, 2.0, True):
+      with pytest.raises(ValueError, match=f"lora_rank must be an int >= 0.*got {bad!r}"):
+        make(bad)
+    assert make(3).lora_rank == 3
+
+
 def test_batch_not_divisible_by_devices(mesh):
   config = get_config("tiny")
   state = zinfjax.init(lambda r: GPT(config, rngs=r), optax.sgd(0.1), zinfjax.ZeroConfig(), mesh)

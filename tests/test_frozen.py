@@ -145,24 +145,26 @@ def test_trainable_filter_errors(mesh):
                           zinfjax.ZeroConfig(stage=2, trainable=nnx.LoRAParam), mesh)
 
 
-def test_lora_on_a_pretrained_llama_exports_merged(mesh, tmp_path):
-  """LoRA on the pretrained tiny Llama (base streamed onto NVMe and frozen, adapters fresh from
-  the initializers): starts at transformers' loss, trains like nnx.Optimizer(wrt=LoRAParam),
-  and exports W + A @ B, whose plain-model logits equal the LoRA model's (fp32, 1e-5)."""
+@pytest.mark.parametrize("family, tier", [("llama", "nvme"), ("gpt2", "pinned_host")])
+def test_lora_on_a_pretrained_model_exports_merged(family, tier, mesh, tmp_path):
+  """LoRA on a pretrained tiny Llama or GPT-2 (base streamed onto NVMe or pinned host and
+  frozen, adapters fresh from the initializers): starts at transformers' loss, trains like
+  nnx.Optimizer(wrt=LoRAParam), and exports W + A @ B, whose plain-model logits equal the LoRA
+  model's (fp32, 1e-5)."""
   import os
   from helpers import REPO
   from zinfjax.models import hf, lm_loss
   from zinfjax.weights import source
 
-  folder = os.path.join(REPO, "tests", "data", "hf", "llama")
+  folder = os.path.join(REPO, "tests", "data", "hf", family)
   config, _, weights = hf.load(folder)
   config = config.replace(lora_rank=2)
   make = hf.factory(config)
   ref_data = np.load(os.path.join(folder, "reference.npz"))
   tokens = np.tile(ref_data["tokens"], (4, 1))
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  zero = zinfjax.ZeroConfig(precision="fp32", trainable=nnx.LoRAParam, offload_param="nvme",
-                            offload_optimizer="nvme", nvme_path=str(tmp_path / "swap"))
+  zero = zinfjax.ZeroConfig(precision="fp32", trainable=nnx.LoRAParam, offload_param=tier,
+                            offload_optimizer=tier, nvme_path=str(tmp_path / "swap"))
   state = zinfjax.init(make, zinfjax.optim.adam(1e-2), zero, mesh, rng=3, params=weights,
                        init_missing=nnx.LoRAParam)
   ref = make(nnx.Rngs(3))
