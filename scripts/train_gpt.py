@@ -101,6 +101,19 @@ def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
   return ids
 
 
+def same_model(saved: dict | None, config, directory: str) -> None:
+  """Refuse a checkpoint whose run saved another model config than this one's (a field it does
+  not name, one newer than it, has its default there)."""
+  here = dataclasses.asdict(config)
+  defaults = {f.name: f.default for f in dataclasses.fields(config)}
+  saved = None if saved is None else {**defaults, **saved}
+  if saved is not None and saved != here:
+    diff = ", ".join(f"{k} {saved.get(k)} there, {here.get(k)} here"
+                     for k in sorted(set(saved) | set(here)) if saved.get(k) != here.get(k))
+    raise SystemExit(f"error: the checkpoint in {directory} was trained with another model "
+                     f"({diff}); resume with the flags it was saved with.")
+
+
 def main(argv=None) -> int:
   args = parse_args(argv, __doc__)
   check_args(args)
@@ -245,7 +258,9 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
       raise SystemExit(f"error: {ckpt.directory} already holds checkpoints (steps {ckpt.all_steps()}); "
                        "pass --resume (or --resume-step N) to continue, or choose another "
                        "--checkpoint-dir.")
-    if "opt/count" not in ckpt.metadata(args.resume_step)["leaves"]:
+    meta = ckpt.metadata(args.resume_step)
+    same_model(meta.get("extra", {}).get("model"), config, ckpt.directory)  # before any read
+    if "opt/count" not in meta["leaves"]:
       # saved by an older train_gpt.py with optax's AdamW chain (optimizer on the device)
       if zero.optimizer_split != (("device", None),):
         raise SystemExit(f"error: {ckpt.directory} holds optax AdamW states (an older train_gpt.py"
@@ -261,13 +276,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
       state, extra, skipped = ckpt.restore_newest(model_factory, tx, zero, mesh, restoring)
       for step, why in skipped:
         say(f"skipped checkpoint step {step}: it does not restore ({why})")
-    saved = extra.get("model")
-    here = dataclasses.asdict(config)
-    if saved is not None and saved != here:
-      diff = ", ".join(f"{k} {saved.get(k)} there, {here.get(k)} here" for k in sorted(set(saved) | set(here))
-                       if saved.get(k) != here.get(k))
-      raise SystemExit(f"error: the checkpoint in {ckpt.directory} was trained with another model "
-                       f"({diff}); resume with the flags it was saved with.")
+    same_model(extra.get("model"), config, ckpt.directory)
     say(f"resumed from step {int(state.step)} of {ckpt.directory} in {time.perf_counter() - t0:.1f} s")
   elif args.resume_step is not None:
     raise SystemExit(f"error: --resume-step {args.resume_step}: {ckpt.directory} holds no checkpoint.")

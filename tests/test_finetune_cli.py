@@ -53,12 +53,16 @@ def test_finetune_lora_exports_merged_weights(tmp_path):
   tokens = np.frombuffer(open(DATA, "rb").read()[:40000], np.uint8).astype(np.uint16) % 128
   data = tmp_path / "tokens.bin"
   tokens.tofile(data)
-  out = _run(["--init-from", LLAMA, "--data", str(data), "--devices", "2", "--batch-size", "4",
-              "--seq-len", "32", "--steps", "4", "--lora-rank", "2", "--lr", "1e-2",
-              "--precision", "fp32",
-              "--offload-param", "nvme", "--offload-optimizer", "pinned_host",
-              "--nvme-path", str(tmp_path / "swap"), "--export", str(tmp_path / "out")]).stdout
+  common = ["--init-from", LLAMA, "--data", str(data), "--devices", "2", "--batch-size", "4",
+            "--seq-len", "32", "--lr", "1e-2", "--precision", "fp32", "--checkpoint-dir",
+            str(tmp_path / "ckpt")]
+  out = _run(common + ["--steps", "4", "--lora-rank", "2", "--offload-param", "nvme",
+                       "--offload-optimizer", "pinned_host", "--nvme-path", str(tmp_path / "swap"),
+                       "--export", str(tmp_path / "out")]).stdout
   assert "training LoRA adapters of rank 2 only" in out and "exported" in out
+  done = _run(common + ["--steps", "5", "--resume"], ok=False)   # without its adapters
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert "trained with another model (lora_rank 2 there, 0 here)" in done.stderr
   from zinfjax.weights import safetensors
   theirs = safetensors.Checkpoint(LLAMA)
   ours = safetensors.Checkpoint(str(tmp_path / "out"))

@@ -33,6 +33,21 @@ class Model(nnx.Module):
     return self.head(self.stack(self.inp(x)))
 
 
+class PlainModel(Model):
+  """`Model` without its LoRA adapters."""
+
+  def __init__(self, rngs):
+    super().__init__(rngs)
+    self.head = nnx.Linear(16, 8, rngs=rngs)
+    self.stack = zinfjax.Stack(lambda r: PlainBlock(r), 3, rngs=rngs)
+
+
+class PlainBlock(Block):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(16, 32, rngs=rngs)
+    self.b = nnx.Linear(32, 16, rngs=rngs)
+
+
 def loss_fn(model, batch):
   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
@@ -134,6 +149,15 @@ def test_lora_checkpoint_restores_onto_another_placement(mesh, tmp_path):
     restored, m = zinfjax.train_step(restored, b, loss_fn)
     got.append(float(m["loss"]))
   np.testing.assert_allclose(got, expect, rtol=1e-6)
+  # restored with every param trained, or onto the model without its adapters: named refusals
+  from zinfjax.checkpoint import CheckpointMismatch
+  with pytest.raises(CheckpointMismatch, match=r"trains other params than this run: 8 frozen "
+                                               r"there are trained here \(e.g. 'head/bias'"):
+    ckpt.restore(Model, _tx(pinned), pinned.zero(), other)
+  with pytest.raises(CheckpointMismatch, match=r"another model: 6 of its params are not in this "
+                                               r"model \(e.g. 'head/lora/lora_a' \[16, 2\] .*"
+                                               r"Its LoRA adapters differ"):
+    ckpt.restore(PlainModel, _tx(pinned), pinned.zero(), other)
   ckpt.close()
 
 

@@ -324,22 +324,55 @@ def _restore_targets(target) -> list[Leaf]:
   return leaves
 
 
+def _model_leaves(shapes: dict[str, list]) -> dict[str, tuple[list, bool]]:
+  """A state's model leaves from its listing (name -> shape): bare name -> (shape, trained).
+  Trained leaves are listed as their fp32 master, frozen ones as their params."""
+  out: dict[str, tuple[list, bool]] = {}
+  for prefix, trained in (("params/", False), ("master/", True)):
+    out.update((k[len(prefix):], (v, trained)) for k, v in shapes.items() if k.startswith(prefix))
+  return out
+
+
+def _some(names: list[str], shapes: dict[str, tuple[list, bool]]) -> str:
+  return f"e.g. {names[0]!r} {shapes[names[0]][0]}" + (" ..." if len(names) > 1 else "")
+
+
 def _check_compatible(meta: dict, leaves: list[Leaf], directory: str, step: int) -> None:
   """Clear errors when the checkpoint holds another model or another optimizer's state."""
   saved = meta["leaves"]
   wanted = {l.name: (list(l.shape), np.dtype(l.dtype).name) for l in leaves}
   where = f"checkpoint step {step} in {directory}"
-  model = lambda d: {k: v for k, v in d.items() if k.startswith("master/")}
-  diff = [(k, saved.get(k), wanted.get(k)) for k in sorted(set(model(saved)) | set(model(wanted)))
-          if (saved[k]["shape"] if k in saved else None) != (wanted[k][0] if k in wanted else None)]
-  if diff:
-    k, there, here = diff[0]
-    there = there["shape"] if there else "absent"
-    here = here[0] if here else "absent"
+  there = _model_leaves({k: v["shape"] for k, v in saved.items()})
+  here = _model_leaves({k: v[0] for k, v in wanted.items()})
+  only_there, only_here = sorted(set(there) - set(here)), sorted(set(here) - set(there))
+  reshaped = sorted(k for k in set(there) & set(here) if there[k][0] != here[k][0])
+  found = []
+  if only_there:
+    found.append(f"{len(only_there)} of its params are not in this model "
+                 f"({_some(only_there, there)})")
+  if only_here:
+    found.append(f"{len(only_here)} of this model's are not in it ({_some(only_here, here)})")
+  if reshaped:
+    k = reshaped[0]
+    found.append(f"{len(reshaped)} have another shape (e.g. {k!r} {there[k][0]} there and "
+                 f"{here[k][0]} here)")
+  if found:
+    lora = any("lora" in k for k in only_there + only_here)
     raise CheckpointMismatch(
-        f"{where} was saved from another model: {len(diff)} params differ, e.g. {k!r} has shape "
-        f"{there} there and {here} here. Build the model with the config it was trained with, "
-        "or use another checkpoint directory.")
+        f"{where} was saved from another model: {'; '.join(found)}. "
+        + ("Its LoRA adapters differ from this model's: build it with the lora_rank it was "
+           "trained with (train_gpt.py: --lora-rank). " if lora else "")
+        + "Build the model with the config it was trained with, or use another checkpoint "
+        "directory.")
+  frozen = sorted(k for k in here if here[k][1] and not there[k][1])
+  thawed = sorted(k for k in here if there[k][1] and not here[k][1])
+  found = ([f"{len(frozen)} frozen there are trained here ({_some(frozen, here)})"] if frozen
+           else []) + ([f"{len(thawed)} trained there are frozen here ({_some(thawed, here)})"]
+                       if thawed else [])
+  if found:
+    raise CheckpointMismatch(
+        f"{where} trains other params than this run: {'; '.join(found)}. Restore with the "
+        "ZeroConfig.trainable it was saved with.")
   opt_saved = {k for k in saved if k.startswith("opt/")}
   opt_wanted = {k for k in wanted if k.startswith("opt/")}
   if opt_saved != opt_wanted:
