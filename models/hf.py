@@ -237,7 +237,8 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
          base_config: dict[str, Any] | None = None, max_shard_bytes: int = 5 << 30) -> list[str]:
   """Write `params` (a `zinfjax.TrainState`, an nnx model, or its pure dict of arrays) as a
   Hugging Face checkpoint folder that `transformers` loads with `from_pretrained` (LoRA
-  adapters merged into the weights they adapt)."""
+  adapters merged into the weights they adapt: `config` may be the base model's or the
+  adapted one's)."""
   if hasattr(params, "full_leaf"):
     read = lambda path: params.full_leaf(path)
   else:
@@ -246,7 +247,7 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
 
   def leaf(path: str) -> np.ndarray:  # LoRA adapters merged into their kernel: W + A @ B
     x = np.asarray(read(path))
-    if getattr(config, "lora_rank", 0) and path.endswith("/kernel"):
+    if path.endswith("/kernel"):  # wherever `params` holds adapters, whatever `config` says
       base = path[:-len("kernel")]
       try:
         a, b = np.asarray(read(base + "lora/lora_a")), np.asarray(read(base + "lora/lora_b"))

@@ -178,11 +178,11 @@ def test_lora_on_a_pretrained_model_exports_merged(family, tier, mesh, tmp_path)
   import os
   from helpers import REPO
   from zinfjax.models import hf, lm_loss
-  from zinfjax.weights import source
+  from zinfjax.weights import safetensors, source
 
   folder = os.path.join(REPO, "tests", "data", "hf", family)
-  config, _, weights = hf.load(folder)
-  config = config.replace(lora_rank=2)
+  base, _, weights = hf.load(folder)
+  config = base.replace(lora_rank=2)
   make = hf.factory(config)
   ref_data = np.load(os.path.join(folder, "reference.npz"))
   tokens = np.tile(ref_data["tokens"], (4, 1))
@@ -208,6 +208,9 @@ def test_lora_on_a_pretrained_model_exports_merged(family, tier, mesh, tmp_path)
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
   assert float(metrics["loss"]) < start - 0.01
   hf.save(str(tmp_path / "out"), config, state, base_config=hf.read_config(folder))
+  hf.save(str(tmp_path / "out2"), base, state)   # the base model's config: adapters merged too
+  out, out2 = (safetensors.Checkpoint(str(tmp_path / o)) for o in ("out", "out2"))
+  assert all(np.array_equal(out[n], out2[n]) for n in out)
   base_config, base_make, merged = hf.load(str(tmp_path / "out"))
   assert base_config.lora_rank == 0
   plain = base_make(nnx.Rngs(0))
