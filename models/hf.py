@@ -29,6 +29,8 @@ from .gpt import GPT
 from .llama import Llama, LlamaConfig
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
+# the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
+TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # HF buffers and copies that carry no weights of ours
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.bias|(^|\.)attn\.masked_bias)$")
 
@@ -256,11 +258,18 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
       x = x + np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(x.dtype)
     return x
 
+  dtype = np.dtype(dtype)
+  if dtype.name not in TORCH_DTYPES:
+    raise ValueError(f"hf.save writes float weights: dtype {dtype.name} is none of "
+                     f"{', '.join(TORCH_DTYPES)}.")
+  hf_config = config_to_hf(config, base_config)
+  for key in {"torch_dtype"} | ({"dtype"} & set(hf_config)):  # the dtype saved, as HF writes it
+    hf_config[key] = TORCH_DTYPES[dtype.name]
   os.makedirs(folder, exist_ok=True)
   with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-    json.dump(config_to_hf(config, base_config), f, indent=2)
+    json.dump(hf_config, f, indent=2)
   metadata = {"format": "pt"}
-  return safetensors.write_sharded(folder, tensors(config, leaf, np.dtype(dtype)),
+  return safetensors.write_sharded(folder, tensors(config, leaf, dtype),
                                    max_shard_bytes, metadata)
 
 

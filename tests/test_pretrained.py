@@ -135,6 +135,16 @@ def test_export_round_trip(family, mesh, tmp_path):
   again = hf.load(str(out))[2]
   assert _max_diff(jax.tree.map(lambda t: t.read(()), again, is_leaf=source.is_tensor),
                    state.full_params()) == 0.0
+  assert hf.read_config(str(out))["torch_dtype"] == "float32"
+  hf.save(str(tmp_path / "bf16"), config, state, dtype=jnp.bfloat16)   # rounded, and said so
+  half = safetensors.Checkpoint(str(tmp_path / "bf16"))
+  assert hf.read_config(str(tmp_path / "bf16"))["torch_dtype"] == "bfloat16"
+  for n in names:
+    assert half[n].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(half[n], theirs[n].astype(jnp.bfloat16), err_msg=n)
+  with pytest.raises(ValueError, match="writes float weights: dtype int8 is none of float32"):
+    hf.save(str(tmp_path / "int8"), config, state, dtype=np.int8)
+  assert not os.path.exists(tmp_path / "int8")
   _close(state)
 
 
