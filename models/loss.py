@@ -155,6 +155,7 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
     raise ValueError(f"lm_loss takes a batch dict with 'inputs' (token ids [B, T]) and 'targets' "
                      f"(the next ids, -100 to ignore one), got {got}.")
   inputs, targets = batch["inputs"], batch["targets"]
+  _check_axes(inputs.shape)
   if targets.shape != inputs.shape:
     raise ValueError(f"lm_loss: targets of shape {targets.shape} for inputs of shape "
                      f"{inputs.shape}: each input token needs its next token as its target (-100 "
@@ -168,6 +169,12 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
   targets = targets.reshape(-1)
   losses = _chunk_losses(logits.reshape(-1, logits.shape[-1]), jnp.maximum(targets, 0))
   return jnp.sum(jnp.where(targets >= 0, losses, 0.0)) / scored(targets)
+
+
+def _check_axes(shape: tuple[int, ...]) -> None:
+  if len(shape) != 2:
+    raise ValueError(f"lm_loss takes inputs of token ids [B, T] (examples, positions), got "
+                     f"{len(shape)} axes {tuple(shape)}; a single sequence is x[None].")
 
 
 def check_ids(model, batch: Mapping) -> None:
@@ -184,6 +191,8 @@ def check_ids(model, batch: Mapping) -> None:
     if x is None or isinstance(x, jax.Array):
       continue
     x = np.asarray(x)
+    if name == "inputs":
+      _check_axes(x.shape)
     if x.size == 0 or not np.issubdtype(x.dtype, np.integer):
       continue
     if int(x.max()) < vocab and (low is None or int(x.min()) >= low):

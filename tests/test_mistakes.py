@@ -224,6 +224,11 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
          "holds numeric arrays only"),
         ({"inputs": good["inputs"]}, "lm_loss takes a batch dict with 'inputs' (token ids [B, T]) "
          "and 'targets' (the next ids, -100 to ignore one), got keys ['inputs']"),
+        ({k: v[:0] for k, v in good.items()}, "batch leaf of shape (0, 16) holds no examples"),
+        ({**good, "targets": good["targets"].tolist()},
+         "batch leaf ['targets'] is a Python list of numbers: give an array (np.asarray(...))"),
+        ({k: v.reshape(-1)[:16] for k, v in good.items()},
+         "lm_loss takes inputs of token ids [B, T] (examples, positions), got 1 axes (16,)"),
         ({**good, "inputs": np.where(np.arange(16) == 3, -1, good["inputs"])},
          "lm_loss: batch['inputs'] holds id -1 at (0, 3), outside the model's vocabulary"),
     ]

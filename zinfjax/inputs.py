@@ -19,6 +19,9 @@ def shard_batch(engine, batch: Any) -> Any:
       raise ValueError(
           "a batch leaf is a scalar: every leaf needs a leading example axis to split over the "
           f"{dp} devices. Repeat a per-step value for each example (np.full(batch_size, value)).")
+    if x.shape[0] == 0:
+      raise ValueError(f"batch leaf of shape {tuple(x.shape)} holds no examples: a step needs "
+                       f"at least one per device ({dp}).")
     if x.shape[0] % dp:
       raise ValueError(
           f"batch leaf of shape {tuple(x.shape)} does not split over {dp} devices on "
@@ -33,6 +36,14 @@ def shard_batch(engine, batch: Any) -> Any:
     return jax.device_put(x, sharding)
 
   leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+  for path, x in leaves:  # a list of numbers flattens into one scalar leaf per number
+    if path and isinstance(path[-1], jax.tree_util.SequenceKey) and isinstance(
+        x, (int, float, bool)):
+      while path and isinstance(path[-1], jax.tree_util.SequenceKey):  # the outermost list
+        path = path[:-1]
+      raise ValueError(
+          f"batch leaf {jax.tree_util.keystr(path) or 'batch'} is a Python list of numbers: "
+          "give an array (np.asarray(...)), whose leading axis counts the examples.")
   arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for _, x in leaves]
   for (path, _), x in zip(leaves, arrays):  # bf16 and the other ml_dtypes are kind "V" too
     if x.dtype.kind in "OSUMm" or x.dtype.fields is not None:
