@@ -60,6 +60,12 @@ PLACEMENTS = [("device", "device", "device", DEVICE_ROW),
                "one step late, bf16 moments"),
               ("pipeline-under-bf16", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, host pipeline under backward, bf16 moments"),
+              # ZeRO-Offload's setup: the params on the device, their optimizer on the host
+              ("offload", "device", "pinned_host",
+               "params on the device, optimizer on pinned_host, host pipeline"),
+              ("offload-delayed-all", "device", "pinned_host",
+               "params on the device, optimizer on pinned_host, host pipeline beside the step, "
+               "every update one step late"),
               # after the pipeline rows: a row XLA:GPU has yet to compile runs last at its tokens
               ("stream", "pinned_host", "pinned_host",
                "params + optimizer on pinned_host, update streamed through the device a layer at a time"),
@@ -75,7 +81,7 @@ PLACEMENTS = [("device", "device", "device", DEVICE_ROW),
 WARMUP = 3
 # rows run only when --placements names them (the bench stage's 10 minutes hold the others)
 OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "stream", "pipeline-delayed-all-bf16",
-          "pipeline-under-bf16"}
+          "pipeline-under-bf16", "offload", "offload-delayed-all"}
 
 
 def parse_args(argv=None):

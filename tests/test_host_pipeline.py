@@ -329,6 +329,14 @@ def test_device_params_cross_the_host_once_a_layer_at_a_time(mesh, batches, monk
   # put back after the update: 4.1 layers; stacked again: 6
   layer = sum(l.local_size for l in plan.leaves if l.stacked) * len(plan.ranks) * 2
   assert peak < 2 * layer, (peak / layer, layer)
+  # the host arrays of new params serve again once their copy is on the device: a step makes
+  # no new ones but for a few shards of the leaf put last (of the 8 ranks' 4 layers of each
+  # leaf), and keeps at most a layer of each leaf
+  pool, parts = state.engine.pipeline.pool, sum(l.num_layers for l in plan.leaves) * 8
+  made = pool.made
+  state, _ = zinfjax.train_step(state, batches[2], lm_loss)
+  assert pool.made - made < len(plan.ranks) < parts, (pool.made - made, parts)
+  assert 0 < pool.bytes <= sum(l.local_size for l in plan.leaves) * len(plan.ranks) * 2
   # each layer goes into its donated array in place: no second copy of a stack on the device
   from zinfjax.shards import set_layer
   for leaf, (x,) in zip(plan.leaves, plan.flatten(state.params)):

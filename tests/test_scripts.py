@@ -95,21 +95,28 @@ def test_estimate_memory_json():
 
 
 def test_bench_host_ram_puts_device_params_back_as_made(tmp_path):
-  """bench_host_ram.py: both rows train alike (one loss) and the new params put back as they
+  """bench_host_ram.py: the rows train alike (one loss) and the new params put back as they
   are made keep less on the host than those put back after the update."""
   out = run([os.path.join(SCRIPTS, "bench_host_ram.py"), "--layers", "4", "--steps", "1",
              "--hidden", "128", "--optimizer", "nvme", "--nvme-path", str(tmp_path)])
   rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 4 |")]
-  (after, made) = [[c.strip() for c in r] for r in rows]
-  assert (after[2], made[2]) == ("go back after the update", "go back as made")
-  assert after[-1] == made[-1] and float(made[3].split()[0]) < 0.5 * float(after[3].split()[0])
+  (after, fresh, made) = [[c.strip() for c in r] for r in rows]
+  assert (after[2], fresh[2], made[2]) == ("go back after the update", "go back as made, fresh",
+                                           "go back as made")
+  assert after[-1] == fresh[-1] == made[-1]
+  assert float(made[3].split()[0]) < 0.5 * float(after[3].split()[0])
   # every update one step late: new buffers each step, or the last step's, train alike
   out = run([os.path.join(SCRIPTS, "bench_host_ram.py"), "--layers", "4", "--steps", "1",
-             "--hidden", "128", "--delay-update", "all"])
+             "--hidden", "128", "--delay-update", "all", "--part-elements", "65536",
+             "--threads", "1,2"])
   rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
           if line.startswith("| 4 |")]
   assert [r[2] for r in rows] == ["fresh each step", "reused"] and rows[0][-1] == rows[1][-1]
   assert all(float(r[-2]) > 0 for r in rows), rows
+  # the kernel alone over one part, its new params into a new array or the same one again
+  calls = [line.split("|")[1:-1] for line in out.split("one kernel call over 65,536")[1]
+           .splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+  assert len(calls) == 2 and all(float(x) > 0 for c in calls for x in c[1:3]), out
 
 
 def test_bench_adam_times_the_host_pipeline_in_ram():
@@ -358,14 +365,15 @@ def test_bench_gpu_runs_each_row_in_a_process_of_its_own(tmp_path):
   """`bench_gpu.py --isolate S`: a step row whose process outlives S seconds (a hang) is recorded
   as failed with the reason, and the rows after it still run; the table shows every row."""
   out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_gpu.py"), "--out", str(tmp_path),
-                        "--tiny", "--sections", "steps", "--placements", "device,pipeline-under",
-                        "--tokens", "64", "--isolate", "1"],
+                        "--tiny", "--sections", "steps", "--placements",
+                        "device,pipeline-under,offload", "--tokens", "64", "--isolate", "1"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   rows = json.loads((tmp_path / "bench_gpu.json").read_text())["steps"]
   assert [(r["tokens"], r["placement"]) for r in rows] == [
     (64, "all on device (compute alone)"),
-    (64, "params + optimizer on pinned_host, host pipeline under backward")]
+    (64, "params + optimizer on pinned_host, host pipeline under backward"),
+    (64, "params on the device, optimizer on pinned_host, host pipeline")]
   assert all(r["error"].startswith("stopped after 1 s") for r in rows), rows
   assert "| 64 | all on device (compute alone) | failed: stopped after 1 s" in out.stdout
 

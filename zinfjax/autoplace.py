@@ -31,6 +31,7 @@ from .hostlimit import host_room
 from .optim.stream import SLOTS
 from .placement import TIERS, Plan, Tier
 from .progress import human_bytes
+from .putback import RETURNING
 
 DEVICE_SHARE = 0.5   # of the device's free memory: the rest is for activations and gathered layers
 HOST_SHARE = 0.5     # of the host's available memory
@@ -134,7 +135,6 @@ def _in_store(tier: Tier, config: ZeroConfig) -> bool:
   return not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
 
 
-RETURNING = 2  # layers of a leaf's new params in host RAM on their way to the device
 
 
 def _array_layers(leaf, config: ZeroConfig) -> dict[Tier, int]:

@@ -10,11 +10,14 @@ than two bytes a param of every such layer until the update ends (22 GiB at
 program still runs, the update under backward is a guess (redone when the step
 needs clipping, undone when it is skipped), and a layer written to the device
 could not be taken back. What it does not take, `finish` puts back at the end.
+A part's host array whose copy on the device is done serves a later part's new params
+(`HostPool`): the update writes the same pages again, not new ones it must fault in.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -24,6 +27,44 @@ from .placement import Plan, Tier
 from .shards import from_host_shards, host_shards, set_layer
 
 Verdict = Callable[[], "bool | None"]  # None: not known yet; True: the step stands; False: not
+RETURNING = 2  # layers of a leaf's new params in host RAM on their way to the device
+
+
+class HostPool:
+  """Host arrays of new params whose copy on the device is done, for later parts' new params.
+
+  A new host array costs a page fault a page and the zeroing of it when it is first written
+  (about 0.1 ms a MB, on the update's path); one written again costs neither. It keeps at most
+  `caps[(shape, dtype)]` arrays of a shape (a layer of each leaf: with the layer on its way,
+  the `RETURNING` layers `autoplace` counts).
+  """
+
+  def __init__(self, caps: dict[tuple[tuple[int, ...], np.dtype], int]):
+    self.caps = caps
+    self.made = 0  # arrays `take` made new
+    self._free: dict[tuple, list[np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  @property
+  def bytes(self) -> int:
+    return sum(a.nbytes for free in self._free.values() for a in free)
+
+  def give(self, arrays: Sequence[np.ndarray]) -> None:
+    with self._lock:
+      for a in arrays:
+        key = (a.shape, a.dtype)
+        free = self._free.setdefault(key, [])
+        if len(free) < self.caps.get(key, 0):
+          free.append(a)
+
+  def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An array of this shape and dtype from the pool, else a new one."""
+    with self._lock:
+      free = self._free.get((tuple(shape), np.dtype(dtype)))
+      if free:
+        return free.pop()
+      self.made += 1
+    return np.empty(shape, dtype)
 
 
 class PutBack:
@@ -34,17 +75,17 @@ class PutBack:
   skipped: the part is dropped). It is asked until it answers, then not again.
   """
 
-  def __init__(self, plan: Plan, params: Any, verdict: Verdict):
-    self.plan, self.verdict = plan, verdict
+  def __init__(self, plan: Plan, params: Any, verdict: Verdict, pool: HostPool | None = None):
+    self.plan, self.verdict, self.pool = plan, verdict, pool
     self.flat = [list(parts) for parts in plan.flatten(params)]
     self._stands: bool | None = None
     self._layers: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # (leaf, layer) -> shards
     self.returned = 0  # layers returned while the update ran
     # one layer on its way at a time, on a thread of its own: the host's copy of layer k
-    # overlaps the update of layer k + 1 (`autoplace.RETURNING` counts the two)
+    # overlaps the update of layer k + 1 (`RETURNING` counts the two)
     self._worker: concurrent.futures.ThreadPoolExecutor | None = None
     self._sent: concurrent.futures.Future | None = None
-    self._spent: list[np.ndarray] = []  # host arrays whose layer is on the device (`spent`)
+    self._spent: list[np.ndarray] = []  # whole-segment views whose layer is on the device
     self._landing: tuple[jax.Array, list[np.ndarray]] | None = None  # the last layer put
     # a CPU device may alias a numpy array it is given: each layer goes as a copy there
     self._copy = plan.mesh.devices.flat[0].platform == "cpu"
@@ -68,6 +109,7 @@ class PutBack:
     shards[rank] = array
     if len(shards) == len(self.plan.ranks):
       self._wait()
+      self._landed()  # the layer before: its host arrays serve the layer after this one
       if self._worker is None:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zinfjax-put")
       self._sent = self._worker.submit(self._put, leaf, layer, self._layers.pop((leaf, layer)))
@@ -102,6 +144,7 @@ class PutBack:
           continue
         if seg.tier is Tier.DEVICE:  # a layer at a time, in place: no second copy in HBM
           for l in layers:
+            self._landed()
             self._put(leaf.index, l, {r: outs[(leaf.index, r, l)] for r in self.plan.ranks})
           continue
         x = self.flat[leaf.index][j]
@@ -114,39 +157,50 @@ class PutBack:
             for r, shard in shards.items():
               shard[l - seg.start if leaf.stacked else ...] = outs[(leaf.index, r, l)]
         self.flat[leaf.index][j] = from_host_shards(shards, x.sharding, x.shape)
+    self._landed(wait=False)  # a leaf outside the stacks: before a later program takes it
     return self.plan.unflatten([tuple(p) for p in self.flat])
 
   def _put(self, leaf: int, layer: int, shards: dict[int, np.ndarray]) -> None:
-    """One layer's new params (every rank of this process) into its array."""
+    """One layer's new params (every rank of this process) into its array; its host arrays
+    land (`_landed`) before the next layer is put."""
     plan_leaf = self.plan.leaves[leaf]
     j, seg = _segment(self.plan, leaf, layer)
     x = self.flat[leaf][j]
-    if not plan_leaf.stacked:
-      self.flat[leaf][j] = from_host_shards(shards, x.sharding, x.shape)
-      return
-    # layers of a whole segment's buffer (`NvmePipeline._new_params`) serve the next step's
-    # update, once their copy is on the device; other host arrays are let go now
-    kept = [a for a in shards.values() if a.base is not None]
-    copy = self._copy and bool(kept)
-    one = from_host_shards({r: (a.copy() if copy else a)[None] for r, a in shards.items()},
-                           x.sharding, (1, *x.shape[1:]))
-    self.flat[leaf][j] = set_layer(x.sharding)(x, one, np.int32(layer - seg.start))
-    self._landed()
-    self._landing = (one, kept) if kept else None
+    host = {r: a.copy() if self._copy else a for r, a in shards.items()}  # written again later
+    if plan_leaf.stacked:
+      one = from_host_shards({r: a[None] for r, a in host.items()}, x.sharding,
+                             (1, *x.shape[1:]))
+      self.flat[leaf][j] = set_layer(x.sharding)(x, one, np.int32(layer - seg.start))
+    else:
+      one = self.flat[leaf][j] = from_host_shards(host, x.sharding, x.shape)
+    self._landing = (one, list(shards.values()))
 
-  def _landed(self) -> None:
-    """The layer put before is on the device: its host arrays are spent. (Waited for at the
-    next put, so one layer's copy on the device is held, as `autoplace.RETURNING` counts.)"""
-    if self._landing is not None:
-      one, arrays = self._landing
-      one.block_until_ready()
-      self._spent.extend(arrays)
+  def _landed(self, wait: bool = True) -> None:
+    """The layer put before is on the device: its host arrays are spent, the views of a whole
+    segment's buffer (`NvmePipeline._new_params`) for the next step (`spent`), the others for
+    the pool. (Asked before the next layer is put, so one layer's copy on the device is held,
+    as `autoplace` counts.) Not `wait`ing: only if its copy is done. A leaf outside the stacks
+    is its own new array: once a later program took it (donated), its host arrays are let go,
+    not pooled (no telling when its copy ended)."""
+    if self._landing is None:
+      return
+    one, arrays = self._landing
+    if one.is_deleted():
       self._landing = None
+      return
+    if not wait and not one.is_ready():
+      return
+    one.block_until_ready()
+    self._spent.extend(a for a in arrays if a.base is not None)
+    if self.pool is not None:
+      self.pool.give([a for a in arrays if a.base is None])
+    self._landing = None
 
   def spent(self) -> list[np.ndarray]:
-    """After `finish`: the host arrays it put into device arrays, each now free to be written
-    again (its copy to the device done). Asked when they are wanted, not at `finish`, so the
-    step never waits for its last copy."""
+    """After `finish`: the views of whole-segment buffers it put into device arrays, each now
+    free to be written again (its copy to the device done; the other host arrays went to the
+    pool). Asked when they are wanted, not at `finish`, so the step never waits for its last
+    copy."""
     self._landed()
     return self._spent
 

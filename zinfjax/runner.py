@@ -148,7 +148,7 @@ class PipelineRunner:
     t1 = time.perf_counter()
     norm = float(metrics["grad_norm"])
     skipped = self.skipped(norm)
-    back = PutBack(plan, new.params, lambda: True)  # the program done: the step stands
+    back = PutBack(plan, new.params, lambda: True, engine.pipeline.pool)  # the step stands
     grad_of = grad_reader(plan, lambda: grads, engine.pipeline.array_grad_order())
     outs = {} if skipped else engine.pipeline.step(count, grad_of, grad_norm=norm, putback=back)
     return new, metrics, outs, t1, skipped, back
@@ -185,7 +185,7 @@ class PipelineRunner:
       norm = float(running[1]["grad_norm"])
       return self.delayed or not (self.skipped(norm) or self.redo(norm, predicted))
 
-    back = PutBack(engine.plan, running[0].params, stands)
+    back = PutBack(engine.plan, running[0].params, stands, pipeline.pool)
     if clip is None or self.delayed:
       guess = None
     elif predicted:  # the exact norm, once the program has it: nothing to redo

@@ -29,6 +29,7 @@ is copied.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Sequence
 
@@ -38,7 +39,7 @@ import numpy as np
 
 from ..offload.store import AioStore
 from ..placement import Plan
-from ..putback import PutBack, reuse, whole_buffers
+from ..putback import HostPool, PutBack, reuse, whole_buffers
 from ..schedule import Phase, timeline
 from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
@@ -86,6 +87,11 @@ class NvmePipeline(StreamAdam):
     self._spare: dict[tuple[str, PartKey], np.ndarray] = {}
     # likewise the whole-segment buffers of new params a step put back on the device
     self._put_back: Callable[[], Sequence[np.ndarray]] = list
+    # and the arrays of single parts there, as soon as their copy is done (`PutBack`): a
+    # layer of each leaf
+    caps = collections.Counter((tuple(l.local_shape), self.params_dtype) for l in plan.leaves
+                               for _ in self.ranks)
+    self.pool = HostPool(dict(caps))
     # (leaf, layer) pairs this pipeline updates (master and moments in the store), whose grads
     # it reads from the store, and whose compute params it writes there: the timeline says
     moves = timeline(plan)
@@ -358,13 +364,13 @@ class NvmePipeline(StreamAdam):
     return outs
 
   def _array(self, state: str, part: Part) -> np.ndarray:
-    """A host array for `part`'s held "grads" or new "params": one a step is done with, else
-    a new one."""
+    """A host array for `part`'s held "grads" or new "params": one a step is done with (new
+    params: or one whose copy on the device is done), else a new one."""
     shape, dtype = self.shape(part), self.grads_dtype if state == "grads" else self.params_dtype
     spare = self._spare.pop((state, part.id), None)
     if spare is not None and spare.shape == shape and spare.dtype == dtype:
       return spare
-    return np.empty(shape, dtype)
+    return self.pool.take(shape, dtype) if state == "params" else np.empty(shape, dtype)
 
 
 class GradGate:
