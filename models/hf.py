@@ -17,6 +17,8 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import tempfile
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -29,6 +31,7 @@ from .gpt import GPT
 from .llama import Llama, LlamaConfig
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
+WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")  # `save` writes
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # HF buffers and copies that carry no weights of ours
@@ -265,12 +268,22 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
   hf_config = config_to_hf(config, base_config)
   for key in {"torch_dtype"} | ({"dtype"} & set(hf_config)):  # the dtype saved, as HF writes it
     hf_config[key] = TORCH_DTYPES[dtype.name]
+  # written beside `folder` first, moved in once whole: a failed export leaves it as it was
   os.makedirs(folder, exist_ok=True)
-  with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-    json.dump(hf_config, f, indent=2)
-  metadata = {"format": "pt"}
-  return safetensors.write_sharded(folder, tensors(config, leaf, dtype),
-                                   max_shard_bytes, metadata)
+  staging = tempfile.mkdtemp(prefix=".export-", dir=folder)
+  try:
+    with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(hf_config, f, indent=2)
+    files = safetensors.write_sharded(staging, tensors(config, leaf, dtype), max_shard_bytes,
+                                      {"format": "pt"})
+    for name in ["config.json", *files]:
+      os.replace(os.path.join(staging, name), os.path.join(folder, name))
+    for name in set(os.listdir(folder)) - set(files):  # an earlier export's other shards
+      if WEIGHT_FILE.fullmatch(name):
+        os.remove(os.path.join(folder, name))
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+  return files
 
 
 def _get(tree: Any, path: str) -> Any:

@@ -149,7 +149,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
   import optax
   import zinfjax
   from flax import nnx
-  from zinfjax.checkpoint import CheckpointError, Checkpointer
+  from zinfjax.checkpoint import CheckpointError, Checkpointer, CheckpointParams
   from zinfjax.memory import tier_bytes
   from zinfjax.models import GPT, TokenDataset, get_config, hf, lm_loss, load_tokens
   from zinfjax.offload.mixed import used_by_medium
@@ -162,6 +162,10 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     raise SystemExit("error: --lora-rank adapts a pretrained model: give --init-from HF_FOLDER.")
   if (args.save_every or args.resume) and not args.checkpoint_dir:
     raise SystemExit("error: --save-every, --resume and --resume-step need --checkpoint-dir.")
+  if args.export and jax.process_count() > 1 and not args.checkpoint_dir:
+    raise SystemExit(f"error: --export with {jax.process_count()} processes writes the model from "
+                     "the checkpoint of the last step (each process holds only its own shards): "
+                     "give --checkpoint-dir, on storage every process writes to.")
   weights = None
   try:
     if args.init_from:
@@ -369,8 +373,13 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
   if args.export and main_process:
     t0 = time.perf_counter()
     base = hf.read_config(args.init_from) if args.init_from else None
-    hf.save(args.export, config, state, base_config=base)
+    # several processes: each holds its own shards; the checkpoint saved last holds them all
+    source = state if jax.process_count() == 1 else CheckpointParams(args.checkpoint_dir)
+    hf.save(args.export, config, source, base_config=base)
     say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
+  if args.export and jax.process_count() > 1:  # the others wait for it, then shut down together
+    import orbax.checkpoint as ocp
+    ocp.multihost.sync_global_processes("zinfjax_export", timeout=24 * 3600)
   if first_loss is None:
     say(f"nothing to do: the run is at step {start} of {args.steps}")
   else:

@@ -70,13 +70,23 @@ def test_two_processes_put_device_params_back_like_one(tmp_path):
   """Params on the device, their optimizer on NVMe: each process's host pipeline puts the new
   params back a layer at a time (its own ranks' shards, into the global arrays) as one does."""
   extra = ["--offload-param", "device", "--steps", "4", "--schedule-steps", "4"]
-  finish(train(tmp_path, "one", *extra))
-  out = finish(train(tmp_path, "two", *extra, nproc=2))
-  assert "on 8 cpu devices (2 processes)" in out
+  finish(train(tmp_path, "one", *extra, "--export", str(tmp_path / "one_out")))
+  # two processes export from the checkpoint of the last step: neither holds every shard
+  out = finish(train(tmp_path, "two", *extra, "--export", str(tmp_path / "two_out"),
+                     "--checkpoint-dir", str(tmp_path / "two_ckpt"), nproc=2))
+  assert "on 8 cpu devices (2 processes)" in out and "exported" in out
   one, two = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
   assert sorted(two) == sorted(one) == [1, 2, 3, 4] and one[4] < one[1], (one, two)
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
                              rtol=1e-5)
+  from zinfjax.weights import safetensors
+  ours, theirs = (safetensors.Checkpoint(str(tmp_path / f"{n}_out")) for n in ("two", "one"))
+  assert set(ours) == set(theirs) and len(ours) > 10
+  for name in ours:
+    np.testing.assert_allclose(ours[name], theirs[name], atol=1e-5, err_msg=name)
+  err = train(tmp_path, "no_ckpt", *extra, "--export", str(tmp_path / "x"), nproc=2)
+  _, err = err.communicate(timeout=120)
+  assert "--export with 2 processes writes the model from the checkpoint of the last step" in err
 
 
 def pid_of(process_id: int, marker: str) -> int | None:

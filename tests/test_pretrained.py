@@ -148,6 +148,29 @@ def test_export_round_trip(family, mesh, tmp_path):
   _close(state)
 
 
+def test_export_replaces_a_folder_whole_or_not_at_all(tmp_path):
+  """`hf.save` into a folder of an earlier export: a failed one leaves it as it was; one that
+  succeeds leaves none of the earlier export's other shards (an index naming old shards would
+  load the old weights)."""
+  config, make, weights = hf.load(os.path.join(HF, "gpt2"))
+  model = make(nnx.Rngs(0))
+  out = tmp_path / "out"
+  hf.save(str(out), config, model, max_shard_bytes=40_000)
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  assert safetensors.INDEX in before
+
+  class Failing:
+    def full_leaf(self, path):
+      if "h" in path.split("/")[0] or "blocks" in path:
+        raise OSError("the disk went away")
+      return np.asarray(hf._get(nnx.to_pure_dict(nnx.state(model)), path))
+  with pytest.raises(OSError, match="the disk went away"):
+    hf.save(str(out), config, Failing())
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+  hf.save(str(out), config, model)   # one file now
+  assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_export_loads_in_transformers(mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")

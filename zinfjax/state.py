@@ -151,6 +151,12 @@ class TrainState:
     return self._full(found[0], dtype)
 
   def _full(self, leaf, dtype) -> np.ndarray:
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+          "full_params, full_leaf and model() join every rank's shards in this process, and "
+          f"this run has {jax.process_count()} processes, each holding its own. Save a "
+          "checkpoint and read it whole: zinfjax.checkpoint.CheckpointParams(directory) "
+          "(hf.save takes it; train_gpt.py --export does so with --checkpoint-dir).")
     plan = self.engine.plan
     state = "master" if leaf.trainable else "params"
     x = _whole(plan, leaf, plan.flatten(getattr(self, state))[leaf.index], self.engine.store, state)
@@ -181,8 +187,6 @@ def _whole(plan: Plan, leaf, parts: tuple, store, state: str = "master") -> np.n
       # a copy: numpy may view a CPU buffer that the next (donating) step reuses
       pieces.append(np.array(next(arrays), copy=True))
       continue
-    if jax.process_count() > 1:
-      raise NotImplementedError("full_params gathers every rank's NVMe shards: one process only.")
     ranks = []
     for r in range(plan.dp):
       layers = [store.read(leaf.key(state, r, j)).wait() for j in range(seg.start, seg.stop)]

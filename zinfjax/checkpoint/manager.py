@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +38,8 @@ from ..progress import InitReport
 from ..state import TrainState, make_states
 from . import lock as dirlock
 from .errors import CheckpointError, CheckpointMismatch
-from .handler import Run, StateHandler, StateRestore, StateSave, open_checked, read
+from .handler import Run, StateHandler, StateRestore, StateSave
 from .held import held_leaves, held_targets, restore_held
-from .zarr import trim
 from .leaves import Leaf, state_leaves
 
 FORMAT = "zinfjax-checkpoint/1"
@@ -292,24 +291,6 @@ class Checkpointer:
 
   def __exit__(self, *exc):
     self.close()
-
-
-def master_params(directory: str | os.PathLike, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
-  """`(leaf name, fp32 array)` of a checkpoint's master params (a frozen leaf: its stored
-  params), one leaf at a time in full logical shape, without building a model or a mesh (for
-  export, like `zero_to_fp32`)."""
-  ckpt = Checkpointer(directory)
-  meta = ckpt.metadata(step)
-  folder = os.path.join(ckpt.directory, str(meta["step"]), "state")
-  for name, info in meta["leaves"].items():
-    prefix = next((p for p in ("master/", "params/") if name.startswith(p)), None)
-    if prefix is None:
-      continue
-    leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
-    arr = open_checked(os.path.join(folder, name), leaf)
-    data = read(arr, tuple(slice(0, n) for n in leaf.shape), leaf, np.float32)
-    trim()  # the staging buffers of this leaf's reads
-    yield name[len(prefix):], data
 
 
 def _restore_targets(target) -> list[Leaf]:

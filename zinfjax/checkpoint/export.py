@@ -1,0 +1,75 @@
+"""A checkpoint's params, read a leaf at a time without a model or a mesh (for export).
+
+Every process of a run saves its own shards into one checkpoint folder; read back, each
+leaf is whole. This is how a run of several processes exports its model (`hf.save` takes
+a `CheckpointParams`): no process holds every rank's shards of a live `TrainState`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import numpy as np
+
+from .errors import CheckpointError
+from .handler import open_checked, read
+from .leaves import Leaf
+from .manager import FORMAT
+from .zarr import trim
+
+PREFIXES = ("master/", "params/")  # a trained leaf's fp32 master; a frozen leaf's params
+
+
+class CheckpointParams:
+  """The params of checkpoint `step` (default: the latest) in `directory`, by leaf path."""
+
+  def __init__(self, directory: str | os.PathLike, step: int | None = None):
+    meta = _metadata(os.fspath(directory), step)
+    self.step = meta["step"]
+    self.folder = os.path.join(os.fspath(directory), str(self.step), "state")
+    self.leaves = {name[len(p):]: (name, info) for name, info in meta["leaves"].items()
+                   for p in PREFIXES if name.startswith(p)}
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.leaves)
+
+  def full_leaf(self, path: str, dtype=np.float32) -> np.ndarray:
+    """One leaf (e.g. "layers/block/q/kernel") in its logical shape: its master where it
+    trained, else its params. KeyError for a path the checkpoint does not hold."""
+    if path not in self.leaves:
+      raise KeyError(f"checkpoint step {self.step} holds no leaf {path!r}.")
+    name, info = self.leaves[path]
+    leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
+    data = read(open_checked(os.path.join(self.folder, name), leaf),
+                tuple(slice(0, n) for n in leaf.shape), leaf, np.dtype(dtype))
+    trim()  # the staging buffers of this leaf's reads
+    return data
+
+
+def _metadata(directory: str, step: int | None) -> dict:
+  """The metadata of `step` (default: the latest), read from its folder by this process alone:
+  no `Checkpointer`, whose manager syncs with a run's other processes."""
+  steps = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
+                 if n.isdigit() and os.path.exists(os.path.join(directory, n, "meta", "metadata")))
+  if not steps:
+    raise CheckpointError(f"no checkpoint in {directory}: it holds no committed step.")
+  if step is not None and step not in steps:
+    raise CheckpointError(f"no checkpoint for step {step} in {directory}; saved steps: {steps}.")
+  path = os.path.join(directory, str(steps[-1] if step is None else step), "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  if meta.get("format") != FORMAT:
+    raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}).")
+  return meta
+
+
+def master_params(directory: str | os.PathLike, step: int | None = None
+                  ) -> Iterator[tuple[str, np.ndarray]]:
+  """`(leaf name, fp32 array)` of a checkpoint's master params (a frozen leaf: its stored
+  params), one leaf at a time in full logical shape, without building a model or a mesh (for
+  export, like `zero_to_fp32`)."""
+  params = CheckpointParams(directory, step)
+  for path in params:
+    yield path, params.full_leaf(path)
