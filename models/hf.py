@@ -268,7 +268,8 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
   hf_config = config_to_hf(config, base_config)
   for key in {"torch_dtype"} | ({"dtype"} & set(hf_config)):  # the dtype saved, as HF writes it
     hf_config[key] = TORCH_DTYPES[dtype.name]
-  # written beside `folder` first, moved in once whole: a failed export leaves it as it was
+  # written into a staging folder inside `folder`, moved in once whole: a failed export
+  # leaves the folder as it was
   os.makedirs(folder, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".export-", dir=folder)
   try:

@@ -135,8 +135,6 @@ def _in_store(tier: Tier, config: ZeroConfig) -> bool:
   return not tier.holds_arrays or (tier is Tier.PINNED_HOST and config.host_store)
 
 
-
-
 def _array_layers(leaf, config: ZeroConfig) -> dict[Tier, int]:
   """Per array tier, the layers of `leaf` whose params (and grads) are arrays there and whose
   optimizer is in a swap store: the host pipeline reads their grads and makes their params."""
