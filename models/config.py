@@ -1,10 +1,17 @@
-"""`GPTConfig` and the named presets (GPT-2 sizes and the ZeRO-Infinity paper's models)."""
+"""`GPTConfig` and the named presets (GPT-2 sizes and the ZeRO-Infinity paper's models).
+
+Plain Python (no jax or flax): the torch peer (`scripts/peer_deepspeed.py`) loads it alone.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .linear import check_lora_rank
+
+def check_lora_rank(owner: str, rank: int) -> None:
+  """A LoRA rank is an int >= 0 (0: no adapters)."""
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+    raise ValueError(f"{owner}.lora_rank must be an int >= 0 (0: no adapters), got {rank!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

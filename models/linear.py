@@ -7,12 +7,6 @@ from typing import Callable
 from flax import nnx
 
 
-def check_lora_rank(owner: str, rank: int) -> None:
-  """A LoRA rank is an int >= 0 (0: no adapters)."""
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-    raise ValueError(f"{owner}.lora_rank must be an int >= 0 (0: no adapters), got {rank!r}.")
-
-
 def linears(lora_rank: int, rngs: nnx.Rngs) -> Callable[..., nnx.Module]:
   """`linear(in, out, bias, init)`: a plain projection, or with `lora_rank` > 0 one with LoRA
   adapters of that rank (`nnx.LoRAParam`: the base kernel and bias stay `nnx.Param`, so

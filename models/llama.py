@@ -18,8 +18,9 @@ from flax import nnx
 
 from zinfjax.layers import Stack
 from .attention import causal_attention
+from .config import check_lora_rank
 from .embedding import lookup
-from .linear import check_lora_rank, linears
+from .linear import linears
 from .loss import dense, tied
 
 

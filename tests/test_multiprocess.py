@@ -137,7 +137,8 @@ def test_dead_process_stops_the_run_and_restart_resumes(single, tmp_path):
   # the script refuses a checkpoint folder it would damage, and touches nothing in it
   from test_checkpoint import snapshot
   before = snapshot(ckpt)
-  for extra, message in ((["--layers", "3", "--resume"], "saved from another model"),
+  for extra, message in ((["--layers", "3", "--resume"],
+                          "trained with another model (num_layers 2 there, 3 here)"),
                          ([], "already holds checkpoints")):
     proc = train(tmp_path, "refused", "--checkpoint-dir", str(ckpt), "--save-every", "1", *extra)
     _, err = proc.communicate(timeout=120)
