@@ -31,7 +31,6 @@ from .gpt import GPT
 from .llama import Llama, LlamaConfig
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
-WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")  # `save` writes
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # HF buffers and copies that carry no weights of ours
@@ -280,7 +279,7 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
     for name in ["config.json", *files]:
       os.replace(os.path.join(staging, name), os.path.join(folder, name))
     for name in set(os.listdir(folder)) - set(files):  # an earlier export's other shards
-      if WEIGHT_FILE.fullmatch(name):
+      if safetensors.WEIGHT_FILE.fullmatch(name):
         os.remove(os.path.join(folder, name))
   finally:
     shutil.rmtree(staging, ignore_errors=True)

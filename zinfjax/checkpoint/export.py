@@ -7,16 +7,14 @@ a `CheckpointParams`): no process holds every rank's shards of a live `TrainStat
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
 import numpy as np
 
-from .errors import CheckpointError
 from .handler import open_checked, read
 from .leaves import Leaf
-from .manager import FORMAT
+from .manager import read_metadata
 from .zarr import trim
 
 PREFIXES = ("master/", "params/")  # a trained leaf's fp32 master; a frozen leaf's params
@@ -49,20 +47,11 @@ class CheckpointParams:
 
 
 def _metadata(directory: str, step: int | None) -> dict:
-  """The metadata of `step` (default: the latest), read from its folder by this process alone:
-  no `Checkpointer`, whose manager syncs with a run's other processes."""
+  """The metadata of `step` (default: the latest), its committed steps listed by this process
+  alone: no `Checkpointer`, whose manager syncs with a run's other processes."""
   steps = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
                  if n.isdigit() and os.path.exists(os.path.join(directory, n, "meta", "metadata")))
-  if not steps:
-    raise CheckpointError(f"no checkpoint in {directory}: it holds no committed step.")
-  if step is not None and step not in steps:
-    raise CheckpointError(f"no checkpoint for step {step} in {directory}; saved steps: {steps}.")
-  path = os.path.join(directory, str(steps[-1] if step is None else step), "meta", "metadata")
-  with open(path) as f:
-    meta = json.load(f)
-  if meta.get("format") != FORMAT:
-    raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}).")
-  return meta
+  return read_metadata(directory, step, steps)
 
 
 def master_params(directory: str | os.PathLike, step: int | None = None

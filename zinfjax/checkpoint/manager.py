@@ -181,27 +181,7 @@ class Checkpointer:
     """The JSON metadata of `step` (default: the latest); `["step"]` is the step it holds. A save
     of this Checkpointer still in the background is waited for: its step is listed already."""
     self.wait()
-    step = self._step(step)
-    path = os.path.join(self.directory, str(step), "meta", "metadata")
-    try:
-      with open(path) as f:
-        meta = json.load(f)
-    except (OSError, ValueError) as e:
-      raise CheckpointError(f"checkpoint step {step} in {self.directory} has no readable "
-                            f"metadata ({e}); restore another step: {self.all_steps()}.") from e
-    if meta.get("format") != FORMAT:
-      raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}).")
-    return meta
-
-  def _step(self, step: int | None) -> int:
-    steps = self.all_steps()
-    if not steps:
-      raise CheckpointError(f"no checkpoint in {self.directory}: it holds no committed step.")
-    if step is None:
-      return steps[-1]
-    if step not in steps:
-      raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; saved steps: {steps}.")
-    return step
+    return read_metadata(self.directory, step, self.all_steps())
 
   def restore(self, model_factory: Callable, tx: optax.GradientTransformation, config, mesh, *,
               step: int | None = None, progress: InitReport | None = None):
@@ -291,6 +271,27 @@ class Checkpointer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def read_metadata(directory: str, step: int | None, steps: list[int]) -> dict:
+  """The JSON metadata of `step` (default: the latest) of the checkpoint folder `directory`,
+  whose committed steps are `steps` (oldest first)."""
+  if not steps:
+    raise CheckpointError(f"no checkpoint in {directory}: it holds no committed step.")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise CheckpointError(f"no checkpoint for step {step} in {directory}; saved steps: {steps}.")
+  path = os.path.join(directory, str(step), "meta", "metadata")
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"checkpoint step {step} in {directory} has no readable "
+                          f"metadata ({e}); restore another step: {steps}.") from e
+  if meta.get("format") != FORMAT:
+    raise CheckpointError(f"{path} is not a {FORMAT} checkpoint (format {meta.get('format')!r}).")
+  return meta
 
 
 def _restore_targets(target) -> list[Leaf]:

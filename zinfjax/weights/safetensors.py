@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -30,6 +31,8 @@ DTYPES: dict[str, np.dtype] = {
 NAMES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# any file `write_sharded` writes: the single file, a shard, the index
+WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 MAX_HEADER = 100 << 20
 
 
