@@ -41,15 +41,18 @@ def test_failed_nvme_step_leaves_the_previous_states(clip, fault_after, mesh, tm
   assert not store.in_transaction
 
 
-def test_optimizer_under_backward_with_clipping_redoes_clipped_steps(mesh, tmp_path):
+@pytest.mark.parametrize("optimizer", ["nvme", "device:2,nvme"])
+def test_optimizer_under_backward_with_clipping_redoes_clipped_steps(optimizer, mesh, tmp_path):
   """With clipping on, the NVMe optimizer still updates each layer under backward, as if no
   clipping were needed; a step whose global norm needs it is rolled back and redone, unless the
   step before it clipped: then the update waits for the norm (its reads go ahead). The states
-  equal, bit for bit, those of the optimizer run after backward with the norm known."""
+  equal, bit for bit, those of the optimizer run after backward with the norm known. With the
+  first layers' optimizer on the device, the program writes their new params to NVMe in the
+  step's transaction: undoing the pipeline's update must keep them."""
   batches = text_batches(6, batch=16, seq=32, seed=3)
   runs = {}
   for atomic in (False, True):
-    zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+    zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer=optimizer,
                               nvme_path=str(tmp_path / f"nvme{atomic}"), nvme_atomic_steps=atomic)
     state = zinfjax.init(lambda r: GPT(CONFIG, rngs=r), make_tx(CLIP), zero, mesh, 0)
     losses, redone, predicted, waits = [], [], [], 0

@@ -502,3 +502,33 @@ def test_store_transaction_commits_or_rolls_back(tmp_path):
     s.commit()
   assert s.stats()["bytes_used"] <= used + 2 * 20480 + 12288
   s.close()
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_store_rolls_back_some_keys_and_keeps_the_rest(memory, tmp_path):
+  """`rollback(keys)` undoes the transaction's writes of those keys alone (a step's optimizer
+  update redone) and keeps the others for `commit` (the step's program's own writes)."""
+  s = AioStore(tmp_path, block_size=64 << 10, memory=memory)
+  rng = np.random.default_rng(0)
+  a, b, c = (rng.standard_normal(4000).astype(np.float32) for _ in range(3))
+  s.write("p/a", a).wait()
+  s.write("o/b", b).wait()
+  s.begin(["p/", "o/"])
+  s.write("p/a", -a).wait()
+  s.write("o/b", -b).wait()
+  s.write("o/new", c).wait()
+  s.rollback(["o/b", "o/new", "o/never-written"])
+  assert s.in_transaction
+  np.testing.assert_array_equal(s.read("p/a").wait(), -a)
+  np.testing.assert_array_equal(s.read("o/b").wait(), b)
+  assert "o/new" not in s.keys()
+  s.write("o/b", 2 * b).wait()  # redone: a fresh extent again, the committed copy kept
+  s.rollback(["o/b"])
+  np.testing.assert_array_equal(s.read("o/b").wait(), b)
+  s.write("o/b", 3 * b).wait()
+  s.commit()
+  np.testing.assert_array_equal(s.read("p/a").wait(), -a)
+  np.testing.assert_array_equal(s.read("o/b").wait(), 3 * b)
+  with pytest.raises(EngineError, match="outside a transaction"):
+    s.rollback(["o/b"])
+  s.close()

@@ -206,8 +206,9 @@ class PipelineRunner:
     norm = float(metrics["grad_norm"])
     skipped, redo = self.skipped(norm), self.redo(norm, predicted)
     if redo or (skipped and not self.delayed):  # back to the states before the update
-      engine.store.rollback()
-      engine.store.begin(VERSIONED)
+      # the pipeline's alone: the params the program wrote to the store (of layers whose
+      # optimizer it runs) are this step's, whether the pipeline's update is redone or not
+      engine.store.rollback(pipeline.written_keys())
       if redo:  # again, with clipping: it stands
         back.again()
       outs = pipeline.step(count, grad_of, None, norm, back) if redo else {}

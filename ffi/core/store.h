@@ -245,6 +245,9 @@ class SwapStore {
   void Begin(const std::vector<std::string>& prefixes);
   void Commit();
   void Rollback();
+  // Undoes only the transaction's writes of `keys` (their committed entries back); the
+  // transaction goes on for every other key (a step's update redone, not its program's writes).
+  void RollbackKeys(const std::vector<std::string>& keys);
   bool in_transaction() const;
 
   // Deferred errors, for XLA custom calls inside collective programs: a rank
@@ -355,6 +358,8 @@ class SwapStore {
   std::map<std::string, ShardEntry> txn_old_;
   std::multimap<uint64_t, uint64_t> free_;  // freed extents: capacity -> offset
   uint64_t TakeExtent(uint64_t capacity);    // a freed extent of that size, or new space
+  void WaitWritesLocked(std::unique_lock<std::mutex>& lock);  // every write job done (mu_ held)
+  void RestoreLocked(const std::string& key, const ShardEntry& pending);  // its committed entry back
 
   std::condition_variable work_cv_;          // drivers: a job was queued (or stop)
   mutable std::condition_variable done_cv_;  // a write finished: generations, detached writes

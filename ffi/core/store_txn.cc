@@ -21,26 +21,44 @@ void SwapStore::Commit() {
   txn_ = false;
 }
 
-void SwapStore::Rollback() {
-  std::unique_lock<std::mutex> lock(mu_);
-  // the writes in flight land before their extents are given back
+void SwapStore::WaitWritesLocked(std::unique_lock<std::mutex>& lock) {
   done_cv_.wait(lock, [&] {
     for (const auto& [ticket, job] : jobs_)
       if (job->write && !job->done) return false;
     return true;
   });
-  for (const auto& [key, e] : txn_pending_) {
-    free_.emplace(e.capacity, e.offset);
-    auto old = txn_old_.find(key);
-    if (old != txn_old_.end()) {
-      manifest_[key] = old->second;
-    } else {
-      manifest_.erase(key);
-    }
+}
+
+void SwapStore::RestoreLocked(const std::string& key, const ShardEntry& pending) {
+  free_.emplace(pending.capacity, pending.offset);
+  auto old = txn_old_.find(key);
+  if (old != txn_old_.end()) {
+    manifest_[key] = old->second;
+    txn_old_.erase(old);
+  } else {
+    manifest_.erase(key);
   }
+}
+
+void SwapStore::Rollback() {
+  std::unique_lock<std::mutex> lock(mu_);
+  WaitWritesLocked(lock);  // the writes in flight land before their extents are given back
+  for (const auto& [key, e] : txn_pending_) RestoreLocked(key, e);
   txn_old_.clear();
   txn_pending_.clear();
   txn_ = false;
+}
+
+void SwapStore::RollbackKeys(const std::vector<std::string>& keys) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!txn_) throw EngineError("swap store: RollbackKeys outside a transaction (Begin first)");
+  WaitWritesLocked(lock);
+  for (const std::string& key : keys) {
+    auto pending = txn_pending_.find(key);
+    if (pending == txn_pending_.end()) continue;  // not rewritten in this transaction
+    RestoreLocked(key, pending->second);
+    txn_pending_.erase(pending);
+  }
 }
 
 uint8_t* SwapStore::Stage(const std::string& key, ShardEntry* entry, const uint8_t** from) {

@@ -351,6 +351,8 @@ PYBIND11_MODULE(_engine, m) {
       .def("begin", &SwapStore::Begin, py::arg("prefixes"))
       .def("commit", &SwapStore::Commit)
       .def("rollback", &SwapStore::Rollback, py::call_guard<py::gil_scoped_release>())
+      .def("rollback_keys", &SwapStore::RollbackKeys, py::arg("keys"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_transaction", &SwapStore::in_transaction)
       .def("set_fault_free_bytes", &SwapStore::SetFaultFreeBytes, py::arg("bytes"),
            "Test-only: pretend only `bytes` more can be allocated (negative: off).")

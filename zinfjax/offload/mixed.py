@@ -103,10 +103,10 @@ class MixedStore:
     for s in self.stores.values():
       s.commit()
 
-  def rollback(self) -> None:
+  def rollback(self, keys: Sequence[str] | None = None) -> None:
     for s in self.stores.values():
       if s.in_transaction:
-        s.rollback()
+        s.rollback(keys)
 
   @property
   def in_transaction(self) -> bool:

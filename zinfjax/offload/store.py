@@ -272,9 +272,13 @@ class AioStore:
     """Keep the update's writes (all waited for) and free the extents they replaced."""
     self._store.commit()
 
-  def rollback(self) -> None:
-    """Undo the update: wait for its writes in flight, then bring back every committed entry."""
-    self._store.rollback()
+  def rollback(self, keys: Sequence[str] | None = None) -> None:
+    """Undo the update: wait for its writes in flight, then bring back every committed entry.
+    With `keys`, only theirs: the update goes on for the other keys (`commit` keeps them)."""
+    if keys is None:
+      self._store.rollback()
+    else:
+      self._store.rollback_keys(list(keys))
 
   @property
   def in_transaction(self) -> bool:

@@ -149,6 +149,13 @@ class NvmePipeline(StreamAdam):
     params when they live in the store; returns the write tickets."""
     return self.write_part(Part(leaf, rank, layer, 0), master, params)
 
+  def written_keys(self) -> list[str]:
+    """The store keys this pipeline's update rewrites (what undoing it rolls back): its parts'
+    master params and moments, and their compute params where the store keeps them. Not the
+    compute params the step's program writes there (of layers whose optimizer it runs)."""
+    return [self.key(s, p) for p in self.parts for s in ("master", "mu", "nu")] + [
+        self.key("params", p) for p in self.parts if self.on_store("params", p)]
+
   def grad_keys(self) -> list[str]:
     """The swap-store keys of the grads this pipeline reads from the store."""
     return [self.key("grads", p) for p in self.parts if self.on_store("grads", p)]
