@@ -359,7 +359,8 @@ class SwapStore {
   std::multimap<uint64_t, uint64_t> free_;  // freed extents: capacity -> offset
   uint64_t TakeExtent(uint64_t capacity);    // a freed extent of that size, or new space
   void WaitWritesLocked(std::unique_lock<std::mutex>& lock);  // every write job done (mu_ held)
-  void RestoreLocked(const std::string& key, const ShardEntry& pending);  // its committed entry back
+  // the committed entry of `key` back, its transaction's extent freed (mu_ held)
+  void RestoreLocked(const std::string& key, const ShardEntry& pending);
 
   std::condition_variable work_cv_;          // drivers: a job was queued (or stop)
   mutable std::condition_variable done_cv_;  // a write finished: generations, detached writes
