@@ -41,7 +41,7 @@ def batches():
 @pytest.mark.parametrize("param,optimizer,clip", [
     ("device", "device", None), ("device", "device", 1.0), ("device", "pinned_host", 1.0),
     ("pinned_host", "nvme", 1.0),
-    ("nvme", "nvme", None), ("nvme", "nvme", 1.0)])
+    ("nvme", "nvme", None), ("nvme", "nvme", 1.0), ("nvme", "device:1,nvme", 1.0)])
 def test_nan_gradient_leaves_every_state_as_it_was(param, optimizer, clip, batches, mesh,
                                                    tmp_path):
   good, bad = batches
