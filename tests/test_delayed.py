@@ -3,6 +3,8 @@ every leaf, updated one step late by the host pipeline, with their own step's co
 clipping. Checked against a plain single-device reference that applies each step's grads of
 those leaves one step later."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,7 +190,7 @@ def test_a_skipped_step_keeps_the_held_grads(param, optimizer, extra, mesh, batc
 def test_checkpoints_keep_the_held_grads(restore_as, mesh, batches, tmp_path):
   """Saved on NVMe with grads held, restored under the delay (on NVMe, or under the host
   pipeline): the rest of the run equals the run that never stopped, bit for bit. Restored
-  without the delay (optimizer on the device), the held grads are left out."""
+  without the delay (optimizer on the device), the held grads are left out, with a warning."""
   from zinfjax.checkpoint import Checkpointer
   tx = zinfjax.optim.adamw(LR, weight_decay=DECAY)
   nvme = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
@@ -206,7 +208,11 @@ def test_checkpoints_keep_the_held_grads(restore_as, mesh, batches, tmp_path):
     ckpt.wait()
     assert ckpt.metadata()["held"]["count"] == 2  # the third step's grads (count 2 before it)
     state.close()
-    state, _ = ckpt.restore(factory, tx, again, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      state, _ = ckpt.restore(factory, tx, again, mesh)
+  dropped = [w for w in caught if "are dropped" in str(w.message)]
+  assert len(dropped) == (restore_as == "device"), [str(w.message) for w in caught]
   pipeline = state.engine.pipeline
   assert (pipeline is not None and pipeline.held is not None) == (restore_as != "device")
   losses = []

@@ -8,11 +8,12 @@ delayed as zeros) with the count and global norm of the step that made them,
 and the layers held per leaf, in its metadata, so a run resumed from it (on
 any split or device count) applies them at its first step, as the run that
 saved it would have. A run without the delay, or which delays other layers,
-ignores them.
+drops them, with a warning (those params miss one step's update).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -82,10 +83,17 @@ def held_targets(engine, meta: dict) -> list[Leaf]:
   layers = {leaves[i].name: l for i, l in delayed.items()}
   saved = meta.get("held")
   stored = {k[len(PREFIX):] for k in meta["leaves"] if k.startswith(PREFIX)}
-  if not delayed or saved is None:
+  if saved is None or not stored:
     return []
   # a checkpoint from before the layers were recorded held the tail's whole (unstacked) leaves
   if saved.get("layers", {n: [0] for n in stored}) != layers or stored != set(layers):
+    warnings.warn(
+        f"the checkpoint holds grads its run's delay_update had not applied yet (step "
+        f"{saved['count'] + 1}, {len(stored)} leaves); this run "
+        + ("delays other layers' updates" if delayed else "delays no update")
+        + ", so they are dropped: those params miss that step's update. To apply them, resume "
+        "with the same delay_update and a placement whose host pipeline updates the same layers "
+        "(the optimizer of each in pinned host or on NVMe).", stacklevel=3)
     return []
   target = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   return [_leaf(engine, leaves[i], target) for i in delayed]
