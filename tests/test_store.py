@@ -290,7 +290,7 @@ def test_generation_counts_completed_writes_and_wakes_waiters(tmp_path):
 
 
 def test_grad_gate_fails_instead_of_waiting_forever(tmp_path):
-  from zinfjax.optim.pipeline import GradGate
+  from zinfjax.optim.gate import GradGate
   s = AioStore(tmp_path)
   gate = GradGate(s, ["g/w/r0/l0"], program_done=lambda: True)
   assert not gate.ready("g/w/r0/l0")

@@ -27,7 +27,8 @@ import jax
 
 from .grads import forward_order
 from .inputs import shard_batch
-from .optim.pipeline import STATS, GradGate
+from .optim.gate import GradGate
+from .optim.pipeline import STATS
 from .placement import PREFIX, Tier
 from .putback import PutBack
 from .schedule import timeline

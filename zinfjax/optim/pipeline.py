@@ -41,6 +41,7 @@ from ..offload.store import AioStore
 from ..placement import Plan
 from ..putback import HostPool, PutBack, reuse, whole_buffers
 from ..schedule import Phase, timeline
+from .gate import GradGate
 from .hyper import AdamHyper
 from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
 
@@ -177,7 +178,7 @@ class NvmePipeline(StreamAdam):
     return any(self.on_store("grads", p) for p in self.parts)
 
   def step(self, count: int, grad_of: Callable[[Part], np.ndarray] | None = None,
-           gate: "GradGate | None" = None,
+           gate: GradGate | None = None,
            grad_norm: float | Callable[[], float] | None = None,
            putback: PutBack | None = None) -> dict[PartKey, np.ndarray]:
     """One AdamW step over every sub-group (see `StreamAdam.stream`); `grad_norm` (the global
@@ -255,7 +256,7 @@ class NvmePipeline(StreamAdam):
     return tuple(x.item() for x in self._scalars(jnp.int32(count)))
 
   def _grads_of(self, units: Sequence[Unit], grad_of: Callable[[Part], np.ndarray] | None,
-                gate: "GradGate | None", outs: dict[PartKey, np.ndarray],
+                gate: GradGate | None, outs: dict[PartKey, np.ndarray],
                 kept: Sequence[Part] = (), returned: Callable[[Part], None] | None = None
                 ) -> dict[PartKey, np.ndarray]:
     """Copies of the grads of `units`' parts: from the store (in the order backward writes
@@ -378,29 +379,3 @@ class NvmePipeline(StreamAdam):
     if spare is not None and spare.shape == shape and spare.dtype == dtype:
       return spare
     return self.pool.take(shape, dtype) if state == "params" else np.empty(shape, dtype)
-
-
-class GradGate:
-  """Tells the NVMe optimizer which grads a running backward pass has written.
-
-  Built just before the step's program is dispatched: each grad key must
-  reach one more completed write than it had then. `program_done()` says
-  whether the program has finished; a grad still missing after that means
-  the program failed to write it, and `wait` raises the engine's recorded
-  error instead of waiting forever.
-  """
-
-  def __init__(self, store: AioStore, keys: Sequence[str], program_done: Callable[[], bool]):
-    self.store, self.program_done = store, program_done
-    self.want = {k: store.generation(k) + 1 for k in keys}
-    self.waited = 0  # grads the optimizer reached before backward had written them
-
-  def ready(self, key: str) -> bool:
-    return self.store.generation(key) >= self.want[key]
-
-  def wait(self, key: str, poll_s: float = 0.5) -> None:
-    self.waited += 1
-    while not self.store.wait_generation(key, self.want[key], poll_s):
-      if self.program_done() and not self.ready(key):
-        self.store.raise_deferred()
-        raise RuntimeError(f"the step's program finished without writing grad shard {key!r}.")
