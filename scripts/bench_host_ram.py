@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
       new, again = part_call(args.part_elements, threads, max(3, args.steps))
-      print(f"| {threads} | {new * 1e3:.1f} | {again * 1e3:.1f} | {new / again:.2f}x |",
+      print(f"| {threads} | {new * 1e3:.3g} | {again * 1e3:.3g} | {new / again:.2f}x |",
             flush=True)
   return 0
 
