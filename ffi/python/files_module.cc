@@ -45,15 +45,17 @@ std::vector<BoxCopy> BoxCopies(const std::vector<std::pair<py::array, py::array>
   for (const auto& [dst, src] : pairs) {
     bool same = dst.dtype().attr("__eq__")(src.dtype()).cast<bool>();
     bool cast = !same && Named(src, "float32") && Named(dst, "bfloat16");
-    if (dst.ndim() != src.ndim() || !std::equal(dst.shape(), dst.shape() + dst.ndim(), src.shape()) ||
-        !(same || cast))
+    if (dst.ndim() != src.ndim() ||
+        !std::equal(dst.shape(), dst.shape() + dst.ndim(), src.shape()) || !(same || cast))
       throw EngineError("a copy for " + file.path + " has arrays of different shapes or dtypes "
                         "(only float32 to bfloat16 is cast)");
-    if (!dst.writeable()) throw EngineError("a copy for " + file.path + " writes to a read-only array");
+    if (!dst.writeable())
+      throw EngineError("a copy for " + file.path + " writes to a read-only array");
     auto [begin, end] = Span(scatter ? src : dst);
     if (begin < lo || end > lo + file.bytes)
       throw EngineError("a copy for " + file.path + " reaches outside the file's payload buffer");
-    BoxCopy c{static_cast<uint8_t*>(const_cast<void*>(dst.data())), static_cast<const uint8_t*>(src.data()),
+    BoxCopy c{static_cast<uint8_t*>(const_cast<void*>(dst.data())),
+              static_cast<const uint8_t*>(src.data()),
               static_cast<size_t>(src.itemsize()), {}, {}, {},
               cast ? BoxCopy::Cast::kF32ToBf16 : BoxCopy::Cast::kNone};
     for (py::ssize_t d = 0; d < dst.ndim(); ++d) {
