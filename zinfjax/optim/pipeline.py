@@ -43,7 +43,7 @@ from ..putback import HostPool, PutBack, reuse, whole_buffers
 from ..schedule import Phase, timeline
 from .gate import GradGate
 from .hyper import AdamHyper
-from .stream import SLOTS, Part, PartKey, StreamAdam, Unit, pack_units
+from .stream import SLOTS, STATES, Part, PartKey, StreamAdam, Unit, pack_units
 
 
 TWIN = "t/"  # + a store key: the key's twin (its other buffer), under "all" in a RAM store
@@ -154,7 +154,7 @@ class NvmePipeline(StreamAdam):
     """The store keys this pipeline's update rewrites (what undoing it rolls back): its parts'
     master params and moments, and their compute params where the store keeps them. Not the
     compute params the step's program writes there (of layers whose optimizer it runs)."""
-    return [self.key(s, p) for p in self.parts for s in ("master", "mu", "nu")] + [
+    return [self.key(s, p) for p in self.parts for s in STATES] + [
         self.key("params", p) for p in self.parts if self.on_store("params", p)]
 
   def grad_keys(self) -> list[str]:
