@@ -23,6 +23,7 @@ communication.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -80,21 +81,26 @@ def _array(v) -> bool:
   return isinstance(v, jax.Array) or hasattr(v, "aval")
 
 
-def _after(values: list, last: tuple) -> list:
-  """`values` once `last` exist: the smallest of them rewritten by `zinfjax_after`, which reads
-  the smallest of `last` (one operand suffices: an operation starts when all its inputs exist,
-  and a collective's or loop's outputs all exist when it ends)."""
-  arrays = [i for i, v in enumerate(values) if _array(v)]
-  deps = [v for v in last if _array(v)]
-  if not arrays or not deps:
+def _smallest(values: list, among: range | None = None) -> int | None:
+  """Index of the smallest array in `values` (within `among`), None when there is none."""
+  arrays = [i for i in (range(len(values)) if among is None else among) if _array(values[i])]
+  return min(arrays, key=lambda k: values[k].size) if arrays else None
+
+
+def _after(values: list, last: tuple, index: int | None = None) -> list:
+  """`values` once `last` exist: the one at `index` (default: the smallest) rewritten by
+  `zinfjax_after`, which reads the smallest of `last` (one operand suffices: an operation
+  starts when all its inputs exist, and a collective's or loop's outputs all exist when it
+  ends)."""
+  i = _smallest(values) if index is None else index
+  d = _smallest(list(last))
+  if i is None or d is None or not _array(values[i]):
     return values
-  i = min(arrays, key=lambda k: values[k].size)
-  dep = min(deps, key=lambda v: v.size)
   x = values[i]
   call = jax.ffi.ffi_call("zinfjax_after", jax.ShapeDtypeStruct(x.shape, x.dtype),
                           input_output_aliases={0: 0})
   values = list(values)
-  values[i] = call(x, dep)
+  values[i] = call(x, last[d])
   return values
 
 
@@ -121,7 +127,9 @@ def _eval(jaxpr, consts, args, last: tuple) -> tuple[list, tuple]:
     if eqn.primitive.name in COLLECTIVES:
       outs = bind(eqn, _after(invals, chain[0]))
     elif any(_has_collective(j) for j in subjaxprs(eqn)):
-      outs = _region(eqn, _after(invals, chain[0]))
+      outs, token = _region(eqn, invals, chain[0])
+      chain[0] = tuple(outs) if token is None else (outs[token],)
+      return outs
     else:
       return None
     chain[0] = tuple(outs)
@@ -136,10 +144,20 @@ def _closed(j) -> jcore.ClosedJaxpr:
   return j if isinstance(j, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(j, ())
 
 
-def _inner(region) -> Callable:
-  """A function running `region` (a Jaxpr or ClosedJaxpr) with its collectives ordered inside."""
+def _inner(region, first: int | None = None, token: int | None = None) -> Callable:
+  """A function running `region` (a Jaxpr or ClosedJaxpr) with its collectives ordered inside:
+  after its argument `first` (the one the chain outside rewrote), and its output `token`
+  after the last of them. The order then holds however XLA rewrites the region: a loop of one
+  trip inlined, an all-gather of a loop invariant hoisted out of its loop, a loop unrolled
+  (each trip's first collective waits on the one before it through the carry `token`)."""
   closed = _closed(region)
-  return lambda *a: _eval(closed.jaxpr, closed.consts, list(a), ())[0]
+
+  def run(*a):
+    start = () if first is None else (a[first],)
+    outs, end = _eval(closed.jaxpr, closed.consts, list(a), start)
+    return outs if token is None else _after(outs, end, token)
+
+  return run
 
 
 def _scan_counts(eqn) -> tuple[int, int]:
@@ -161,15 +179,27 @@ def _scan_counts(eqn) -> tuple[int, int]:
   return leading(same(eqn.invars, body.invars)) - ncarry, ncarry
 
 
-def _region(eqn, invals) -> list:
-  """A loop, branch, remat or call holding collectives, rebuilt with them ordered inside."""
+def _region(eqn, invals: list, last: tuple) -> tuple[list, int | None]:
+  """A loop, branch, remat or call holding collectives, rebuilt with them ordered inside and
+  chained after `last`: one array passes the chain through it (a loop's smallest carry, so
+  every trip's collectives follow the trip before's), in at the region's first collective
+  and out after its last. Returns the outputs and which of them carries the chain on."""
   p, name = eqn.params, eqn.primitive.name
-  if name in ("pjit", "jit", "closed_call", "core_call"):
-    return _inner(p["jaxpr"])(*invals)
+  if name in ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"):
+    i, token = _smallest(invals), _smallest_aval(eqn.outvars)
+    body = _inner(p["jaxpr"], i, token)
+    if name in ("checkpoint", "remat", "remat2"):
+      body = jax.checkpoint(body, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
+    return list(body(*_after(invals, last, i))), token
   if name == "scan":
     nc, ncarry = _scan_counts(eqn)
+    c = _smallest(invals, range(nc, nc + ncarry))
+    i = c if c is not None else _smallest(invals)
+    invals = _after(invals, last, i)
     consts, carry, xs = invals[:nc], invals[nc:nc + ncarry], invals[nc + ncarry:]
-    run = _inner(p["jaxpr"])
+    # carries lead the outputs; a loop with none passes the chain out through its smallest
+    token = _smallest_aval(eqn.outvars) if c is None else c - nc
+    run = _inner(p["jaxpr"], i, token)
 
     def body(c, x):
       out = run(*consts, *c, *x)
@@ -177,18 +207,30 @@ def _region(eqn, invals) -> list:
 
     carry, ys = lax.scan(body, carry, xs, length=p["length"], reverse=p["reverse"],
                          unroll=p["unroll"])
-    return list(carry) + list(ys)
+    return list(carry) + list(ys), token
   if name == "while":
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    c = _smallest(invals, range(cn + bn, len(invals)))
+    invals = _after(invals, last, c)
     cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-    cond, run = _inner(p["cond_jaxpr"]), _inner(p["body_jaxpr"])
-    return list(lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: run(*bconsts, *c), init))
+    cond = _inner(p["cond_jaxpr"])
+    k = None if c is None else c - cn - bn
+    run = _inner(p["body_jaxpr"], None if k is None else bn + k, k)
+    outs = lax.while_loop(lambda c: cond(*cconsts, *c)[0], lambda c: run(*bconsts, *c), init)
+    return list(outs), k
   if name == "cond":
+    i = _smallest(invals, range(1, len(invals)))
+    invals = _after(invals, last, i)
     index, ops = invals[0], invals[1:]
-    branches = [lambda *o, b=b: _inner(b)(*o) for b in p["branches"]]
-    return list(lax.switch(index, branches, *ops))
-  if name in ("checkpoint", "remat", "remat2"):
-    run = jax.checkpoint(_inner(p["jaxpr"]), prevent_cse=p.get("prevent_cse", True),
-                         policy=p.get("policy"))
-    return list(run(*invals))
-  return bind(eqn, invals)  # any other region: one unit in the order, its inside as it is
+    token = _smallest_aval(eqn.outvars)
+    first = None if i is None else i - 1
+    branches = [lambda *o, b=b: _inner(b, first, token)(*o) for b in p["branches"]]
+    return list(lax.switch(index, branches, *ops)), token
+  return bind(eqn, _after(invals, last)), None  # any other region: one unit in the order
+
+
+def _smallest_aval(outvars) -> int | None:
+  """Index of the smallest of a region's outputs (by their abstract values), which the next
+  collective waits on; the region makes it wait on its own last collective."""
+  sizes = [(math.prod(v.aval.shape), k) for k, v in enumerate(outvars) if hasattr(v.aval, "shape")]
+  return min(sizes)[1] if sizes else None
