@@ -1,6 +1,7 @@
 """Swap stores: bit-exact round trips on every backend, and every bad input's error."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -114,6 +115,20 @@ def test_manifest_survives_reopen(tmp_path):
   again.close()
   with pytest.raises(CorruptShardError, match="block size"):
     AioStore(tmp_path, rank=3, block_size=8192)
+
+
+def test_a_store_whose_folder_was_removed_says_so_when_closed(tmp_path):
+  """Not "disk full?": the folder is gone. The store is released all the same."""
+  s = AioStore(tmp_path / "gone", block_size=16 << 10)
+  s.write("x", np.arange(5000, dtype=np.float32)).wait()
+  shutil.rmtree(tmp_path / "gone")
+  with pytest.raises(EngineError, match="is gone .*close the run's state"):
+    s.close()
+  assert s.closed
+  s.close()  # nothing left to do
+  again = AioStore(tmp_path / "gone", block_size=16 << 10)  # and nothing left locked
+  assert again.keys() == []
+  again.close()
 
 
 # ------------------------------------------------------------------ bad input

@@ -2,6 +2,8 @@
 // it, and the checks a read makes against it.
 #include "core/store.h"
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <fstream>
 
@@ -9,6 +11,20 @@
 #include "core/store_internal.h"
 
 namespace zinfjax {
+namespace {
+
+// Why the manifest could not be written: its folder removed under an open store (a temporary
+// folder deleted before the store was closed), or else a full drive.
+[[noreturn]] void ManifestWriteFailed(const std::string& tmp, const std::string& folder) {
+  struct stat st;
+  if (::stat(folder.c_str(), &st) != 0)
+    throw EngineError("cannot write swap manifest " + tmp + ": the store's folder " + folder +
+                      " is gone (removed while the store was open); close the run's state "
+                      "(TrainState.close) before removing its nvme_path");
+  throw NoSpace("cannot write swap manifest " + tmp + " (disk full?)");
+}
+
+}  // namespace
 
 void SwapStore::LoadManifest() {
   std::ifstream in(folders_[0] + "/manifest.tsv");
@@ -50,7 +66,7 @@ void SwapStore::WriteManifestLocked() {
     for (const auto& [key, e] : manifest_)
       out << key << '\t' << e.dtype << '\t' << ShapeString(e.shape) << '\t' << e.offset << ' '
           << e.nbytes << ' ' << e.capacity << ' ' << std::hex << e.checksum << std::dec << "\n";
-    if (!out) throw NoSpace("cannot write swap manifest " + tmp + " (disk full?)");
+    if (!out) ManifestWriteFailed(tmp, folders_[0]);
   }
   int fd = open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd >= 0) {

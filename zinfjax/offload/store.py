@@ -329,14 +329,17 @@ class AioStore:
     return isinstance(self._store, _Closed)
 
   def close(self) -> None:
-    """Flush and release the files and folder locks; a second close does nothing."""
+    """Flush and release the files and folder locks; a second close does nothing. A flush that
+    fails (a full drive, a folder removed) is raised once the files are released."""
     if self._handle is not None:
       _engine.unregister_store(self._handle)
       self._handle = None
     if not isinstance(self._store, _Closed):
-      folder = self._store.folder
-      self._store.sync()
-      self._store = _Closed(folder)  # releases files and the folder lock
+      store, self._store = self._store, _Closed(self._store.folder)
+      try:
+        store.sync()
+      finally:
+        del store  # the last reference: releases files and the folder lock
 
 
 class _Closed:
