@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import zinfjax
-from zinfjax.checkpoint import CheckpointError, Checkpointer
+from zinfjax.checkpoint import CheckpointError, CheckpointParams, Checkpointer
 from zinfjax.checkpoint.lock import NAME as LOCK
 from zinfjax.models import lm_loss
 
@@ -243,6 +243,8 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mesh):
   ckpt = Checkpointer(ckpt_dir)
   assert ckpt.all_steps() == [2]
   assert any(f.startswith("4") for f in os.listdir(ckpt_dir)), os.listdir(ckpt_dir)  # the torn save
+  with pytest.warns(UserWarning, match="step 4 is not committed .*reading step 2"):
+    assert CheckpointParams(ckpt_dir).step == 2  # an export names the step it could not read
   state, _ = ckpt.restore(W.model_factory, W.make_tx("device"), W.zero_config(
       "device", "device", "bf16", None), mesh)
   assert int(state.step) == 2
