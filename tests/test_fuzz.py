@@ -14,12 +14,12 @@ fuzz = load_script("fuzz_configs")
 
 def test_random_configs_train_as_optax_does_through_a_checkpoint_and_a_nan_step():
   """Two drawn trials, each resumed halfway from a checkpoint onto another placement, with one
-  NaN step skipped. Seed 23: params on the device, the optimizer split over pinned host and
-  NVMe (the stream optimizer), clipping, 2 devices, resumed with params over NVMe and pinned
-  host and the optimizer over the device and NVMe; seed 24: a three-tier split of the params
-  on 1 device, resumed with every state on NVMe."""
+  NaN step skipped. Seed 11: params in pinned host, the optimizer split over NVMe, pinned host
+  and the device, clipping, 2 devices, resumed with params over the device and NVMe and the
+  optimizer in pinned host under the host pipeline, 4 devices; seed 14: both split over all
+  three tiers, 2 tiles, the layer norms frozen, resumed with params over NVMe and pinned host."""
   out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fuzz_configs.py"),
-                        "--trials", "2", "--seed", "23", "--restore", "--nan", "--timeout", "300"],
+                        "--seeds", "11", "14", "--restore", "--nan", "--timeout", "300"],
                        cwd=REPO, capture_output=True, text=True, timeout=900, env=script_env())
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "passed=2 refused=0 failed=0" in out.stdout, out.stdout
