@@ -18,8 +18,12 @@ another device count): the result must still equal the uninterrupted reference.
 
 A config refused at once with a ValueError counts as refused (its message is printed);
 any other error, a mismatch, or a trial running past --timeout fails the run (exit 1),
-printing the config to reproduce it. Delayed updates have their own reference
-(tests/test_delayed.py) and are not drawn here.
+printing the config to reproduce it.
+
+--delay draws delay_update ("tail" or "all") for ZeRO-3 trials: the reference then runs
+two AdamWs over the params, one fed each step's grads, one the step before's (from the
+second step, with its own count), and each param element takes the update of the one its
+part is in (the parts the run's host pipeline delays, read from the run).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def parse_args(argv=None):
   p.add_argument("--layers", type=int, default=3)
   p.add_argument("--restore", action="store_true", help="checkpoint halfway, resume elsewhere")
   p.add_argument("--nan", action="store_true", help="one step's loss is NaN")
+  p.add_argument("--delay", action="store_true",
+                 help="draw delay_update ('tail' or 'all'; not with --restore or --nan)")
   p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
   p.add_argument("--devices", type=int, default=8, help="host devices (the mesh draws from them)")
   return p.parse_args(argv)
@@ -169,6 +175,54 @@ def reference(make_model, clip, data, nan_step, trainable=None):
     return np.asarray(losses), initial, leaves()
 
 
+def delayed_reference(make_model, clip, data, trainable, delayed: dict[str, set[int]]):
+  """`reference` where the parts `delayed` names see each step's grads one step late."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  with jax.default_device(jax.devices()[0]):
+    model = make_model(nnx.Rngs(jax.random.key(0)))
+    leaves = lambda: [np.asarray(x) for x in jax.tree.leaves(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
+    initial = leaves()
+    graphdef, everything = nnx.split(model)
+    params = nnx.to_pure_dict(nnx.state(model, wrt(trainable)))
+    base = nnx.to_pure_dict(everything)
+
+    def overlay(d, p):  # `d` with the trained params `p` in place of its own
+      return {k: overlay(v, p[k]) if isinstance(v, dict) and k in p else p.get(k, v)
+              for k, v in d.items()}
+
+    def loss(p, base, batch):
+      s = jax.tree.map(lambda x: x, everything)
+      nnx.replace_by_pure_dict(s, overlay(base, p))
+      return scaled_loss(nnx.merge(graphdef, s), batch)
+
+    def late_mask(path, x):  # a stacked leaf's delayed layers, or the whole leaf
+      layers = delayed.get("/".join(str(k.key) for k in path), set())
+      if x.ndim and "blocks" in str(path[0].key):
+        return jnp.asarray([i in layers for i in range(x.shape[0])]).reshape(
+            (-1,) + (1,) * (x.ndim - 1))
+      return jnp.asarray(bool(layers))
+
+    mask = jax.tree_util.tree_map_with_path(late_mask, params)
+    grad, tx = jax.jit(jax.value_and_grad(loss)), reference_tx(clip)
+    now, late, held, losses = tx.init(params), tx.init(params), None, []
+    for batch in data:
+      value, g = grad(params, base, batch)
+      losses.append(float(value))
+      u_now, now = tx.update(g, now, params)
+      u_late = jax.tree.map(jnp.zeros_like, g)
+      if held is not None:
+        u_late, late = tx.update(held, late, params)
+      params = jax.tree.map(lambda p, m, a, b: p + jnp.where(m, b, a), params, mask, u_now, u_late)
+      held = g
+    nnx.replace_by_pure_dict(everything, overlay(base, params))
+    nnx.update(model, everything)
+    return np.asarray(losses), initial, leaves()
+
+
 def config(trial, folder: str):
   import zinfjax
   kw = dict(trial["zero"])
@@ -188,14 +242,19 @@ def start(trial, make_model, folder: str):
   return zinfjax.init(make_model, engine_tx, zero, mesh, 0), (engine_tx, zero, mesh)
 
 
-def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float], list]:
+def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float], list, dict]:
   """Losses and final fp32 params of zinfjax under `trial` (from step STEPS // 2 under
-  `second`, restored from a checkpoint, when given)."""
+  `second`, restored from a checkpoint, when given), and the parts it updates a step late
+  (leaf name -> layers)."""
   import jax
   import numpy as np
   import zinfjax
   import zinfjax.checkpoint
   state, _ = start(trial, make_model, os.path.join(folder, "a"))
+  delayed: dict[str, set[int]] = {}
+  pipeline = state.engine.pipeline
+  for part in [p for u in (pipeline.tail if pipeline else ()) for p in u.parts]:
+    delayed.setdefault(state.engine.plan.leaves[part.leaf].name, set()).add(part.layer)
   losses = []
   for i, batch in enumerate(data):
     if second is not None and i == STEPS // 2:
@@ -211,7 +270,7 @@ def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float]
     losses.append(float(metrics["loss"]))
   params = [np.asarray(x) for x in jax.tree.leaves(state.full_params())]
   state.close()
-  return losses, params
+  return losses, params, delayed
 
 
 def compare(losses, params, want_losses, initial, want_params) -> str | None:
@@ -231,6 +290,8 @@ def compare(losses, params, want_losses, initial, want_params) -> str | None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.delay and (args.restore or args.nan):
+    raise SystemExit("--delay runs alone: its reference has no checkpoint or NaN step.")
   flags = os.environ.get("XLA_FLAGS", "")
   if "device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
@@ -253,6 +314,8 @@ def main(argv=None) -> int:
         trial["zero"].pop("trainable", None)
       trial["optax"] = False
     nan_step = int(rng.integers(1, STEPS)) if args.nan else None
+    if args.delay and trial["zero"]["stage"] == 3:
+      trial["zero"]["delay_update"] = str(rng.choice(["tail", "all"]))
     if nan_step is not None:  # a NaN applied poisons every later step: nothing to compare
       trial["zero"]["skip_nonfinite"] = True
       if second is not None:
@@ -263,7 +326,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
       with tempfile.TemporaryDirectory(prefix="zinfjax-fuzz-") as folder:
-        losses, params = run_trial(trial, second, make_model, data, folder)
+        losses, params, delayed = run_trial(trial, second, make_model, data, folder)
     except ValueError as e:
       counts["refused"] += 1
       print(f"REFUSED {label}\n  {str(e).splitlines()[0][:300]}", flush=True)
@@ -274,8 +337,10 @@ def main(argv=None) -> int:
       continue
     finally:
       faulthandler.cancel_dump_traceback_later()
-    problem = compare(losses, params, *reference(make_model, trial["clip"], data, nan_step,
-                                                  trial["zero"].get("trainable")))
+    trainable = trial["zero"].get("trainable")
+    want = (delayed_reference(make_model, trial["clip"], data, trainable, delayed) if delayed
+            else reference(make_model, trial["clip"], data, nan_step, trainable))
+    problem = compare(losses, params, *want)
     counts["failed" if problem else "passed"] += 1
     print(f"{'MISMATCH' if problem else 'ok'}      {label} [{time.perf_counter() - t0:.1f} s]"
           + (f"\n  {problem}" if problem else ""), flush=True)

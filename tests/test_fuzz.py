@@ -25,6 +25,18 @@ def test_random_configs_train_as_optax_does_through_a_checkpoint_and_a_nan_step(
   assert "passed=2 refused=0 failed=0" in out.stdout, out.stdout
 
 
+def test_random_configs_with_a_delayed_update_train_as_its_reference():
+  """Seed 512: delay_update="all", params over pinned host and NVMe, the optimizer over NVMe,
+  pinned host and the device (the device's layer is not delayed), 8 devices; seed 528: "all"
+  with the optimizer in pinned host under the host pipeline, clipping every step."""
+  out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fuzz_configs.py"),
+                        "--seeds", "512", "528", "--delay", "--timeout", "300"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, env=script_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "passed=2 refused=0 failed=0" in out.stdout, out.stdout
+  assert out.stdout.count("'delay_update': 'all'") == 2
+
+
 def test_the_comparison_catches_a_wrong_weight_decay_and_a_step_count_off_by_one(monkeypatch):
   """The tolerances pass the same training in another summation order but not a small bug:
   weight decay 0.11 for 0.1, or a schedule a step ahead (a skipped step that counted)."""
