@@ -124,10 +124,11 @@ def reference_tx(clip):
   return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
 
 
-def trial_tx(trial, on_device: bool):
-  """optax's chain where the optimizer runs on the device and the trial says so; else zinfjax's
-  AdamW (any optimizer tier), the same update."""
+def trial_tx(trial, zero):
+  """optax's chain where `zero` keeps the optimizer on the device and the trial says so; else
+  zinfjax's AdamW (any optimizer tier), the same update."""
   import zinfjax
+  on_device = not zero.offload and zero.optimizer_split == (("device", None),)
   if on_device and trial["optax"]:
     return reference_tx(trial["clip"])
   return zinfjax.optim.adamw(schedule(), weight_decay=0.1, max_grad_norm=trial["clip"])
@@ -238,8 +239,7 @@ def start(trial, make_model, folder: str):
   import zinfjax
   zero = config(trial, folder)
   mesh = zinfjax.make_mesh(trial["dp"])
-  engine_tx = trial_tx(trial, on_device=not zero.offload and zero.optimizer_split == (("device", None),))
-  return zinfjax.init(make_model, engine_tx, zero, mesh, 0), (engine_tx, zero, mesh)
+  return zinfjax.init(make_model, trial_tx(trial, zero), zero, mesh, 0)
 
 
 def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float], list, dict]:
@@ -250,7 +250,7 @@ def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float]
   import numpy as np
   import zinfjax
   import zinfjax.checkpoint
-  state, _ = start(trial, make_model, os.path.join(folder, "a"))
+  state = start(trial, make_model, os.path.join(folder, "a"))
   delayed: dict[str, set[int]] = {}
   pipeline = state.engine.pipeline
   for part in [p for u in (pipeline.tail if pipeline else ()) for p in u.parts]:
@@ -263,8 +263,8 @@ def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float]
       ckpt.wait()
       state.close()
       zero = config(second, os.path.join(folder, "b"))
-      tx = trial_tx(second, on_device=not zero.offload and zero.optimizer_split == (("device", None),))
-      state, _ = ckpt.restore(make_model, tx, zero, zinfjax.make_mesh(second["dp"]))
+      state, _ = ckpt.restore(make_model, trial_tx(second, zero), zero,
+                              zinfjax.make_mesh(second["dp"]))
       ckpt.close()
     state, metrics = zinfjax.train_step(state, batch, scaled_loss)
     losses.append(float(metrics["loss"]))
