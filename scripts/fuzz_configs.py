@@ -8,8 +8,10 @@ and for the optimizer states, or offload="auto" with random tier budgets, the ho
 optimizer, all-or-nothing steps on NVMe and in RAM, prefetch depths, tiles, micro-batches,
 the layer scan's residual policy, which params train (all; the blocks alone; all but the
 layer norms), clipping (never, always) and the mesh size. It trains a
-tiny GPT in fp32 on random tokens with that config and with optax's AdamW (clipping chained
-in front) on one device, and compares every step's loss and the final fp32 params.
+tiny GPT (or, with --model llama, a tiny Llama of drawn kv heads, tied or separate output
+projection and q/k/v biases) in fp32 on random tokens with that config and with optax's AdamW
+(clipping chained in front) on one device, and compares every step's loss and the final fp32
+params. --lora gives every projection rank-2 adapters and trains only them.
 
 --nan gives one step a NaN loss: with skip_nonfinite (the default) that step must change
 nothing, and the reference skips it. --restore saves a checkpoint halfway, closes the run
@@ -35,15 +37,17 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _fuzz_reference import (BF16, FP32, compare, delayed_reference,  # noqa: E402
+                             initial_params, measure, reference, reference_tx, scaled_loss,
+                             schedule, trainable_filter)
+
 STEPS, BATCH, SEQ = 6, 16, 32
-# fp32 in another summation order: losses to 2e-5; in each param leaf, the mean error to 1e-3
-# of the mean change training made (plus 1e-6 of the leaf's mean size: zinfjax draws the
-# initial params in a compiled program, a few units in the last place from nnx's eager ones,
-# which a frozen leaf keeps), and no element off by more than 1e-4 (a fortieth of one step at
-# the peak learning rate: an element whose grads stay near zero moves by Adam's sign of them,
-# which that order can flip)
-LOSS_RTOL, LEAF_RTOL, INIT_RTOL, PARAM_ATOL = 2e-5, 1e-3, 1e-6, 1e-4
 TIERS = ("device", "pinned_host", "nvme")
+# where states live and how they move there: what a bf16 trial's device twin leaves out
+PLACEMENT = ("stage", "offload", "tier_budgets", "offload_param", "offload_optimizer",
+             "host_optimizer", "host_atomic_steps", "nvme_atomic_steps", "nvme_prefetch_depth",
+             "prefetch_depth", "offload_activations")
 
 
 def parse_args(argv=None):
@@ -53,10 +57,17 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0, help="trial i draws from seed + i")
   p.add_argument("--seeds", type=int, nargs="+", help="run the trials of these seeds instead")
   p.add_argument("--layers", type=int, default=3)
+  p.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                 help="llama draws its own shape: kv heads, tied embeddings, q/k/v biases")
+  p.add_argument("--lora", action="store_true",
+                 help="rank-2 LoRA adapters on every projection, and only they train (stage 3)")
   p.add_argument("--restore", action="store_true", help="checkpoint halfway, resume elsewhere")
   p.add_argument("--nan", action="store_true", help="one step's loss is NaN")
   p.add_argument("--delay", action="store_true",
                  help="draw delay_update ('tail' or 'all'; not with --restore or --nan)")
+  p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                 help="bf16: each trial against its own config with every state on the device "
+                      "(zinfjax, ZeRO-3, the same mesh), not optax (not with --restore, --delay)")
   p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
   p.add_argument("--devices", type=int, default=8, help="host devices (the mesh draws from them)")
   return p.parse_args(argv)
@@ -77,7 +88,7 @@ def draw_split(rng, layers: int) -> str:
   return ",".join(f"{t}:{n}" for t, n in zip(tiers, counts)) + f",{tiers[-1]}"
 
 
-def draw(rng, layers: int, devices: int) -> dict:
+def draw(rng, layers: int, devices: int, lora: bool = False) -> dict:
   """A random trial: `zero` (ZeroConfig keywords, nvme_path aside), `clip`, `dp`, `optax`
   (whether an all-device optimizer is optax's own chain rather than zinfjax's AdamW)."""
   pick = lambda *xs: xs[int(rng.integers(len(xs)))]
@@ -96,32 +107,31 @@ def draw(rng, layers: int, devices: int) -> dict:
     if zero["host_optimizer"] in ("auto", "pipeline"):
       zero["host_atomic_steps"] = pick(False, True)
     zero["trainable"] = pick(None, None, None, "blocks", "no_norms")
+    if lora:
+      zero["trainable"] = "lora"
   dp = pick(*[n for n in (1, 2, 4, 8) if n <= devices])
   return dict(zero=zero, clip=pick(None, 0.5, 1e3), dp=dp, optax=pick(True, False))
 
 
-# `ZeroConfig.trainable` by name: which params train (the others stay frozen)
-TRAINABLE = {
-    "blocks": lambda path, _: "blocks" in map(str, path),  # embeddings and final norm frozen
-    "no_norms": lambda path, _: not any(str(p).startswith("ln") for p in path),
-}
+def draw_model(rng, args) -> dict:
+  """The model's shape: GPT's tiny one, or a Llama drawn with its kv heads, tied or separate
+  output projection and q/k/v biases."""
+  shape = dict(num_layers=args.layers, vocab_size=65, lora_rank=2 if args.lora else 0)
+  if args.model == "llama":
+    pick = lambda *xs: xs[int(rng.integers(len(xs)))]
+    shape.update(hidden=64, intermediate=96, num_heads=4, num_kv_heads=pick(1, 2, 4),
+                 tie_embeddings=pick(False, True), qkv_bias=pick(False, True), seq_len=SEQ)
+  return shape
 
 
-def wrt(name: str | None):
-  """The nnx filter of the params a trial trains (every `nnx.Param`, or those of `name`)."""
-  from flax import nnx
-  return nnx.Param if name is None else nnx.All(nnx.Param, TRAINABLE[name])
-
-
-def schedule():
-  import optax
-  return optax.linear_schedule(1e-3, 4e-3, 4)  # the step count matters: a skip must not advance it
-
-
-def reference_tx(clip):
-  import optax
-  adamw = optax.adamw(schedule(), weight_decay=0.1)
-  return adamw if clip is None else optax.chain(optax.clip_by_global_norm(clip), adamw)
+def model_maker(model: str, shape: dict):
+  """nnx.Rngs -> a fresh model of that shape."""
+  from zinfjax.models import GPT, Llama, LlamaConfig, get_config
+  if model == "llama":
+    config = LlamaConfig(**shape)
+    return lambda r: Llama(config, rngs=r)
+  config = get_config("tiny", **shape)
+  return lambda r: GPT(config, rngs=r)
 
 
 def trial_tx(trial, zero):
@@ -134,10 +144,14 @@ def trial_tx(trial, zero):
   return zinfjax.optim.adamw(schedule(), weight_decay=0.1, max_grad_norm=trial["clip"])
 
 
-def scaled_loss(model, batch):
-  """The LM loss times the batch's `scale` (NaN in one step with --nan)."""
-  from zinfjax.models import lm_loss
-  return lm_loss(model, batch) * batch["scale"][0]
+def device_twin(trial: dict) -> dict:
+  """`trial` with every state on the device under ZeRO-3: the same mesh, micro-batches,
+  tiles, residual policy, frozen params, precision and optimizer (optax's chain where the
+  trial runs it, else zinfjax's AdamW, in the step)."""
+  zero = {k: v for k, v in trial["zero"].items() if k not in PLACEMENT}
+  zero.update(stage=3, offload_param="device", offload_optimizer="device")
+  on_device = trial["zero"]["stage"] < 3 or trial["zero"].get("offload_optimizer") == "device"
+  return dict(trial, zero=zero, optax=trial["optax"] and on_device)
 
 
 def batches(seed: int, vocab: int, nan_step: int | None) -> list[dict]:
@@ -151,86 +165,13 @@ def batches(seed: int, vocab: int, nan_step: int | None) -> list[dict]:
   return out
 
 
-def reference(make_model, clip, data, nan_step, trainable=None):
-  """Losses, initial and final params of optax on one device, training the params
-  `trainable` names; the NaN step is skipped (its loss kept)."""
-  import jax
-  import numpy as np
-  from flax import nnx
-  with jax.default_device(jax.devices()[0]):
-    model = make_model(nnx.Rngs(jax.random.key(0)))
-    leaves = lambda: [np.asarray(x) for x in jax.tree.leaves(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
-    initial = leaves()
-    optimizer = nnx.Optimizer(model, reference_tx(clip), wrt=wrt(trainable))
-
-    @nnx.jit(static_argnames="apply")
-    def step(model, optimizer, batch, apply):
-      diff = nnx.DiffState(0, wrt(trainable))
-      loss, grads = nnx.value_and_grad(scaled_loss, argnums=diff)(model, batch)
-      if apply:
-        optimizer.update(model, grads)
-      return loss
-
-    losses = [float(step(model, optimizer, b, apply=i != nan_step)) for i, b in enumerate(data)]
-    return np.asarray(losses), initial, leaves()
-
-
-def delayed_reference(make_model, clip, data, trainable, delayed: dict[str, set[int]]):
-  """`reference` where the parts `delayed` names see each step's grads one step late."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-  with jax.default_device(jax.devices()[0]):
-    model = make_model(nnx.Rngs(jax.random.key(0)))
-    leaves = lambda: [np.asarray(x) for x in jax.tree.leaves(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
-    initial = leaves()
-    graphdef, everything = nnx.split(model)
-    params = nnx.to_pure_dict(nnx.state(model, wrt(trainable)))
-    base = nnx.to_pure_dict(everything)
-
-    def overlay(d, p):  # `d` with the trained params `p` in place of its own
-      return {k: overlay(v, p[k]) if isinstance(v, dict) and k in p else p.get(k, v)
-              for k, v in d.items()}
-
-    def loss(p, base, batch):
-      s = jax.tree.map(lambda x: x, everything)
-      nnx.replace_by_pure_dict(s, overlay(base, p))
-      return scaled_loss(nnx.merge(graphdef, s), batch)
-
-    def late_mask(path, x):  # a stacked leaf's delayed layers, or the whole leaf
-      layers = delayed.get("/".join(str(k.key) for k in path), set())
-      if x.ndim and "blocks" in str(path[0].key):
-        return jnp.asarray([i in layers for i in range(x.shape[0])]).reshape(
-            (-1,) + (1,) * (x.ndim - 1))
-      return jnp.asarray(bool(layers))
-
-    mask = jax.tree_util.tree_map_with_path(late_mask, params)
-    grad, tx = jax.jit(jax.value_and_grad(loss)), reference_tx(clip)
-    now, late, held, losses = tx.init(params), tx.init(params), None, []
-    for batch in data:
-      value, g = grad(params, base, batch)
-      losses.append(float(value))
-      u_now, now = tx.update(g, now, params)
-      u_late = jax.tree.map(jnp.zeros_like, g)
-      if held is not None:
-        u_late, late = tx.update(held, late, params)
-      params = jax.tree.map(lambda p, m, a, b: p + jnp.where(m, b, a), params, mask, u_now, u_late)
-      held = g
-    nnx.replace_by_pure_dict(everything, overlay(base, params))
-    nnx.update(model, everything)
-    return np.asarray(losses), initial, leaves()
-
-
 def config(trial, folder: str):
   import zinfjax
   kw = dict(trial["zero"])
   if kw.get("stage", 3) == 3:
     kw["nvme_path"] = folder
   if kw.get("trainable") is not None:
-    kw["trainable"] = TRAINABLE[kw["trainable"]]
+    kw["trainable"] = trainable_filter(kw["trainable"])
   return zinfjax.ZeroConfig(**kw)
 
 
@@ -273,39 +214,24 @@ def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float]
   return losses, params, delayed
 
 
-def compare(losses, params, want_losses, initial, want_params) -> str | None:
-  """None when they agree to the tolerances; else what differs."""
-  import numpy as np
-  got = np.asarray(losses)
-  if not np.allclose(got, want_losses, rtol=LOSS_RTOL, atol=0, equal_nan=True):
-    return f"losses {got.tolist()} != {want_losses.tolist()}"
-  for i, (a, b, b0) in enumerate(zip(params, want_params, initial)):
-    change, size = np.mean(np.abs(b - b0)), np.mean(np.abs(b))
-    leaf_err = np.mean(np.abs(a - b)) / max(change + INIT_RTOL / LEAF_RTOL * size, 1e-30)
-    if leaf_err > LEAF_RTOL or np.max(np.abs(a - b)) > PARAM_ATOL:
-      return (f"param leaf {i} {b.shape}: off by {leaf_err:.2e} of the change training made, "
-              f"one element by {np.max(np.abs(a - b)):.2e}")
-  return None
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.delay and (args.restore or args.nan):
     raise SystemExit("--delay runs alone: its reference has no checkpoint or NaN step.")
+  if args.precision == "bf16" and (args.restore or args.delay):
+    raise SystemExit("--precision bf16 compares each trial with its all-device twin; "
+                     "it takes no --restore or --delay.")
   flags = os.environ.get("XLA_FLAGS", "")
   if "device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
   import numpy as np
-  from zinfjax.models import GPT, get_config
 
-  gpt = get_config("tiny", num_layers=args.layers)
-  make_model = lambda r: GPT(gpt, rngs=r)
   counts = {"passed": 0, "refused": 0, "failed": 0}
   seeds = args.seeds or range(args.seed, args.seed + args.trials)
   for i, seed in enumerate(seeds):
     rng = np.random.default_rng(seed)
-    trial = draw(rng, args.layers, args.devices)
-    second = draw(rng, args.layers, args.devices) if args.restore else None
+    trial = draw(rng, args.layers, args.devices, args.lora)
+    second = draw(rng, args.layers, args.devices, args.lora) if args.restore else None
     if second is not None:  # the same optimizer (its hyperparameters and state layout)
       second.update(clip=trial["clip"], optax=False)
       if second["zero"]["stage"] == 3:  # the same params train
@@ -320,8 +246,12 @@ def main(argv=None) -> int:
       trial["zero"]["skip_nonfinite"] = True
       if second is not None:
         second["zero"]["skip_nonfinite"] = True
-    data = batches(seed, gpt.vocab_size, nan_step)
-    label = f"trial {i} (seed {seed}): {trial}" + (f" then {second}" if second else "")
+    trial["zero"]["precision"] = args.precision
+    shape = draw_model(rng, args)
+    make_model = model_maker(args.model, shape)
+    data = batches(seed, shape["vocab_size"], nan_step)
+    label = (f"trial {i} (seed {seed}): {args.model} {shape} {trial}"
+             + (f" then {second}" if second else ""))
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     t0 = time.perf_counter()
     try:
@@ -338,12 +268,21 @@ def main(argv=None) -> int:
     finally:
       faulthandler.cancel_dump_traceback_later()
     trainable = trial["zero"].get("trainable")
-    want = (delayed_reference(make_model, trial["clip"], data, trainable, delayed) if delayed
-            else reference(make_model, trial["clip"], data, nan_step, trainable))
-    problem = compare(losses, params, *want)
+    if args.precision == "bf16":
+      with tempfile.TemporaryDirectory(prefix="zinfjax-fuzz-") as folder:
+        twin_losses, twin_params, _ = run_trial(device_twin(trial), None, make_model, data,
+                                                folder)
+      want, tol = (twin_losses, initial_params(make_model), twin_params), BF16
+    else:
+      want = (delayed_reference(make_model, trial["clip"], data, trainable, delayed) if delayed
+              else reference(make_model, trial["clip"], data, nan_step, trainable))
+      tol = FP32
+    problem = compare(losses, params, *want, tol)
+    worst = measure(losses, params, *want, tol.init / tol.leaf)
     counts["failed" if problem else "passed"] += 1
-    print(f"{'MISMATCH' if problem else 'ok'}      {label} [{time.perf_counter() - t0:.1f} s]"
-          + (f"\n  {problem}" if problem else ""), flush=True)
+    print(f"{'MISMATCH' if problem else 'ok'}      {label} [{time.perf_counter() - t0:.1f} s; "
+          f"worst: loss {worst['loss']:.1e}, leaf {worst['leaf']:.1e}, element "
+          f"{worst['element']:.1e}]" + (f"\n  {problem}" if problem else ""), flush=True)
   print(" ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
   return 1 if counts["failed"] else 0
 

@@ -10,6 +10,7 @@ import optax
 from helpers import REPO, load_script, script_env
 
 fuzz = load_script("fuzz_configs")
+import _fuzz_reference as ref  # noqa: E402 - on the path once fuzz_configs is loaded
 
 
 def test_random_configs_train_as_optax_does_through_a_checkpoint_and_a_nan_step():
@@ -37,6 +38,21 @@ def test_random_configs_with_a_delayed_update_train_as_its_reference():
   assert out.stdout.count("'delay_update': 'all'") == 2
 
 
+def test_a_bf16_llama_with_lora_trains_as_on_the_device_through_a_nan_step():
+  """bf16, against the same run with every state on the device. Seed 4201: a Llama with LoRA
+  adapters only training, params and optimizer on NVMe under XLA's host optimizer, 2 tiles, 2
+  micro-batches, 8 devices; seed 4204: params on the device, the optimizer over pinned host
+  and NVMe under the AdamW stream, 4 devices. Each skips one NaN step."""
+  out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fuzz_configs.py"),
+                        "--seeds", "4201", "4204", "--model", "llama", "--lora", "--precision",
+                        "bf16", "--nan", "--timeout", "300"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, env=script_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "passed=2 refused=0 failed=0" in out.stdout, out.stdout
+  assert out.stdout.count("'precision': 'bf16'") == 2
+  assert out.stdout.count("'trainable': 'lora'") == 2
+
+
 def test_the_comparison_catches_a_wrong_weight_decay_and_a_step_count_off_by_one(monkeypatch):
   """The tolerances pass the same training in another summation order but not a small bug:
   weight decay 0.11 for 0.1, or a schedule a step ahead (a skipped step that counted)."""
@@ -44,16 +60,16 @@ def test_the_comparison_catches_a_wrong_weight_decay_and_a_step_count_off_by_one
   gpt = get_config("tiny", num_layers=2)
   make_model = lambda r: GPT(gpt, rngs=r)
   data = fuzz.batches(3, gpt.vocab_size, nan_step=None)
-  want = fuzz.reference(make_model, 0.5, data, None)
-  assert fuzz.compare(want[0], want[2], *want) is None
+  want = ref.reference(make_model, 0.5, data, None)
+  assert ref.compare(want[0], want[2], *want) is None
 
   def bugged(weight_decay=0.1, shift=0):
-    base = fuzz.schedule()
+    base = ref.schedule()
     tx = optax.adamw(lambda count: base(count + shift), weight_decay=weight_decay)
-    monkeypatch.setattr(fuzz, "reference_tx", lambda clip: optax.chain(
+    monkeypatch.setattr(ref, "reference_tx", lambda clip: optax.chain(
         optax.clip_by_global_norm(clip), tx))
-    losses, _, params = fuzz.reference(make_model, 0.5, data, None)
-    return fuzz.compare(losses, params, *want)
+    losses, _, params = ref.reference(make_model, 0.5, data, None)
+    return ref.compare(losses, params, *want)
 
   assert "param leaf" in bugged(weight_decay=0.11)
   assert bugged(shift=1) is not None
