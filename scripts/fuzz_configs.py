@@ -190,28 +190,37 @@ def run_trial(trial, second, make_model, data, folder: str) -> tuple[list[float]
   import jax
   import numpy as np
   import zinfjax
-  import zinfjax.checkpoint
   state = start(trial, make_model, os.path.join(folder, "a"))
-  delayed: dict[str, set[int]] = {}
-  pipeline = state.engine.pipeline
-  for part in [p for u in (pipeline.tail if pipeline else ()) for p in u.parts]:
-    delayed.setdefault(state.engine.plan.leaves[part.leaf].name, set()).add(part.layer)
-  losses = []
-  for i, batch in enumerate(data):
-    if second is not None and i == STEPS // 2:
-      ckpt = zinfjax.checkpoint.Checkpointer(os.path.join(folder, "ckpt"))
-      ckpt.save(state)
-      ckpt.wait()
-      state.close()
-      zero = config(second, os.path.join(folder, "b"))
-      state, _ = ckpt.restore(make_model, trial_tx(second, zero), zero,
-                              zinfjax.make_mesh(second["dp"]))
-      ckpt.close()
-    state, metrics = zinfjax.train_step(state, batch, scaled_loss)
-    losses.append(float(metrics["loss"]))
-  params = [np.asarray(x) for x in jax.tree.leaves(state.full_params())]
-  state.close()
-  return losses, params, delayed
+  try:  # a trial that fails closes its run too: the next trial starts clean
+    delayed: dict[str, set[int]] = {}
+    pipeline = state.engine.pipeline
+    for part in [p for u in (pipeline.tail if pipeline else ()) for p in u.parts]:
+      delayed.setdefault(state.engine.plan.leaves[part.leaf].name, set()).add(part.layer)
+    losses = []
+    for i, batch in enumerate(data):
+      if second is not None and i == STEPS // 2:
+        state = resume(state, second, make_model, folder)
+      state, metrics = zinfjax.train_step(state, batch, scaled_loss)
+      losses.append(float(metrics["loss"]))
+    return losses, [np.asarray(x) for x in jax.tree.leaves(state.full_params())], delayed
+  finally:
+    state.close()
+
+
+def resume(state, second, make_model, folder: str):
+  """`state` saved, closed and restored onto `second`'s config and mesh."""
+  import zinfjax
+  import zinfjax.checkpoint
+  ckpt = zinfjax.checkpoint.Checkpointer(os.path.join(folder, "ckpt"))
+  try:
+    ckpt.save(state)
+    ckpt.wait()
+    state.close()
+    zero = config(second, os.path.join(folder, "b"))
+    return ckpt.restore(make_model, trial_tx(second, zero), zero,
+                        zinfjax.make_mesh(second["dp"]))[0]
+  finally:
+    ckpt.close()
 
 
 def main(argv=None) -> int:

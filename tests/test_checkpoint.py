@@ -245,9 +245,15 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, mesh):
   assert any(f.startswith("4") for f in os.listdir(ckpt_dir)), os.listdir(ckpt_dir)  # the torn save
   with pytest.warns(UserWarning, match="step 4 is not committed .*reading step 2"):
     assert CheckpointParams(ckpt_dir).step == 2  # an export names the step it could not read
-  state, _ = ckpt.restore(W.model_factory, W.make_tx("device"), W.zero_config(
-      "device", "device", "bf16", None), mesh)
+  with pytest.warns(UserWarning, match="step 4 is not committed .*reading step 2"):
+    state, _ = ckpt.restore(W.model_factory, W.make_tx("device"), W.zero_config(
+        "device", "device", "bf16", None), mesh)  # so does a restore of the latest
   assert int(state.step) == 2
+  state.close()
+  state, _, skipped = ckpt.restore_newest(W.model_factory, W.make_tx("device"), W.zero_config(
+      "device", "device", "bf16", None), mesh)  # the CLI's resume lists the torn step
+  assert int(state.step) == 2 and [s for s, _ in skipped] == [4], skipped
+  assert "not committed" in skipped[0][1]
   for batch in W.batches()[2:4]:
     state, _ = zinfjax.train_step(state, batch, lm_loss)
   assert ckpt.save(state)

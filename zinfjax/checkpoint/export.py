@@ -8,7 +8,6 @@ a `CheckpointParams`): no process holds every rank's shards of a live `TrainStat
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Iterator
 
 import numpy as np
@@ -49,20 +48,10 @@ class CheckpointParams:
 
 def _metadata(directory: str, step: int | None) -> dict:
   """The metadata of `step` (default: the latest), its committed steps listed by this process
-  alone: no `Checkpointer`, whose manager syncs with a run's other processes. Asked for the
-  latest while a newer step is still being written, it says so: that step is not read."""
+  alone: no `Checkpointer`, whose manager syncs with a run's other processes."""
   names = os.listdir(directory) if os.path.isdir(directory) else []
   steps = sorted(int(n) for n in names
                  if n.isdigit() and os.path.exists(os.path.join(directory, n, "meta", "metadata")))
-  unfinished = sorted({int(n.split(".", 1)[0]) for n in names
-                       if ".orbax-checkpoint-tmp" in n and n.split(".", 1)[0].isdigit()})
-  newer = [n for n in unfinished if not steps or n > steps[-1]]
-  if step is None and newer:
-    reading = f"reading step {steps[-1]}" if steps else "no step is committed yet"
-    warnings.warn(
-        f"{directory}: step {newer[-1]} is not committed (a save still being written, or one "
-        f"that did not finish); {reading}. To read the step being saved, call the run's "
-        "Checkpointer.wait() first.", stacklevel=3)
   return read_metadata(directory, step, steps)
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -242,7 +243,8 @@ class Checkpointer:
     the newer steps skipped, each with the reason. A checkpoint of another model or optimizer
     is raised at once (an older step would not fit either). `progress`: as `restore`'s."""
     self.wait()  # this Checkpointer's own save in the background is a step to restore
-    skipped = []
+    skipped = [(s, "not committed: a save still being written, or one that did not finish")
+               for s in reversed(uncommitted_steps(self.directory, self.all_steps()))]
     for step in reversed(self.all_steps()):
       try:
         state, extra = self.restore(model_factory, tx, config, mesh, step=step, progress=progress)
@@ -273,9 +275,26 @@ class Checkpointer:
     self.close()
 
 
+def uncommitted_steps(directory: str, steps: list[int]) -> list[int]:
+  """Steps newer than the last of `steps` whose folders in `directory` are still temporary:
+  a save still being written (by another process), or one that did not finish."""
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  pending = {int(n.split(".", 1)[0]) for n in names
+             if ".orbax-checkpoint-tmp" in n and n.split(".", 1)[0].isdigit()}
+  return sorted(s for s in pending if not steps or s > steps[-1])
+
+
 def read_metadata(directory: str, step: int | None, steps: list[int]) -> dict:
   """The JSON metadata of `step` (default: the latest) of the checkpoint folder `directory`,
-  whose committed steps are `steps` (oldest first)."""
+  whose committed steps are `steps` (oldest first). Asked for the latest while a newer step
+  is not committed, it says so: that step is not read."""
+  newer = uncommitted_steps(directory, steps) if step is None else []
+  if newer:
+    reading = f"reading step {steps[-1]}" if steps else "no step is committed yet"
+    warnings.warn(
+        f"{directory}: step {newer[-1]} is not committed (a save still being written, or one "
+        f"that did not finish); {reading}. To read the step being saved, call the saving run's "
+        "Checkpointer.wait() first.", stacklevel=4)
   if not steps:
     raise CheckpointError(f"no checkpoint in {directory}: it holds no committed step.")
   if step is None:
