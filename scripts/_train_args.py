@@ -129,7 +129,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                  help="join a multi-process run found by JAX's cluster detection (SLURM, Open MPI, "
                       "...); scripts/launch.py sets this up by itself")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--metrics-jsonl", default=None, help="write one JSON object per step here")
+  p.add_argument("--metrics-jsonl", default=None,
+                 help="write one JSON object per step here (a resumed run keeps the records up "
+                      "to the step it resumes from)")
   p.add_argument("--log-every", type=int, default=10)
   return p.parse_args(argv)
 

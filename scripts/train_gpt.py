@@ -308,7 +308,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
   step_fn = zinfjax.make_train_step(state, lm_loss)
   data = TokenDataset(tokens, seq_len, args.batch_size, seed=args.seed, step=start)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,
-                      log_every=args.log_every,
+                      log_every=args.log_every, resumed_at=start,
                       stream=sys.stdout if main_process else open(os.devnull, "w"))
   tokens_per_step = args.batch_size * seq_len
   first_loss = last_loss = None

@@ -1,4 +1,5 @@
-"""scripts/fuzz_configs.py: random configs against optax, and tolerances that catch real bugs."""
+"""scripts/fuzz_configs.py and fuzz_processes.py: random configs against optax and against one
+process, and tolerances that catch real bugs."""
 
 import os
 import subprocess
@@ -51,6 +52,19 @@ def test_a_bf16_llama_with_lora_trains_as_on_the_device_through_a_nan_step():
   assert "passed=2 refused=0 failed=0" in out.stdout, out.stdout
   assert out.stdout.count("'precision': 'bf16'") == 2
   assert out.stdout.count("'trainable': 'lora'") == 2
+
+
+def test_two_processes_train_a_drawn_config_as_one_through_a_resume():
+  """scripts/fuzz_processes.py, seed 202: params over the device and pinned host, the optimizer
+  over pinned host, the device and NVMe, every update a step late, 2 tiles, clipping; two
+  processes of 4 devices save at step 2, a second launch resumes (the held grads of the
+  delayed update in the checkpoint), and every loss equals one process of 8."""
+  out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fuzz_processes.py"),
+                        "--seeds", "202", "--resume", "--timeout", "300"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, env=script_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "ok=1 refused=0 failed=0" in out.stdout, out.stdout
+  assert "--delay-update all" in out.stdout
 
 
 def test_the_comparison_catches_a_wrong_weight_decay_and_a_step_count_off_by_one(monkeypatch):

@@ -190,16 +190,23 @@ def cli(*args, ok=True):
 
 def test_cli_resumes_onto_other_optimizer_tiers(tmp_path):
   """train_gpt.py keeps one optimizer format on every tier: NVMe -> device -> pinned host; the
-  plan line counts the all-or-nothing copies on the drive."""
-  ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", "1"]
+  plan line counts the all-or-nothing copies on the drive. The metrics file keeps the steps
+  before each resume and drops those after its checkpoint (a run killed past it)."""
+  metrics = tmp_path / "m.jsonl"
+  ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--save-every", "1", "--metrics-jsonl", metrics]
   out = cli("--steps", "2", "--offload-optimizer", "nvme", "--nvme-path", tmp_path / "nvme", *ckpt)
   plan = re.search(r"model states per device \(plan\): .*nvme ([\d.]+ \w+) \(of which ([\d.]+ \w+) "
                    r"are the copies that make each step all or nothing\)", out.stdout)
   assert plan, out.stdout
+  with open(metrics, "a") as f:  # a step past the checkpoint, and a line cut by a kill
+    f.write('{"step": 3, "loss": 99.0}\n{"step": 4, "lo')
   out = cli("--steps", "3", "--offload-optimizer", "device", "--resume", *ckpt)
   assert "resumed from step 2 " in out.stdout
   out = cli("--steps", "4", "--offload-optimizer", "pinned_host", "--resume", *ckpt)
   assert "resumed from step 3 " in out.stdout and "step     4/4" in out.stdout
+  records = [json.loads(line) for line in open(metrics)]
+  assert [r["step"] for r in records] == [1, 2, 3, 4], records
+  assert all(np.isfinite(r["loss"]) and r["loss"] != 99.0 for r in records), records
 
 
 # ------------------------------------------------------------------ batches

@@ -4,6 +4,7 @@ metrics file; for an init or a load, the params placed so far (`Tally`, `init_li
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -141,14 +142,37 @@ def parse_budgets(items: list[str]) -> dict[str, int]:
   return out
 
 
+def open_metrics(path: str, resumed_at: int) -> IO[str]:
+  """The JSONL metrics file, open for appending this run's records. It keeps the records of
+  steps up to `resumed_at` (the steps before the checkpoint a run resumes from) and drops
+  the later ones, which the resumed run writes again; lines a kill cut short are dropped."""
+  kept = []
+  if resumed_at > 0 and os.path.isfile(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:
+          continue
+        if isinstance(record, dict) and record.get("step", resumed_at + 1) <= resumed_at:
+          kept.append(json.dumps(record) + "\n")
+  fresh = f"{path}.tmp{os.getpid()}"
+  with open(fresh, "w") as f:
+    f.writelines(kept)
+  os.replace(fresh, path)  # the old records stay whole until the kept ones are written
+  return open(path, "a")
+
+
 class Progress:
   """Shows loss, tokens/s, step time and bytes per tier; writes one JSON object per step."""
 
   def __init__(self, total: int, *, metrics_jsonl: str | None = None, log_every: int = 1,
-               stream: IO[str] = sys.stdout, width: int = 24):
+               stream: IO[str] = sys.stdout, width: int = 24, resumed_at: int = 0):
+    """`resumed_at`: the step a resumed run goes on from; the metrics file keeps its records
+    up to there (a fresh run, 0, starts it empty)."""
     self.total, self.log_every, self.stream, self.width = total, max(1, log_every), stream, width
     self.tty = stream.isatty()
-    self.jsonl = open(metrics_jsonl, "w") if metrics_jsonl else None
+    self.jsonl = open_metrics(metrics_jsonl, resumed_at) if metrics_jsonl else None
     self.start = time.perf_counter()
 
   def update(self, step: int, record: dict[str, Any]) -> None:
