@@ -50,12 +50,20 @@ PLACEMENT = ("stage", "offload", "tier_budgets", "offload_param", "offload_optim
              "prefetch_depth", "offload_activations")
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--trials", type=int, default=20)
+def trial_parser(doc: str, trials: int) -> argparse.ArgumentParser:
+  """A fuzz script's parser with which trials it runs (--trials, --seed, --seeds) and how long
+  one may take (--timeout)."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--trials", type=int, default=trials)
   p.add_argument("--seed", type=int, default=0, help="trial i draws from seed + i")
   p.add_argument("--seeds", type=int, nargs="+", help="run the trials of these seeds instead")
+  p.add_argument("--timeout", type=float, default=600.0,
+                 help="seconds a trial (or each run of one) may take")
+  return p
+
+
+def parse_args(argv=None):
+  p = trial_parser(__doc__, trials=20)
   p.add_argument("--layers", type=int, default=3)
   p.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                  help="llama draws its own shape: kv heads, tied embeddings, q/k/v biases")
@@ -68,7 +76,6 @@ def parse_args(argv=None):
   p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                  help="bf16: each trial against its own config with every state on the device "
                       "(zinfjax, ZeRO-3, the same mesh), not optax (not with --restore, --delay)")
-  p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
   p.add_argument("--devices", type=int, default=8, help="host devices (the mesh draws from them)")
   return p.parse_args(argv)
 

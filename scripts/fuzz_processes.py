@@ -15,7 +15,6 @@ flags; a config both layouts refuse counts as refused.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,21 +23,16 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuzz_configs import draw_split  # noqa: E402
+from fuzz_configs import draw_split, trial_parser  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 STEPS, LOSS_RTOL = 4, 1e-5  # fp32 sums of 8 shards in another grouping: rounding only
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--trials", type=int, default=8)
-  p.add_argument("--seed", type=int, default=0, help="trial i draws from seed + i")
-  p.add_argument("--seeds", type=int, nargs="+", help="run the trials of these seeds instead")
+  p = trial_parser(__doc__, trials=8)
   p.add_argument("--resume", action="store_true",
                  help="the two processes save at step 2 and a second launch resumes")
-  p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
   return p.parse_args(argv)
 
 
