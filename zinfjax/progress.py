@@ -156,11 +156,12 @@ def open_metrics(path: str, resumed_at: int) -> IO[str]:
           continue
         if isinstance(record, dict) and record.get("step", resumed_at + 1) <= resumed_at:
           kept.append(json.dumps(record) + "\n")
-  fresh = f"{path}.tmp{os.getpid()}"
+  target = os.path.realpath(path)  # a link stays a link
+  fresh = f"{target}.tmp{os.getpid()}"
   with open(fresh, "w") as f:
     f.writelines(kept)
-  os.replace(fresh, path)  # the old records stay whole until the kept ones are written
-  return open(path, "a")
+  os.replace(fresh, target)  # the old records stay whole until the kept ones are written
+  return open(target, "a")
 
 
 class Progress:
