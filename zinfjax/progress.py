@@ -143,24 +143,32 @@ def parse_budgets(items: list[str]) -> dict[str, int]:
 
 
 def open_metrics(path: str, resumed_at: int) -> IO[str]:
-  """The JSONL metrics file, open for appending this run's records. It keeps the records of
-  steps up to `resumed_at` (the steps before the checkpoint a run resumes from) and drops
-  the later ones, which the resumed run writes again; lines a kill cut short are dropped."""
+  """The JSONL metrics file, open for appending this run's records. A fresh run (`resumed_at`
+  0) starts it empty; a resumed one keeps the records of steps up to `resumed_at` (before the
+  checkpoint it resumes from) and drops the later ones, which it writes again, and lines a
+  kill cut short."""
+  if resumed_at <= 0 or not os.path.isfile(path):
+    return open(path, "w")
   kept = []
-  if resumed_at > 0 and os.path.isfile(path):
-    with open(path) as f:
-      for line in f:
-        try:
-          record = json.loads(line)
-        except ValueError:
-          continue
-        if isinstance(record, dict) and record.get("step", resumed_at + 1) <= resumed_at:
-          kept.append(json.dumps(record) + "\n")
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(record, dict) and record.get("step", resumed_at + 1) <= resumed_at:
+        kept.append(json.dumps(record) + "\n")
   target = os.path.realpath(path)  # a link stays a link
   fresh = f"{target}.tmp{os.getpid()}"
-  with open(fresh, "w") as f:
-    f.writelines(kept)
-  os.replace(fresh, target)  # the old records stay whole until the kept ones are written
+  try:  # the old records stay whole until the kept ones are written
+    with open(fresh, "w") as f:
+      f.writelines(kept)
+    os.replace(fresh, target)
+  except OSError:  # a folder this run may not add files to: rewrite the file in place
+    if os.path.exists(fresh):
+      os.remove(fresh)
+    with open(target, "w") as f:
+      f.writelines(kept)
   return open(target, "a")
 
 
