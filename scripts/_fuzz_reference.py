@@ -19,6 +19,11 @@ class Tolerance(NamedTuple):
   init: float  # of the leaf's mean size, added to that change
   element: float  # absolute, any one element
 
+  @property
+  def init_rtol(self) -> float:
+    """`init` as `measure` takes it: a fraction of the leaf's size counted as change."""
+    return self.init / self.leaf if self.leaf else 0.0
+
 
 FP32 = Tolerance(loss=2e-5, leaf=1e-3, init=1e-6, element=1e-4)
 # bf16 against zinfjax's own all-device run: exact where both run the same update program;
@@ -29,6 +34,8 @@ FP32 = Tolerance(loss=2e-5, leaf=1e-3, init=1e-6, element=1e-4)
 # run looks for (a layer's params a step stale, the wrong layer's states) move the losses by
 # 1e-3 and more.
 BF16 = Tolerance(loss=2e-4, leaf=0.5, init=1e-6, element=3e-2)
+# a ZeRO-3 run that differs from its twin only in where the params live: the same bits
+EXACT = Tolerance(loss=0.0, leaf=0.0, init=0.0, element=0.0)
 STACKS = ("blocks", "layers")  # the stacked layers' attribute in GPT and in Llama
 # `ZeroConfig.trainable` by name: which params train (the others stay frozen)
 TRAINABLE = {
@@ -171,7 +178,7 @@ def measure(losses, params, want_losses, initial, want_params, init_rtol: float)
 def compare(losses, params, want_losses, initial, want_params, tol: Tolerance = FP32
             ) -> str | None:
   """None when they agree to `tol`; else what differs."""
-  worst = measure(losses, params, want_losses, initial, want_params, tol.init / tol.leaf)
+  worst = measure(losses, params, want_losses, initial, want_params, tol.init_rtol)
   if worst["loss"] > tol.loss:
     return f"losses {list(losses)} != {list(want_losses)}"
   if worst["leaf"] > tol.leaf or worst["element"] > tol.element:
