@@ -5,15 +5,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-# fp32 in another summation order: losses to 2e-5; in each param leaf, the mean error to 1e-3
-# of the mean change training made (plus 1e-6 of the leaf's mean size: zinfjax draws the
-# initial params in a compiled program, a few units in the last place from nnx's eager ones,
-# which a frozen leaf keeps), and no element off by more than 1e-4 (a fortieth of one step at
-# the peak learning rate: an element whose grads stay near zero moves by Adam's sign of them,
-# which that order can flip)
-
 
 class Tolerance(NamedTuple):
+  """How far a run may be from its reference (`compare`)."""
+
   loss: float  # relative, every step
   leaf: float  # a leaf's mean error over the mean change training made
   init: float  # of the leaf's mean size, added to that change
@@ -25,6 +20,12 @@ class Tolerance(NamedTuple):
     return self.init / self.leaf if self.leaf else 0.0
 
 
+# fp32 in another summation order: losses to 2e-5; in each param leaf, the mean error to 1e-3
+# of the mean change training made (plus 1e-6 of the leaf's mean size: zinfjax draws the
+# initial params in a compiled program, a few units in the last place from nnx's eager ones,
+# which a frozen leaf keeps), and no element off by more than 1e-4 (a fortieth of one step at
+# the peak learning rate: an element whose grads stay near zero moves by Adam's sign of them,
+# which that order can flip)
 FP32 = Tolerance(loss=2e-5, leaf=1e-3, init=1e-6, element=1e-4)
 # bf16 against zinfjax's own all-device run: exact where both run the same update program;
 # elsewhere (the host's C++ or XLA AdamW against the step's) a unit in the last place of an
@@ -36,6 +37,7 @@ FP32 = Tolerance(loss=2e-5, leaf=1e-3, init=1e-6, element=1e-4)
 BF16 = Tolerance(loss=2e-4, leaf=0.5, init=1e-6, element=3e-2)
 # a ZeRO-3 run that differs from its twin only in where the params live: the same bits
 EXACT = Tolerance(loss=0.0, leaf=0.0, init=0.0, element=0.0)
+
 STACKS = ("blocks", "layers")  # the stacked layers' attribute in GPT and in Llama
 # `ZeroConfig.trainable` by name: which params train (the others stay frozen)
 TRAINABLE = {
