@@ -204,3 +204,17 @@ def check_outputs(args) -> None:
     except OSError as e:
       raise SystemExit(f"error: --metrics-jsonl {args.metrics_jsonl}: cannot write it "
                        f"({e.strerror or e}).") from None
+
+
+def check_no_resave(saved: list[int], start: int, args) -> None:
+  """A run going on from `start` must not reach a step the checkpoint folder already holds
+  and would save: a save never replaces a step, so that step's new state would be dropped
+  and a later --resume would take the old one (a --resume-step to an earlier step, or a
+  damaged newest step skipped)."""
+  again = [s for s in saved if start < s <= args.steps
+           and (s == args.steps or args.save_every and s % args.save_every == 0)]
+  if again:
+    raise SystemExit(
+        f"error: {args.checkpoint_dir} already holds step(s) {again}, which this run (from step "
+        f"{start} to {args.steps}) would save again, and a save never replaces a step. Move "
+        f"those steps' folders out of it, or stop before them (--steps {again[0] - 1}).")

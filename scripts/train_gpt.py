@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _train_args import check_args, parse_args  # noqa: E402
+from _train_args import check_args, check_no_resave, parse_args  # noqa: E402
 
 if TYPE_CHECKING:
   from zinfjax.progress import HostMemoryWatch
@@ -296,6 +296,12 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
       raise SystemExit(f"error: {e}") from None
     say(f"{'loaded' if weights else 'init'} {time.perf_counter() - t0:.1f} s | peak RSS {peak_rss() / 2**30:.2f} GiB", flush=True)
   start = int(state.step)
+  if ckpt is not None:
+    try:
+      check_no_resave(ckpt.all_steps(), start, args)
+    except SystemExit:
+      state.close()
+      raise
   plan, run = state.engine.plan, state.engine.config  # the run's tiers (auto, host pipeline)
   # the swap stores' shards as they lie there: aligned, with the all-or-nothing copies
   planned = need(plan, run)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -589,7 +590,8 @@ def test_train_gpt_bad_data_file_is_one_clear_line(tmp_path):
 
 def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
   """An unwritable --checkpoint-dir is one error line before init; --resume-step of a step
-  that is not there names the steps that are."""
+  that is not there names the steps that are; one that would save a held step again is
+  refused before training."""
   blocker = tmp_path / "file"
   blocker.write_text("not a folder")
   args = [sys.executable, os.path.join(SCRIPTS, "train_gpt.py"), "--preset", "tiny", "--steps", "2",
@@ -605,6 +607,15 @@ def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
                         capture_output=True, text=True, timeout=300, env=ENV)
   assert done.returncode != 0
   assert "error: no checkpoint for step 7" in done.stderr and "saved steps: [1, 2]" in done.stderr
+  # going back to step 1 would save step 2 again: refused (a save never replaces a step, so
+  # the new step 2 would be dropped and a later --resume would take the old one)
+  done = subprocess.run(args + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"],
+                        capture_output=True, text=True, timeout=300, env=ENV)
+  assert done.returncode != 0 and "Traceback" not in done.stderr
+  assert (f"error: {ckpt} already holds step(s) [2], which this run (from step 1 to 3) would "
+          "save again") in done.stderr and "(--steps 1)" in done.stderr, done.stderr[-2000:]
+  assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == ["1", "2"]
+  shutil.move(str(ckpt / "2"), str(tmp_path / "old_2"))  # the fix it names
   out = run(args[1:] + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"])
   assert "resumed from step 1 " in out
   done = subprocess.run(args + ["--checkpoint-dir", str(ckpt), "--steps", "4", "--resume",
