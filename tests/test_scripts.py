@@ -609,14 +609,14 @@ def test_train_gpt_checkpoint_dir_problems_stop_it_before_compute(tmp_path):
   assert "error: no checkpoint for step 7" in done.stderr and "saved steps: [1, 2]" in done.stderr
   # going back to step 1 would save step 2 again: refused (a save never replaces a step, so
   # the new step 2 would be dropped and a later --resume would take the old one)
-  done = subprocess.run(args + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"],
-                        capture_output=True, text=True, timeout=300, env=ENV)
+  back = ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"]
+  done = subprocess.run(args + back, capture_output=True, text=True, timeout=300, env=ENV)
   assert done.returncode != 0 and "Traceback" not in done.stderr
   assert (f"error: {ckpt} already holds step(s) [2], which this run (from step 1 to 3) would "
           "save again") in done.stderr and "(--steps 1)" in done.stderr, done.stderr[-2000:]
   assert sorted(n for n in os.listdir(ckpt) if n.isdigit()) == ["1", "2"]
   shutil.move(str(ckpt / "2"), str(tmp_path / "old_2"))  # the fix it names
-  out = run(args[1:] + ["--checkpoint-dir", str(ckpt), "--steps", "3", "--resume-step", "1"])
+  out = run(args[1:] + back)
   assert "resumed from step 1 " in out
   done = subprocess.run(args + ["--checkpoint-dir", str(ckpt), "--steps", "4", "--resume",
                                 "--heads", "2"], capture_output=True, text=True, timeout=300, env=ENV)
