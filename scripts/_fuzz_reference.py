@@ -75,14 +75,20 @@ def scaled_loss(model, batch):
   return lm_loss(model, batch) * batch["scale"][0]
 
 
-def initial_params(make_model) -> list:
-  """The params nnx draws for the model on one device (the leaves of `reference`'s start)."""
+def param_leaves(model) -> list:
+  """Every `nnx.Param` of `model` as numpy arrays, in tree order (what `compare` takes)."""
   import jax
   import numpy as np
   from flax import nnx
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
+
+
+def initial_params(make_model) -> list:
+  """The params nnx draws for the model on one device (the leaves of `reference`'s start)."""
+  import jax
+  from flax import nnx
   with jax.default_device(jax.devices()[0]):
-    model = make_model(nnx.Rngs(jax.random.key(0)))
-    return [np.asarray(x) for x in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
+    return param_leaves(make_model(nnx.Rngs(jax.random.key(0))))
 
 
 def reference(make_model, clip, data, nan_step, trainable=None):
@@ -93,9 +99,7 @@ def reference(make_model, clip, data, nan_step, trainable=None):
   from flax import nnx
   with jax.default_device(jax.devices()[0]):
     model = make_model(nnx.Rngs(jax.random.key(0)))
-    leaves = lambda: [np.asarray(x) for x in jax.tree.leaves(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
-    initial = leaves()
+    initial = param_leaves(model)
     optimizer = nnx.Optimizer(model, reference_tx(clip), wrt=wrt(trainable))
 
     @nnx.jit(static_argnames="apply")
@@ -107,7 +111,7 @@ def reference(make_model, clip, data, nan_step, trainable=None):
       return loss
 
     losses = [float(step(model, optimizer, b, apply=i != nan_step)) for i, b in enumerate(data)]
-    return np.asarray(losses), initial, leaves()
+    return np.asarray(losses), initial, param_leaves(model)
 
 
 def delayed_reference(make_model, clip, data, trainable, delayed: dict[str, set[int]]):
@@ -118,9 +122,7 @@ def delayed_reference(make_model, clip, data, trainable, delayed: dict[str, set[
   from flax import nnx
   with jax.default_device(jax.devices()[0]):
     model = make_model(nnx.Rngs(jax.random.key(0)))
-    leaves = lambda: [np.asarray(x) for x in jax.tree.leaves(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)))]
-    initial = leaves()
+    initial = param_leaves(model)
     graphdef, everything = nnx.split(model)
     params = nnx.to_pure_dict(nnx.state(model, wrt(trainable)))
     base = nnx.to_pure_dict(everything)
@@ -155,7 +157,7 @@ def delayed_reference(make_model, clip, data, trainable, delayed: dict[str, set[
       held = g
     nnx.replace_by_pure_dict(everything, overlay(base, params))
     nnx.update(model, everything)
-    return np.asarray(losses), initial, leaves()
+    return np.asarray(losses), initial, param_leaves(model)
 
 
 def measure(losses, params, want_losses, initial, want_params, init_rtol: float) -> dict:
