@@ -99,6 +99,18 @@ def compute_params(state) -> list[np.ndarray]:
           for leaf, parts in zip(plan.leaves, plan.flatten(state.params))]
 
 
+def skipped_step(state, batch, loss_fn):
+  """`train_step` on a batch whose loss is not finite: the step is skipped (metrics say so)
+  and every fp32 master and compute param keeps its bits. Returns the new state."""
+  import zinfjax
+  before = compute_params(state) + arrays(state.full_params())
+  state, metrics = zinfjax.train_step(state, batch, loss_fn)
+  assert int(metrics["skipped"]) == 1
+  after = compute_params(state) + arrays(state.full_params())
+  assert all(np.array_equal(a, b) for a, b in zip(after, before))
+  return state
+
+
 def assert_same_training(losses, state, want_losses, want, rtol: float = 0.0) -> None:
   """Equal losses, fp32 masters and compute params: bit for bit, or to `rtol` (atol rtol/10)."""
   if rtol:
