@@ -84,7 +84,9 @@ class GPT(nnx.Module):
     """The last layer norm's output `[B, T, hidden]`, in the compute dtype."""
     t = tokens_BxT.shape[1]
     if t > self.config.seq_len:
-      raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}.")
+      raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}, "
+                       "the positions the GPT learns: cut the batch's sequences to at most "
+                       f"{self.config.seq_len} tokens, or build the model with a larger seq_len.")
     x_BxTxD = lookup(self.wte, tokens_BxT) + lookup(self.wpe, jnp.arange(t))
     x_BxTxD = self.blocks(x_BxTxD)
     return self.ln_f(x_BxTxD).astype(x_BxTxD.dtype)

@@ -156,6 +156,10 @@ def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax
                      f"(the next ids, -100 to ignore one), got {got}.")
   inputs, targets = batch["inputs"], batch["targets"]
   _check_axes(inputs.shape)
+  for name, x in (("inputs", inputs), ("targets", targets)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"lm_loss: batch[{name!r}] holds {x.dtype} values, not token ids: give "
+                       f"integers (np.asarray(batch[{name!r}], np.int32)).")
   if targets.shape != inputs.shape:
     raise ValueError(f"lm_loss: targets of shape {targets.shape} for inputs of shape "
                      f"{inputs.shape}: each input token needs its next token as its target (-100 "

@@ -236,6 +236,11 @@ def test_a_bad_batch_is_refused_before_the_step_with_its_fix(mesh):
          "batch leaf ['targets'] is a Python list of numbers: give an array (np.asarray(...))"),
         ({k: v.reshape(-1)[:16] for k, v in good.items()},
          "lm_loss takes inputs of token ids [B, T] (examples, positions), got 1 axes (16,)"),
+        ({**good, "targets": good["targets"].astype(np.float32)},
+         "lm_loss: batch['targets'] holds float32 values, not token ids: give integers"),
+        ({k: np.concatenate([v, v], axis=1) for k, v in good.items()},
+         "sequence of 32 tokens is longer than seq_len=16, the positions the GPT learns: cut "
+         "the batch's sequences to at most 16 tokens"),
         ({**good, "inputs": np.where(np.arange(16) == 3, -1, good["inputs"])},
          "lm_loss: batch['inputs'] holds id -1 at (0, 3), outside the model's vocabulary"),
     ]
