@@ -159,6 +159,10 @@ def check_args(args) -> None:
                        "--nvme-path FOLDER, a folder on a fast local drive.")
   if args.lora_rank < 0:
     raise SystemExit(f"error: --lora-rank {args.lora_rank}: give a positive rank (0: no LoRA).")
+  if args.lora_rank and args.zero_stage != 3:
+    raise SystemExit(f"error: --lora-rank {args.lora_rank} trains the adapters alone, with the "
+                     f"base weights frozen, which needs --zero-stage 3 (got {args.zero_stage}): "
+                     "stages 1 and 2 rebuild every param from its fp32 master.")
   if not (math.isfinite(args.lr) and args.lr >= 0):
     raise SystemExit(f"error: --lr {args.lr}: the learning rate must be a finite number, "
                      "0 or above.")

@@ -58,13 +58,28 @@ def test_two_processes_train_a_drawn_config_as_one_through_a_resume():
   """scripts/fuzz_processes.py, seed 202: params over the device and pinned host, the optimizer
   over pinned host, the device and NVMe, every update a step late, 2 tiles, clipping; two
   processes of 4 devices save at step 2, a second launch resumes (the held grads of the
-  delayed update in the checkpoint), and every loss equals one process of 8."""
+  delayed update in the checkpoint), and every loss equals one process of 8, and so does
+  the model each layout exports (two processes from their last checkpoint)."""
   out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "fuzz_processes.py"),
-                        "--seeds", "202", "--resume", "--timeout", "300"],
+                        "--seeds", "202", "--resume", "--params", "--timeout", "300"],
                        cwd=REPO, capture_output=True, text=True, timeout=900, env=script_env())
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "ok=1 refused=0 failed=0" in out.stdout, out.stdout
-  assert "--delay-update all" in out.stdout
+  assert "--delay-update all" in out.stdout and "worst param element" in out.stdout
+
+
+def test_two_exports_differing_by_one_update_are_caught():
+  """The processes fuzz's param check passes rounding noise, not a tensor one update behind
+  (a layer's params a step stale, or the checkpoint before the last exported)."""
+  processes = load_script("fuzz_processes")
+  rng = np.random.default_rng(0)
+  one = {f"w{i}": rng.normal(0, 0.02, (16, 8)).astype(np.float32) for i in range(3)}
+  noise = {k: v + rng.normal(0, 1e-7, v.shape).astype(np.float32) for k, v in one.items()}
+  assert processes.compare_params(one, noise)[0] is None
+  stale = dict(noise, w1=noise["w1"] - 1e-3 * np.sign(rng.normal(size=(16, 8))))
+  bad, _ = processes.compare_params(one, stale)
+  assert bad is not None and "(w1)" in bad
+  assert "tensors exported" in processes.compare_params(one, {"w0": one["w0"]})[0]
 
 
 def test_the_comparison_catches_a_wrong_weight_decay_and_a_step_count_off_by_one(monkeypatch):

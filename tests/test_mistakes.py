@@ -347,6 +347,9 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
       (["--save-every", "-1"], "--save-every -1: give a number of steps above 0"),
       (["--eval-every", "-2"], "--eval-every -2: give a number of steps above 0"),
       (["--keep", "0"], "--keep 0: keep at least 1 checkpoint"),
+      (["--init-from", broken, "--lora-rank", "2", "--zero-stage", "2"],
+       "--lora-rank 2 trains the adapters alone, with the base weights frozen, which needs "
+       "--zero-stage 3 (got 2)"),
       (["--weight-decay", "-0.1"], "--weight-decay -0.1: give a finite number, 0 or above"),
       (["--clip", "-1"], "--clip -1.0: give a finite number, 0 or above (0: no clipping)"),
       (["--clip", "nan"], "--clip nan: give a finite number"),
