@@ -2,10 +2,10 @@
 
   python scripts/consolidate.py CKPT_DIR params.safetensors [--step N] [--dtype bf16]
 
-Reads the fp32 master params, one tensor at a time, from a checkpoint saved on
-any number of devices, processes and tiers, and writes them in their logical
-shapes under dotted names ("blocks.block.attn.qkv.kernel"; stacked layers keep
-their leading layer axis). Host memory holds one tensor at a time.
+Reads the fp32 master params (a frozen param's own values: LoRA's base weights, say), one
+tensor at a time, from a checkpoint saved on any number of devices, processes and tiers, and
+writes them in their logical shapes under dotted names ("blocks.block.attn.qkv.kernel";
+stacked layers keep their leading layer axis). Host memory holds one tensor at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
   import ml_dtypes
   import numpy as np
-  from zinfjax.checkpoint import Checkpointer, CheckpointError, master_params
+  from zinfjax.checkpoint import CheckpointError, CheckpointParams
 
   out_dir = os.path.dirname(os.path.abspath(args.output))
   if os.path.isdir(args.output):
@@ -40,15 +40,15 @@ def main(argv=None) -> int:
   np_dtype, st_dtype = DTYPES[args.dtype]
   np_dtype = np.dtype(getattr(ml_dtypes, np_dtype, np_dtype))
   try:
-    meta = Checkpointer(args.checkpoint).metadata(args.step)
-    step = meta["step"]
-    leaves = {k[len("master/"):]: v["shape"] for k, v in meta["leaves"].items()
-              if k.startswith("master/")}
-  except CheckpointError as e:
+    params = CheckpointParams(args.checkpoint, args.step)  # masters, and a frozen leaf's params
+  except (CheckpointError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
-  # the header lists every tensor's offsets, so it is written first from the metadata alone
+  step, leaves = params.step, list(params)
+  # the header lists every tensor's offsets, so it is written first from the metadata alone;
+  # the data follows in the same order
   header, offset = {"__metadata__": {"format": "pt", "step": str(step)}}, 0
-  for name, shape in leaves.items():
+  for name in leaves:
+    shape = list(params.shape(name))
     nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
     header[name.replace("/", ".")] = {"dtype": st_dtype, "shape": shape,
                                      "data_offsets": [offset, offset + nbytes]}
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
   try:
     with open(tmp, "wb") as f:
       f.write(struct.pack("<Q", len(blob)) + blob)
-      for name, array in master_params(args.checkpoint, step):
+      for name in leaves:
+        array = params.full_leaf(name)
         f.write(np.ascontiguousarray(array.astype(np_dtype)).tobytes())
         print(f"{name.replace('/', '.')}: {list(array.shape)}", flush=True)
     os.replace(tmp, args.output)  # never a half-written file under the output name

@@ -71,5 +71,19 @@ def test_finetune_lora_exports_merged_weights(tmp_path):
   assert set(ours) == set(theirs)   # merged: the base names only, no adapters
   changed = [n for n in ours if not np.array_equal(ours[n], theirs[n])]
   assert changed and all("proj" in n for n in changed)   # only the adapted projections moved
+  # consolidate.py writes the trained adapters and the frozen base weights, each under its name
+  consolidated = tmp_path / "params.safetensors"
+  subprocess.run([sys.executable, os.path.join(REPO, "scripts", "consolidate.py"),
+                  str(tmp_path / "ckpt"), str(consolidated)], check=True, capture_output=True,
+                 timeout=300, env=ENV)
+  from zinfjax.checkpoint import CheckpointParams
+  saved = CheckpointParams(str(tmp_path / "ckpt"))
+  written = safetensors.Checkpoint(str(consolidated))
+  assert sorted(written) == sorted(n.replace("/", ".") for n in saved)
+  assert any("lora" in n for n in written) and any(n.endswith("q.kernel") for n in written)
+  for name in saved:
+    np.testing.assert_array_equal(written[name.replace("/", ".")], saved.full_leaf(name))
+  q = np.asarray(theirs["model.layers.1.self_attn.q_proj.weight"])  # frozen: as loaded
+  np.testing.assert_array_equal(written["layers.block.q.kernel"][1], q.T)
   done = _run(["--preset", "tiny", "--lora-rank", "2", "--steps", "1"], ok=False)
   assert done.returncode != 0 and "--lora-rank adapts a pretrained model" in done.stderr

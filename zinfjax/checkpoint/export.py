@@ -33,6 +33,10 @@ class CheckpointParams:
   def __iter__(self) -> Iterator[str]:
     return iter(self.leaves)
 
+  def shape(self, path: str) -> tuple[int, ...]:
+    """A leaf's logical shape, from the metadata (nothing is read)."""
+    return tuple(self.leaves[path][1]["shape"])
+
   def full_leaf(self, path: str, dtype=np.float32) -> np.ndarray:
     """One leaf (e.g. "layers/block/q/kernel") in its logical shape: its master where it
     trained, else its params. KeyError for a path the checkpoint does not hold."""
