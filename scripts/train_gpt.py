@@ -383,6 +383,9 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     source = state if jax.process_count() == 1 else CheckpointParams(args.checkpoint_dir)
     hf.save(args.export, config, source, base_config=base)
     say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
+    if args.delay_update != "none":
+      say("  with every update but the last step's, whose grads --delay-update holds for a next "
+          "step (a checkpoint keeps them; --resume applies them)")
   if args.export and jax.process_count() > 1:  # the others wait for it, then shut down together
     import orbax.checkpoint as ocp
     ocp.multihost.sync_global_processes("zinfjax_export", timeout=24 * 3600)

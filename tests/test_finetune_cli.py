@@ -30,11 +30,13 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   common = ["--init-from", LLAMA, "--data", str(data), "--devices", "4", "--batch-size", "4",
             "--seq-len", "32", "--precision", "fp32", "--lr", "3e-3",
             "--offload-param", "pinned_host:1,nvme", "--offload-optimizer", "nvme",
+            "--delay-update", "tail",
             "--nvme-path", str(tmp_path / "swap"), "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--save-every", "3", "--eval-every", "3", "--metrics-jsonl", str(metrics),
             "--export", str(tmp_path / "out")]
   out = _run(common + ["--steps", "6"]).stdout
   assert "Llama from" in out and "loaded" in out and "exported" in out
+  assert "every update but the last step's, whose grads --delay-update holds" in out
   records = [json.loads(l) for l in metrics.read_text().splitlines()]
   evals = [r["eval_loss"] for r in records if "eval_loss" in r]
   assert len(evals) == 2 and all("lr" in r for r in records) and records[-1]["lr"] > 0
