@@ -14,9 +14,10 @@ projection and q/k/v biases) in fp32 on random tokens with that config and with 
 params. --lora gives every projection rank-2 adapters and trains only them.
 
 --nan gives one step a NaN loss: with skip_nonfinite (the default) that step must change
-nothing, and the reference skips it. --restore saves a checkpoint halfway, closes the run
-and goes on from the checkpoint restored onto a second random config (another placement,
-another device count): the result must still equal the uninterrupted reference.
+nothing, and the reference skips it. --restore saves a checkpoint halfway (consolidate.py's
+file of it must hold the state's full params, bit for bit), closes the run and goes on from
+the checkpoint restored onto a second random config (another placement, another device
+count): the result must still equal the uninterrupted reference.
 
 A config refused at once with a ValueError counts as refused (its message is printed);
 any other error, a mismatch, or a trial running past --timeout fails the run (exit 1),
@@ -223,12 +224,36 @@ def resume(state, second, make_model, folder: str):
   try:
     ckpt.save(state)
     ckpt.wait()
+    check_consolidated(state, ckpt.directory, folder)
     state.close()
     zero = config(second, os.path.join(folder, "b"))
     return ckpt.restore(make_model, trial_tx(second, zero), zero,
                         zinfjax.make_mesh(second["dp"]))[0]
   finally:
     ckpt.close()
+
+
+def check_consolidated(state, directory: str, folder: str) -> None:
+  """consolidate.py's file of the checkpoint just saved holds the state's full params (the
+  masters, and frozen params as they are), each under its name, bit for bit."""
+  import contextlib
+  import io
+
+  import jax
+  import numpy as np
+  from zinfjax.weights.safetensors import Checkpoint
+  import consolidate
+  out = os.path.join(folder, "consolidated.safetensors")
+  with contextlib.redirect_stdout(io.StringIO()):
+    consolidate.main([directory, out])
+  written = Checkpoint(out)
+  want = {".".join(str(getattr(k, "key", k)) for k in path): np.asarray(x, np.float32)
+          for path, x in jax.tree_util.tree_flatten_with_path(state.full_params())[0]}
+  if sorted(written) != sorted(want):
+    raise AssertionError(f"consolidate.py wrote {sorted(written)}, the state has {sorted(want)}")
+  for name, x in want.items():
+    if not np.array_equal(np.asarray(written[name]), x):
+      raise AssertionError(f"consolidate.py's {name} differs from the state's")
 
 
 def main(argv=None) -> int:
