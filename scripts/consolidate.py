@@ -11,12 +11,10 @@ stacked layers keep their leading layer axis). Host memory holds one tensor at a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import struct
 import sys
 
-DTYPES = {"fp32": ("float32", "F32"), "bf16": ("bfloat16", "BF16")}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def main(argv=None) -> int:
@@ -30,6 +28,7 @@ def main(argv=None) -> int:
   import ml_dtypes
   import numpy as np
   from zinfjax.checkpoint import CheckpointError, CheckpointParams
+  from zinfjax.weights import safetensors
 
   out_dir = os.path.dirname(os.path.abspath(args.output))
   if os.path.isdir(args.output):
@@ -37,32 +36,27 @@ def main(argv=None) -> int:
                      f"{os.path.join(args.output, 'params.safetensors')}.")
   if not os.path.isdir(out_dir):
     raise SystemExit(f"error: the output's folder {out_dir} does not exist; create it first.")
-  np_dtype, st_dtype = DTYPES[args.dtype]
-  np_dtype = np.dtype(getattr(ml_dtypes, np_dtype, np_dtype))
+  dtype = np.dtype(getattr(ml_dtypes, DTYPES[args.dtype], DTYPES[args.dtype]))
   try:
     params = CheckpointParams(args.checkpoint, args.step)  # masters, and a frozen leaf's params
   except (CheckpointError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
-  step, leaves = params.step, list(params)
-  # the header lists every tensor's offsets, so it is written first from the metadata alone;
-  # the data follows in the same order
-  header, offset = {"__metadata__": {"format": "pt", "step": str(step)}}, 0
-  for name in leaves:
-    shape = list(params.shape(name))
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
-    header[name.replace("/", ".")] = {"dtype": st_dtype, "shape": shape,
-                                     "data_offsets": [offset, offset + nbytes]}
-    offset += nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)
+
+  def tensor(path: str) -> tuple[str, safetensors.Tensor]:
+    """One leaf as the writer takes it: its shape from the metadata, its data read on use."""
+    name = path.replace("/", ".")
+
+    def produce() -> np.ndarray:
+      array = params.full_leaf(path).astype(dtype)
+      print(f"{name}: {list(array.shape)}", flush=True)
+      return array
+
+    return name, (params.shape(path), dtype, produce)
+
+  tensors = [tensor(path) for path in params]
   tmp = f"{args.output}.tmp-{os.getpid()}"
   try:
-    with open(tmp, "wb") as f:
-      f.write(struct.pack("<Q", len(blob)) + blob)
-      for name in leaves:
-        array = params.full_leaf(name)
-        f.write(np.ascontiguousarray(array.astype(np_dtype)).tobytes())
-        print(f"{name.replace('/', '.')}: {list(array.shape)}", flush=True)
+    nbytes = safetensors.write(tmp, tensors, {"format": "pt", "step": str(params.step)})
     os.replace(tmp, args.output)  # never a half-written file under the output name
   except (CheckpointError, OSError) as e:
     where = f" writing {args.output}" if isinstance(e, OSError) else ""
@@ -71,10 +65,9 @@ def main(argv=None) -> int:
   finally:
     if os.path.exists(tmp):  # any failure, Ctrl-C included: no temporary file left behind
       os.remove(tmp)
-  print(f"wrote {len(leaves)} tensors ({offset / 2**20:.1f} MiB, {args.dtype}) of step {step} "
-        f"to {args.output}")
+  print(f"wrote {len(tensors)} tensors ({nbytes / 2**20:.1f} MiB, {args.dtype}) of step "
+        f"{params.step} to {args.output}")
   return 0
-
 
 if __name__ == "__main__":
   sys.exit(main())
