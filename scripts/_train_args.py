@@ -191,6 +191,10 @@ def check_outputs(args) -> None:
     folder = os.path.abspath(args.export)
     if os.path.exists(folder) and not os.path.isdir(folder):
       raise SystemExit(f"error: --export {args.export} is an existing file; give a folder.")
+    if args.init_from and os.path.realpath(folder) == os.path.realpath(args.init_from):
+      raise SystemExit(f"error: --export {args.export} is the --init-from folder: the export "
+                       "would replace the weights this run starts from (and a --resume reads "
+                       "its config there). Export into another folder.")
     try:
       os.makedirs(folder, exist_ok=True)
       with tempfile.TemporaryFile(dir=folder):

@@ -358,6 +358,8 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
       (["--offload-optimizer", "pinned_host:1,nvme"],
        "--offload-optimizer pinned_host:1,nvme puts states on NVMe: give --nvme-path FOLDER"),
       (["--export", a_file], f"--export {a_file} is an existing file"),
+      (["--init-from", broken, "--export", broken],
+       f"--export {broken} is the --init-from folder: the export would replace the weights"),
       (["--export", a_file / "out"], f"--export {a_file / 'out'}: cannot write there"),
       (["--metrics-jsonl", tmp_path], f"--metrics-jsonl {tmp_path} is a folder"),
       (["--data", short, "--seq-len", "32"], f"--data {short} has 12 tokens, fewer than one "
