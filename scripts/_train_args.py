@@ -214,6 +214,15 @@ def check_outputs(args) -> None:
                        f"({e.strerror or e}).") from None
 
 
+def check_metrics_file(args) -> None:
+  """--metrics-jsonl names a metrics file or a new one, not data the run would empty (checked
+  once jax may be imported: zinfjax.progress brings it)."""
+  from zinfjax.progress import metrics_problem
+  problem = args.metrics_jsonl and metrics_problem(args.metrics_jsonl)
+  if problem:
+    raise SystemExit(f"error: --metrics-jsonl {args.metrics_jsonl}: {problem}.")
+
+
 def check_no_resave(saved: list[int], start: int, args) -> None:
   """A run going on from `start` must not reach a step the checkpoint folder already holds
   and would save: a save never replaces a step, so that step's new state would be dropped

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _train_args import check_args, check_no_resave, parse_args  # noqa: E402
+from _train_args import check_args, check_metrics_file, check_no_resave, parse_args  # noqa: E402
 
 if TYPE_CHECKING:
   from zinfjax.progress import HostMemoryWatch
@@ -32,8 +32,7 @@ MAX_SKIPPED = 3  # steps in a row with non-finite grads before the run counts as
 
 
 def peak_hbm() -> int | None:
-  """Peak device memory of this process's busiest device in bytes (None where the backend keeps
-  no count, e.g. CPU)."""
+  """Peak memory of this process's busiest device in bytes (None where none is kept: CPU)."""
   import jax
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
   return max((p for p in peaks if p is not None), default=None)
@@ -162,6 +161,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     raise SystemExit("error: --lora-rank adapts a pretrained model: give --init-from HF_FOLDER.")
   if (args.save_every or args.resume) and not args.checkpoint_dir:
     raise SystemExit("error: --save-every, --resume and --resume-step need --checkpoint-dir.")
+  check_metrics_file(args)
   if args.export and jax.process_count() > 1 and not args.checkpoint_dir:
     raise SystemExit(f"error: --export with {jax.process_count()} processes writes the model from "
                      "the checkpoint of the last step (each process holds only its own shards): "

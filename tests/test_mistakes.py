@@ -30,6 +30,7 @@ from zinfjax.checkpoint.leaves import Leaf
 from zinfjax.engine import StoreReplacedWarning
 from zinfjax.fnkey import RecompileWarning
 from zinfjax.models import GPT, get_config, hf, lm_loss
+from zinfjax.progress import open_metrics
 
 from helpers import REPO, load_script, random_batches, script_env
 
@@ -362,6 +363,8 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
        f"--export {broken} is the --init-from folder: the export would replace the weights"),
       (["--export", a_file / "out"], f"--export {a_file / 'out'}: cannot write there"),
       (["--metrics-jsonl", tmp_path], f"--metrics-jsonl {tmp_path} is a folder"),
+      (["--metrics-jsonl", short], f"--metrics-jsonl {short}: it holds something other than "
+       "metrics (no JSON record in its first lines), which the run would overwrite"),
       (["--data", short, "--seq-len", "32"], f"--data {short} has 12 tokens, fewer than one "
        "sequence needs (34 for --seq-len 32)"),
   ]
@@ -372,6 +375,10 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
     assert "init " not in capsys.readouterr().out
     # the RAM watch it started is stopped too: one left sampling would outlive the run
     assert not [t for t in threading.enumerate() if t.name == "zinfjax-memwatch"], args
+  assert short.read_text() == "to be or not"  # the data named as a metrics file is kept
+  with pytest.raises(ValueError, match="holds something other than metrics"):
+    open_metrics(str(short), 0)
+  assert short.read_text() == "to be or not"
   # a zero learning rate is a valid run (pipelines, exports): a warning, and the weights stay
   out = cli("--steps", "2", "--same-batch", "--lr", "0")
   assert "warning: --lr 0" in out.stderr

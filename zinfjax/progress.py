@@ -142,11 +142,36 @@ def parse_budgets(items: list[str]) -> dict[str, int]:
   return out
 
 
+def metrics_problem(path: str) -> str | None:
+  """Why `path` cannot be a run's metrics file, or None: an existing file that is not empty
+  and holds no JSON record in its first lines is someone's data, which a run would empty."""
+  try:
+    with open(path, "rb") as f:
+      head = f.read(1 << 16)
+  except (FileNotFoundError, IsADirectoryError):
+    return None
+  except OSError as e:
+    return f"cannot read it ({e.strerror or e})"
+  for line in head.splitlines()[:8]:
+    try:
+      if isinstance(json.loads(line), dict):
+        return None
+    except ValueError:
+      continue
+  if not head.strip():
+    return None
+  return ("it holds something other than metrics (no JSON record in its first lines), which "
+          "the run would overwrite; give a new path, or remove the file if it is an old one")
+
+
 def open_metrics(path: str, resumed_at: int) -> IO[str]:
   """The JSONL metrics file, open for appending this run's records. A fresh run (`resumed_at`
   0) starts it empty; a resumed one keeps the records of steps up to `resumed_at` (before the
   checkpoint it resumes from) and drops the later ones, which it writes again, and lines a
-  kill cut short."""
+  kill cut short. A file that holds other data is refused (`metrics_problem`), not emptied."""
+  problem = metrics_problem(path)
+  if problem:
+    raise ValueError(f"metrics file {path}: {problem}.")
   if resumed_at <= 0 or not os.path.isfile(path):
     return open(path, "w")
   kept = []
