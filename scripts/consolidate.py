@@ -69,5 +69,6 @@ def main(argv=None) -> int:
         f"{params.step} to {args.output}")
   return 0
 
+
 if __name__ == "__main__":
   sys.exit(main())

@@ -376,14 +376,29 @@ def test_cli_refuses_bad_input_before_any_compute(tmp_path, monkeypatch, capsys)
     # the RAM watch it started is stopped too: one left sampling would outlive the run
     assert not [t for t in threading.enumerate() if t.name == "zinfjax-memwatch"], args
   assert short.read_text() == "to be or not"  # the data named as a metrics file is kept
-  with pytest.raises(ValueError, match="holds something other than metrics"):
-    open_metrics(str(short), 0)
-  assert short.read_text() == "to be or not"
   # a zero learning rate is a valid run (pipelines, exports): a warning, and the weights stay
   out = cli("--steps", "2", "--same-batch", "--lr", "0")
   assert "warning: --lr 0" in out.stderr
   first, last = re.search(r"loss ([\d.]+) -> ([\d.]+)", out.stdout).groups()
   assert first == last
+
+
+def test_a_metrics_file_never_empties_someone_elses_data(tmp_path):
+  """open_metrics refuses a file of other data (fresh or resumed) and leaves it whole; a stream
+  such as /dev/stdout (here a log file the shell opened) is written on, never emptied."""
+  data = tmp_path / "input.txt"
+  data.write_text("to be or not\n")
+  for resumed_at in (0, 3):
+    with pytest.raises(ValueError, match="holds something other than metrics"):
+      open_metrics(str(data), resumed_at)
+    assert data.read_text() == "to be or not\n"
+  with open(tmp_path / "log.txt", "w") as log:
+    log.write("step 1 | loss 4.2\n")
+    log.flush()
+    for resumed_at in (0, 3):
+      with open_metrics(f"/proc/self/fd/{log.fileno()}", resumed_at) as f:
+        f.write('{"step": 4}\n')
+  assert (tmp_path / "log.txt").read_text() == 'step 1 | loss 4.2\n{"step": 4}\n{"step": 4}\n'
 
 
 def test_a_tokenizer_past_the_models_vocabulary_is_named(tmp_path, monkeypatch):

@@ -142,14 +142,20 @@ def parse_budgets(items: list[str]) -> dict[str, int]:
   return out
 
 
+def _stream(path: str) -> bool:
+  """A path of /dev or /proc: a terminal, a pipe, or a file opened by the shell (/dev/stdout)."""
+  return os.path.abspath(path).startswith(("/dev/", "/proc/"))
+
+
 def metrics_problem(path: str) -> str | None:
   """Why `path` cannot be a run's metrics file, or None: an existing file that is not empty
-  and holds no JSON record in its first lines is someone's data, which a run would empty."""
+  and holds no JSON record in its first lines is someone's data, which a run would empty.
+  A stream (/dev/stdout) is never read."""
+  if not os.path.isfile(path) or _stream(path):
+    return None
   try:
     with open(path, "rb") as f:
       head = f.read(1 << 16)
-  except (FileNotFoundError, IsADirectoryError):
-    return None
   except OSError as e:
     return f"cannot read it ({e.strerror or e})"
   for line in head.splitlines()[:8]:
@@ -172,6 +178,8 @@ def open_metrics(path: str, resumed_at: int) -> IO[str]:
   problem = metrics_problem(path)
   if problem:
     raise ValueError(f"metrics file {path}: {problem}.")
+  if _stream(path):  # /dev/stdout and the like: written on, never emptied (a log behind it)
+    return open(path, "a")
   if resumed_at <= 0 or not os.path.isfile(path):
     return open(path, "w")
   kept = []
