@@ -95,7 +95,8 @@ def run(flags: list[str], folder: str, name: str, nproc: int, timeout: float,
         extra: tuple[str, ...] = ()) -> tuple[int, str]:
   """(exit code, the output's tail) of one train_gpt.py run writing `name`.jsonl."""
   cmd = [os.path.join(SCRIPTS, "train_gpt.py"), "--precision", "fp32", "--steps", str(STEPS),
-         "--schedule-steps", str(STEPS), "--batch-size", "16", "--seq-len", "32", "--log-every", "1",
+         "--schedule-steps", str(STEPS), "--batch-size", "16", "--seq-len", "32",
+         "--log-every", "1",
          "--devices", str(8 // nproc), "--nvme-path", os.path.join(folder, f"{name}_nvme"),
          "--metrics-jsonl", os.path.join(folder, f"{name}.jsonl"), *flags, *extra]
   if nproc > 1:
