@@ -63,15 +63,15 @@ def model_flags(pretrained: str | None, lora: bool, folder: str) -> tuple[list[s
   if pretrained is None:
     return ["--preset", "tiny", "--layers", "3"], 3
   import numpy as np
-  hf = os.path.join(os.path.dirname(SCRIPTS), "tests", "data", "hf", pretrained)
-  with open(os.path.join(hf, "config.json")) as f:
-    config = json.load(f)
-  layers = config.get("num_hidden_layers", config.get("n_layer"))
+  from zinfjax.models import hf
+  path = os.path.join(os.path.dirname(SCRIPTS), "tests", "data", "hf", pretrained)
+  config = hf.config_from_hf(hf.read_config(path))  # GPT-2's and Llama's names alike
   with open(os.path.join(os.path.dirname(SCRIPTS), "data", "tinyshakespeare.txt"), "rb") as f:
     text = np.frombuffer(f.read()[:40000], np.uint8)
   data = os.path.join(folder, "tokens.bin")
-  (text.astype(np.uint16) % config["vocab_size"]).tofile(data)
-  return ["--init-from", hf, "--data", data, *(["--lora-rank", "2"] if lora else [])], layers
+  (text.astype(np.uint16) % config.vocab_size).tofile(data)
+  flags = ["--init-from", path, "--data", data, *(["--lora-rank", "2"] if lora else [])]
+  return flags, config.num_layers
 
 
 def draw(rng, layers: int = 3, lora: bool = False) -> list[str]:
