@@ -7,7 +7,9 @@ fp32 logits, a causal mask, softmax. It is kept rather than XLA's
 `dot_product_attention` because its programs round the same whatever the
 placement around them, which the exact-resume tests rely on (XLA's fused
 form differed by an ulp between two placements' programs). Grouped-query
-attention (fewer key/value heads than query heads) is the same call.
+attention (fewer key/value heads than query heads) is the same call, and
+so is a sliding window (Mistral's: each query sees its `window` latest
+positions, itself included).
 
 Whether cuDNN takes a shape is asked once per shape by compiling its forward
 and backward alone: a cuDNN that refuses at compile time (an engine it lacks
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 CUDNN_HEAD_DIMS = (64, 128)
 
 
-def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array) -> bool:
+def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, window: int | None = None) -> bool:
   """Whether cuDNN's fused attention runs these queries: a 16-bit dtype, a head dim it takes
   (fp32 runs, the exact tests, stay on the explicit form), and a GPU backend where it compiles
   (or `ZINFJAX_ATTENTION=cudnn`)."""
@@ -42,20 +44,23 @@ def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array) -> bool:
       or q_BxTxNxH.shape[-1] not in CUDNN_HEAD_DIMS):
     return False
   return mode == "cudnn" or (jax.default_backend() == "gpu" and cudnn_compiles(
-      q_BxTxNxH.shape, k_BxTxKxH.shape, q_BxTxNxH.dtype))
+      q_BxTxNxH.shape, k_BxTxKxH.shape, q_BxTxNxH.dtype, window))
 
 
-def cudnn_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:
+def cudnn_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
+                    window: int | None = None) -> jax.Array:
   return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                      local_window_size=None if window is None else (window - 1, 0),
                                       implementation="cudnn")
 
 
 @functools.cache
-def cudnn_compiles(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -> bool:
+def cudnn_compiles(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
+                   window: int | None = None) -> bool:
   """Whether cuDNN's fused attention and its gradient compile for these shapes (asked once per
   shape; a refusal warns and the explicit form is used)."""
   q, kv = jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(kv_shape, dtype)
-  loss = lambda q, k, v: cudnn_attention(q, k, v).astype(jnp.float32).sum()
+  loss = lambda q, k, v: cudnn_attention(q, k, v, window).astype(jnp.float32).sum()
   try:
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
     return True
@@ -67,20 +72,27 @@ def cudnn_compiles(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -
     return False
 
 
-def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:
+def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
+                     window: int | None = None) -> jax.Array:
   """softmax(q k^T / sqrt(H) + causal mask) v, per head (N query heads over K <= N kv heads;
-  query head j uses kv head j // (N // K))."""
-  if use_cudnn(q_BxTxNxH, k_BxTxKxH):
-    return cudnn_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
-  return explicit_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+  query head j uses kv head j // (N // K)); with `window`, query i sees keys i - window + 1
+  to i alone (a window as long as the sequence or longer changes nothing, and is left out)."""
+  if window is not None and window >= q_BxTxNxH.shape[1]:
+    window = None
+  if use_cudnn(q_BxTxNxH, k_BxTxKxH, window):
+    return cudnn_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, window)
+  return explicit_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, window)
 
 
-def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array,
-                       v_BxTxKxH: jax.Array) -> jax.Array:
-  """The same attention written out: fp32 logits and softmax, a [T, T] causal mask."""
+def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
+                       window: int | None = None) -> jax.Array:
+  """The same attention written out: fp32 logits and softmax, a [T, T] causal mask (banded
+  to `window` positions when given)."""
   b, t, n, h = q_BxTxNxH.shape
   g = k_BxTxKxH.shape[2]
   causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+  if window is not None:
+    causal_TxT &= ~jnp.tril(jnp.ones((t, t), dtype=bool), -window)
   if g == n:
     logits = jnp.einsum("bqhk,bthk->bhqt", q_BxTxNxH, k_BxTxKxH,
                         preferred_element_type=jnp.float32) / math.sqrt(h)

@@ -94,6 +94,10 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
       raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu).")
     if hf.get("use_sliding_window"):
       raise ValueError("use_sliding_window=true is not supported (full causal attention only).")
+    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
+    if kinds and kind != "mistral":  # Mistral's layers all take its sliding_window
+      raise ValueError(f"layer_types {sorted(kinds)} are not supported (full causal attention "
+                       "only).")
     if kind == "llama" and hf.get("mlp_bias"):
       raise ValueError("mlp_bias=true is not supported.")
     heads = hf["num_attention_heads"]
@@ -105,12 +109,19 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", kind == "qwen2")),
-        seq_len=hf.get("max_position_embeddings", 2048), remat=remat)
+        seq_len=hf.get("max_position_embeddings", 2048),
+        sliding_window=hf.get("sliding_window") if kind == "mistral" else None, remat=remat)
   if kind == "gpt2":
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
       raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
     if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
       raise ValueError("GPT-2 layer_norm_epsilon other than 1e-5 is not supported.")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+      raise ValueError("GPT-2 attention scaled otherwise than by 1/sqrt(head dim) "
+                       "(scale_attn_weights, scale_attn_by_inverse_layer_idx) is not supported.")
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+      raise ValueError(f"GPT-2 n_inner={hf['n_inner']} is not supported (the MLP is 4 x n_embd "
+                       f"= {4 * hf['n_embd']} wide).")
     return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                      num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
                      remat=remat)
@@ -122,7 +133,11 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
   """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
   out = dict(base or {})
   if isinstance(c, LlamaConfig):
-    kind = out.get("model_type", "qwen2" if c.qkv_bias else "llama")
+    kind = out.get("model_type", "qwen2" if c.qkv_bias else
+                   "mistral" if c.sliding_window else "llama")
+    if c.sliding_window and kind != "mistral":
+      raise ValueError(f"a {kind} checkpoint has no sliding window: a model with "
+                       f"sliding_window={c.sliding_window} is written as a Mistral one.")
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM"}[kind]
     out.update(model_type=kind, architectures=[arch], vocab_size=c.vocab_size,
@@ -133,6 +148,8 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
                max_position_embeddings=c.seq_len, hidden_act="silu")
     if kind == "llama":
       out["attention_bias"] = c.qkv_bias
+    if kind == "mistral":
+      out["sliding_window"] = c.sliding_window
   else:
     out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
                n_positions=c.seq_len, n_layer=c.num_layers, n_head=c.num_heads, n_embd=c.hidden,

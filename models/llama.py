@@ -35,6 +35,8 @@ class LlamaConfig:
     tie_embeddings: the output projection is the token embedding transposed.
     qkv_bias: q/k/v projections have biases (Qwen2).
     seq_len: longest sequence (HF's max_position_embeddings).
+    sliding_window: each position attends to this many latest positions, itself included
+      (Mistral's sliding window); None attends to all before it.
     lora_rank: > 0 makes every projection an `nnx.LoRALinear` of this rank (adapters
       `nnx.LoRAParam`, train them with `ZeroConfig(trainable=nnx.LoRAParam)`).
   """
@@ -51,6 +53,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   seq_len: int = 2048
+  sliding_window: int | None = None
   remat: bool = True
   lora_rank: int = 0
 
@@ -64,6 +67,10 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
                        f"num_heads={self.num_heads}.")
     check_lora_rank("LlamaConfig", self.lora_rank)
+    if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                            or self.sliding_window < 1):
+      raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
+                       f"{self.sliding_window!r}.")
     if self.head_dim is None and self.hidden % self.num_heads:
       raise ValueError(f"LlamaConfig.hidden={self.hidden} is not divisible by num_heads="
                        f"{self.num_heads}; give head_dim.")
@@ -118,7 +125,7 @@ class Block(nnx.Module):
     self.up = linear(d, config.intermediate)
     self.down = linear(config.intermediate, d)
     self.num_heads, self.num_kv_heads, self.dim = config.num_heads, config.num_kv_heads, k
-    self.rope_theta = config.rope_theta
+    self.rope_theta, self.window = config.rope_theta, config.sliding_window
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:
     b, t, _ = x_BxTxD.shape
@@ -126,7 +133,8 @@ class Block(nnx.Module):
     q_BxTxHxK = rotary(self.q(x_BxTxD).reshape(b, t, h, k), self.rope_theta)
     k_BxTxGxK = rotary(self.k(x_BxTxD).reshape(b, t, g, k), self.rope_theta)
     v_BxTxGxK = self.v(x_BxTxD).reshape(b, t, g, k)
-    y_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK)  # head j: kv head j // (h // g)
+    # head j: kv head j // (h // g)
+    y_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.window)
     return self.o(y_BxTxHxK.reshape(b, t, h * k))
 
   def mlp(self, x_BxTxD: jax.Array) -> jax.Array:

@@ -43,8 +43,8 @@
 #   cpu-suite    the whole CPU suite with JAX_PLATFORMS=cpu (cpu_suite.log)
 #   first        the plan for one call of a 15-minute device budget: env,build,speed,gpu-tests
 #                with DEADLINE=560, KEEP_GOING=1 and PACK=1, the GPU tests of the host pipeline,
-#                the copy stream and every placement (host_optimizer "auto" and "xla") alone (run
-#                it with the device tool's timeout_s=600)
+#                the copy stream, every placement (host_optimizer "auto" and "xla") and cuDNN's
+#                attention alone (run it with the device tool's timeout_s=600)
 #   second       the plan for one call of the peer / largest-model issue: env,build,largest,peer
 #                with DEADLINE=560, KEEP_GOING=1, PACK=1, LARGEST=mixed at 42 layers of hidden
 #                5120 with bf16 moments (13.2B), LARGEST_S=300, PEER_PLACEMENTS=device,cpu and
@@ -81,7 +81,8 @@ fi
 if [[ "$STAGES" == first ]]; then
   STAGES=env,build,speed,gpu-tests
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1}
-  GPU_TESTS_K=${GPU_TESTS_K-host_pipeline or delayed_update or copy_stream or every_placement}
+  FIRST_K="host_pipeline or delayed_update or copy_stream or every_placement or cudnn"
+  GPU_TESTS_K=${GPU_TESTS_K-$FIRST_K}
 elif [[ "$STAGES" == second ]]; then
   STAGES=env,build,largest,peer
   DEADLINE=${DEADLINE:-560} KEEP_GOING=${KEEP_GOING:-1} PACK=${PACK:-1} LARGEST=${LARGEST:-mixed}

@@ -7,11 +7,13 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
   llama   Llama, grouped-query attention, untied head, sharded safetensors + index
   qwen2   Qwen2, q/k/v biases, tied embeddings, rope_theta 1e6
   gpt2    GPT-2, odd vocabulary (101)
+  mistral Mistral, a sliding window (5) shorter than the reference's 12 tokens, head_dim 16
+          (not hidden / heads)
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward.
 
-  python scripts/make_hf_testdata.py [--out tests/data/hf]
+  python scripts/make_hf_testdata.py [--out tests/data/hf] [--models mistral ...]
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def models():
                 None),
       "gpt2": (T.GPT2LMHeadModel, T.GPT2Config(vocab_size=101, n_positions=32, n_embd=32,
                                                n_layer=2, n_head=4), None),
+      "mistral": (T.MistralForCausalLM, T.MistralConfig(**common, num_key_value_heads=2,
+                                                         head_dim=16, sliding_window=5,
+                                                         tie_word_embeddings=False), None),
   }
 
 
@@ -44,10 +49,13 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                                                 "hf"))
+  ap.add_argument("--models", nargs="+", help="build these alone (default: all)")
   args = ap.parse_args()
   import torch
 
   for k, (name, (cls, config, shard)) in enumerate(models().items()):
+    if args.models and name not in args.models:
+      continue
     torch.manual_seed(k)
     model = cls(config).eval()
     with torch.no_grad():

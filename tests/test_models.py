@@ -128,25 +128,34 @@ def test_presets_cover_the_paper():
   assert abs(get_config("1t").num_params / 1e12 - 1.0) < 0.02
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_causal_attention_equals_jax_dot_product_attention(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (8, 2, 5)])
+def test_causal_attention_equals_jax_dot_product_attention(heads, kv_heads, window):
   """`models.attention.causal_attention` (the explicit form here, cuDNN's fused attention on a
   GPU) against `jax.nn.dot_product_attention(..., is_causal=True)` on random inputs: fp32 to
-  1e-5, with grouped-query heads too; its gradients likewise; the future never leaks."""
+  1e-5, with grouped-query heads and a sliding window (Mistral's: the `window` latest positions)
+  too; its gradients likewise; the future never leaks, nor does the past beyond the window."""
   from zinfjax.models.attention import causal_attention
   keys = jax.random.split(jax.random.key(3), 3)
   q = jax.random.normal(keys[0], (2, 24, heads, 16))
   k, v = (jax.random.normal(key, (2, 24, kv_heads, 16)) for key in keys[1:])
-  reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  np.testing.assert_allclose(causal_attention(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
+  local = None if window is None else (window - 1, 0)
+  reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                           local_window_size=local)
+  ours = lambda q, k, v: causal_attention(q, k, v, window)
+  np.testing.assert_allclose(ours(q, k, v), reference(q, k, v), rtol=1e-5, atol=1e-5)
   loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-  got = jax.grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
+  got = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
   want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
   k2 = k.at[:, -1].set(5.0)  # the last position's keys change: earlier outputs do not
-  np.testing.assert_array_equal(causal_attention(q, k2, v)[:, :-1],
-                                causal_attention(q, k, v)[:, :-1])
+  np.testing.assert_array_equal(ours(q, k2, v)[:, :-1], ours(q, k, v)[:, :-1])
+  if window is not None:
+    v3 = v.at[:, 0].set(5.0)  # the first values: seen by the first `window` positions alone
+    changed = np.abs(np.asarray(ours(q, k, v3) - ours(q, k, v))).max(axis=(0, 2, 3))
+    assert (changed[:window] > 0).all() and (changed[window:] == 0).all()
+    # a window the whole sequence fits in is no window, to the bit
+    np.testing.assert_array_equal(causal_attention(q, k, v, 24), causal_attention(q, k, v))
 
 
 def test_cudnn_that_does_not_compile_falls_back_to_the_explicit_form(monkeypatch):

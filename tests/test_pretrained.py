@@ -82,9 +82,10 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 
 # ------------------------------------------------------------------ Hugging Face
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
 def test_logits_equal_transformers(family):
-  """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5)."""
+  """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
+  Mistral one's sliding window (5) is shorter than its 12 tokens."""
   config, make, weights = hf.load(os.path.join(HF, family))
   ref = np.load(os.path.join(HF, family, "reference.npz"))
   model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
@@ -93,6 +94,44 @@ def test_logits_equal_transformers(family):
   logits = np.asarray(model(jnp.asarray(ref["tokens"])))
   assert np.abs(ref["logits"]).max() > 1.0  # not a near-uniform model
   np.testing.assert_allclose(logits, ref["logits"], atol=1e-5, rtol=0)
+
+
+def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
+  """config.json -> our config -> config.json -> our config is the same config for every family
+  (Mistral's sliding window too, written as Mistral's with no source config); what our models
+  would compute otherwise than `transformers` is refused by name, not run."""
+  def again(config, base=None):  # head_dim is written out where the source left it implied
+    back = hf.config_from_hf(hf.config_to_hf(config, base))
+    return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
+
+  for family in ("llama", "qwen2", "gpt2", "mistral"):
+    base = hf.read_config(os.path.join(HF, family))
+    config = hf.config_from_hf(base)
+    assert again(config, base) == config, family
+  mistral = hf.config_from_hf(hf.read_config(os.path.join(HF, "mistral")))
+  assert mistral.sliding_window == 5
+  assert hf.config_to_hf(mistral)["model_type"] == "mistral"
+  assert again(mistral) == mistral
+  qwen2 = hf.read_config(os.path.join(HF, "qwen2"))
+  assert hf.config_from_hf({**qwen2, "sliding_window": 4}).sliding_window is None  # not in use
+  for change, problem in [({"use_sliding_window": True}, "use_sliding_window"),
+                          ({"layer_types": ["sliding_attention", "full_attention"]},
+                           "layer_types"),
+                          ({"rope_parameters": {"rope_type": "llama3"}}, "rope_scaling"),
+                          ({"hidden_act": "gelu"}, "hidden_act"),
+                          ({"model_type": "gemma"}, "model_type 'gemma' is not supported")]:
+    with pytest.raises(ValueError, match=problem):
+      hf.config_from_hf({**qwen2, **change})
+  gpt2 = hf.read_config(os.path.join(HF, "gpt2"))
+  for change, problem in [({"scale_attn_by_inverse_layer_idx": True}, "scaled otherwise"),
+                          ({"scale_attn_weights": False}, "scaled otherwise"),
+                          ({"n_inner": 100}, "n_inner=100"),
+                          ({"activation_function": "relu"}, "activation")]:
+    with pytest.raises(ValueError, match=problem):
+      hf.config_from_hf({**gpt2, **change})
+  assert hf.config_from_hf({**gpt2, "n_inner": 4 * gpt2["n_embd"]}) == hf.config_from_hf(gpt2)
+  with pytest.raises(ValueError, match="written as a Mistral one"):
+    hf.config_to_hf(mistral, hf.read_config(os.path.join(HF, "llama")))
 
 
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
