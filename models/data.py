@@ -1,4 +1,5 @@
-"""Token data: a char-level tokenizer for text files and nanoGPT-style uint16 `.bin` files."""
+"""Token data: a char-level tokenizer for text files, nanoGPT-style uint16 `.bin` files and
+`.npy` arrays of token ids (any integer dtype: vocabularies past 65536)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class CharTokenizer:
 def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
   """Tokens and vocabulary size of `path`.
 
-  A `.bin` file holds nanoGPT-style uint16 token ids (memory-mapped, not read
-  whole); its vocabulary is `vocab_size` (default: the GPT-2 size, 50257).
+  A `.bin` file holds nanoGPT-style uint16 token ids, a `.npy` file a 1-D
+  array of integer ids of any width (`np.save`), both memory-mapped, not read
+  whole; their vocabulary is `vocab_size` (default: the GPT-2 size, 50257).
   Any other file is read as UTF-8 text and tokenized by characters.
   """
   path = os.fspath(path)
@@ -48,15 +50,13 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
   size = os.path.getsize(path)
   if size == 0:
     raise ValueError(f"data file {path} is empty: give a text file or a uint16 .bin token file.")
-  if path.endswith(".bin"):
-    if size % 2:
-      raise ValueError(
-          f"data file {path} has {size} bytes, not a whole number of uint16 token ids (2 bytes "
-          "each): it is truncated, or not a nanoGPT-style .bin token file.")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+  if path.endswith((".bin", ".npy")):
+    tokens = _npy_tokens(path) if path.endswith(".npy") else _bin_tokens(path, size)
     vocab = vocab_size or 50257
     if len(tokens) and int(tokens.max()) >= vocab:
       raise ValueError(f"{path} holds token id {int(tokens.max())} >= vocab_size {vocab}.")
+    if len(tokens) and int(tokens.min()) < 0:
+      raise ValueError(f"{path} holds token id {int(tokens.min())}: ids are never negative.")
     return tokens, vocab
   try:
     with open(path, encoding="utf-8") as f:
@@ -71,6 +71,35 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
                      "must be uint16 ids with a name ending in .bin.")
   tokenizer = CharTokenizer.from_text(text)
   return tokenizer.encode(text), tokenizer.vocab_size
+
+
+def _bin_tokens(path: str, size: int) -> np.ndarray:
+  """A nanoGPT-style .bin's uint16 ids; refused when its bytes read as wider ids (uint32 ids
+  below 65536 leave every other uint16 zero), which would train on [id, 0, id, 0, ...]."""
+  if size % 2:
+    raise ValueError(
+        f"data file {path} has {size} bytes, not a whole number of uint16 token ids (2 bytes "
+        "each): it is truncated, or not a nanoGPT-style .bin token file.")
+  tokens = np.memmap(path, dtype=np.uint16, mode="r")
+  head = np.asarray(tokens[:1 << 16])
+  if len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+    raise ValueError(
+        f"data file {path} reads as uint16 ids with every other one 0: it holds wider ids "
+        "(uint32 or int32), which a .bin file cannot say. Save them with np.save as a .npy "
+        "file (its dtype is kept), or as uint16 if every id is below 65536.")
+  return tokens
+
+
+def _npy_tokens(path: str) -> np.ndarray:
+  """A .npy file's token ids, memory-mapped: a 1-D array of integers."""
+  try:
+    tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+  except ValueError as e:
+    raise ValueError(f"data file {path} is not a .npy array of token ids ({e}).") from None
+  if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"data file {path} holds a {tokens.dtype} array of shape {tokens.shape}: "
+                     "token ids are a 1-D array of integers (np.save(path, ids)).")
+  return tokens
 
 
 @dataclasses.dataclass

@@ -9,9 +9,9 @@ optimizer, all-or-nothing steps on NVMe and in RAM, prefetch depths, tiles, micr
 the layer scan's residual policy, which params train (all; the blocks alone; all but the
 layer norms), clipping (never, always) and the mesh size. It trains a
 tiny GPT (or, with --model llama, a tiny Llama of drawn kv heads, tied or separate output
-projection and q/k/v biases) in fp32 on random tokens with that config and with optax's AdamW
-(clipping chained in front) on one device, and compares every step's loss and the final fp32
-params. --lora gives every projection rank-2 adapters and trains only them.
+projection, q/k/v biases and sliding window) in fp32 on random tokens with that config and
+with optax's AdamW (clipping chained in front) on one device, and compares every step's loss
+and the final fp32 params. --lora gives every projection rank-2 adapters and trains only them.
 
 --nan gives one step a NaN loss: with skip_nonfinite (the default) that step must change
 nothing, and the reference skips it. --restore saves a checkpoint halfway (consolidate.py's
@@ -124,12 +124,13 @@ def draw(rng, layers: int, devices: int, lora: bool = False) -> dict:
 
 def draw_model(rng, args) -> dict:
   """The model's shape: GPT's tiny one, or a Llama drawn with its kv heads, tied or separate
-  output projection and q/k/v biases."""
+  output projection, q/k/v biases and a sliding window (Mistral's) or none."""
   shape = dict(num_layers=args.layers, vocab_size=65, lora_rank=2 if args.lora else 0)
   if args.model == "llama":
     pick = lambda *xs: xs[int(rng.integers(len(xs)))]
     shape.update(hidden=64, intermediate=96, num_heads=4, num_kv_heads=pick(1, 2, 4),
                  tie_embeddings=pick(False, True), qkv_bias=pick(False, True), seq_len=SEQ)
+    shape.update(sliding_window=pick(None, None, SEQ // 4))  # drawn last: older seeds keep theirs
   return shape
 
 

@@ -1,4 +1,4 @@
-"""Train a GPT with zinfjax ZeRO on a text file or a uint16 .bin token file, or fine-tune a
+"""Train a GPT with zinfjax ZeRO on a text file or a token file (.bin, .npy), or fine-tune a
 Hugging Face checkpoint (Llama, Mistral, Qwen2, GPT-2).
 
   python scripts/train_gpt.py --preset tiny --zero-stage 3 --steps 200 --devices 8
@@ -76,10 +76,10 @@ def split_held_out(tokens, seq_len: int, args):
 
 
 def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
-  """Token ids of `data` for a pretrained model: a uint16 .bin as is, or text through the
-  checkpoint's tokenizer.json (needs the `tokenizers` package)."""
+  """Token ids of `data` for a pretrained model: a uint16 .bin or a .npy as is, or text
+  through the checkpoint's tokenizer.json (needs the `tokenizers` package)."""
   import numpy as np
-  if data.endswith(".bin"):
+  if data.endswith((".bin", ".npy")):
     return load_tokens(data, vocab)[0]
   path = os.path.join(folder, "tokenizer.json")
   try:
@@ -90,7 +90,7 @@ def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
     raise ValueError(f"--data {data} is text, which needs the model's tokenizer: "
                      + ("install the `tokenizers` package" if os.path.exists(path) else
                         f"{folder} has no tokenizer.json")
-                     + ", or give a uint16 .bin of token ids made with it.")
+                     + ", or give token ids made with it (a uint16 .bin or a .npy).")
   with open(data, encoding="utf-8") as f:
     ids = np.asarray(Tokenizer.from_file(path).encode(f.read()).ids, np.int32)
   if len(ids) and int(ids.max()) >= vocab:  # a token the tokenizer added past the model's table

@@ -121,6 +121,35 @@ def test_bad_data_files_name_the_file_and_the_problem(tmp_path, name, content, p
   assert str(path) in str(e.value)
 
 
+def test_npy_token_ids_of_any_width_and_wide_ids_in_a_bin_refused(tmp_path):
+  """A .npy of token ids is read memory-mapped whatever its integer dtype (a vocabulary past
+  65536); the same uint32 ids written raw as a .bin would train on [id, 0, id, 0, ...]: refused,
+  saying to use .npy; a .npy that is not 1-D integers, or ids out of range, are refused."""
+  ids = np.random.default_rng(0).integers(0, 150_000, 1000).astype(np.uint32)
+  np.save(tmp_path / "ids.npy", ids)
+  tokens, vocab = load_tokens(tmp_path / "ids.npy", 151_936)
+  assert isinstance(tokens, np.memmap) and vocab == 151_936
+  np.testing.assert_array_equal(tokens, ids)
+  batch = TokenDataset(tokens, seq_len=8, batch_size=2).at(0)
+  assert batch["inputs"].dtype == np.int32 and batch["inputs"].max() < 151_936
+  small = ids % 60_000
+  small.tofile(tmp_path / "wide.bin")
+  with pytest.raises(ValueError, match="every other one 0: it holds wider ids .* np.save"):
+    load_tokens(tmp_path / "wide.bin")
+  small.astype(np.uint16).tofile(tmp_path / "ok.bin")
+  np.testing.assert_array_equal(load_tokens(tmp_path / "ok.bin", 60_000)[0], small)
+  for bad, problem in [(ids.reshape(10, 100), "shape \\(10, 100\\)"),
+                       (ids.astype(np.float32), "float32 array"),
+                       (np.array([3, -1, 4], np.int64), "token id -1"),
+                       (ids, "token id \\d+ >= vocab_size 50257")]:
+    np.save(tmp_path / "bad.npy", bad)
+    with pytest.raises(ValueError, match=problem):
+      load_tokens(tmp_path / "bad.npy")
+  (tmp_path / "junk.npy").write_bytes(b"not an array at all")
+  with pytest.raises(ValueError, match="is not a .npy array of token ids"):
+    load_tokens(tmp_path / "junk.npy")
+
+
 def test_presets_cover_the_paper():
   for name, (layers, hidden) in {"10b": (50, 4096), "1t": (128, 25600), "gpt2-xl": (48, 1600)}.items():
     c = get_config(name)
