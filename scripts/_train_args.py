@@ -111,7 +111,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
   p.add_argument("--same-batch", action="store_true",
                  help="train every step on the first batch (a check that the loss falls, free of "
                       "batch-to-batch noise)")
-  p.add_argument("--data", default=str(DEFAULT_DATA), help="text file, or token ids: a uint16 .bin or a .npy")
+  p.add_argument("--data", default=str(DEFAULT_DATA),
+                 help="text file, or token ids: a uint16 .bin or a .npy")
   p.add_argument("--devices", type=int, default=None,
                  help="devices per process on the data axis (host devices when there is no "
                       "accelerator); the mesh spans every process's devices")
