@@ -90,6 +90,10 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
       raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (only the default "
                        "rotary embedding).")
     theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+      raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary positions on "
+                       "every dimension of a head).")
     if hf.get("hidden_act", "silu") != "silu":
       raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu).")
     if hf.get("use_sliding_window"):

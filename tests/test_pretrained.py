@@ -118,6 +118,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                           ({"layer_types": ["sliding_attention", "full_attention"]},
                            "layer_types"),
                           ({"rope_parameters": {"rope_type": "llama3"}}, "rope_scaling"),
+                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
                           ({"model_type": "gemma"}, "model_type 'gemma' is not supported")]:
     with pytest.raises(ValueError, match=problem):
