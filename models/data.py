@@ -64,11 +64,11 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
   except UnicodeDecodeError as e:
     raise ValueError(
         f"data file {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}): "
-        "convert it (e.g. `iconv -f latin1 -t utf-8`), or give a uint16 .bin token file with a "
-        "name ending in .bin.") from None
+        "convert it (e.g. `iconv -f latin1 -t utf-8`), or give token ids in a file named *.bin "
+        "(uint16) or *.npy.") from None
   if "\x00" in text:
     raise ValueError(f"data file {path} holds NUL bytes: it looks binary, not text. A token file "
-                     "must be uint16 ids with a name ending in .bin.")
+                     "is named *.bin (uint16 ids) or *.npy.")
   tokenizer = CharTokenizer.from_text(text)
   return tokenizer.encode(text), tokenizer.vocab_size
 
