@@ -95,7 +95,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
   p.add_argument("--batch-size", type=int, default=16, help="global batch (examples per step)")
   p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: preset)")
   p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--weight-decay", type=float, default=0.1)
+  p.add_argument("--weight-decay", type=float, default=0.1,
+                 help="AdamW's decay of the weight matrices (biases and norm scales undecayed)")
   p.add_argument("--bf16-moments", action="store_true",
                  help="keep Adam's moments in bf16 with stochastic rounding (8 optimizer bytes per "
                       "parameter instead of 12; scripts/bench_moments.py compares the loss curves)")
@@ -160,6 +161,8 @@ def check_args(args) -> None:
                        "--nvme-path FOLDER, a folder on a fast local drive.")
   if args.lora_rank < 0:
     raise SystemExit(f"error: --lora-rank {args.lora_rank}: give a positive rank (0: no LoRA).")
+  if args.budget and not args.offload:
+    raise SystemExit("error: --budget sets the budgets of --offload auto; add --offload auto.")
   if args.lora_rank and args.zero_stage != 3:
     raise SystemExit(f"error: --lora-rank {args.lora_rank} trains the adapters alone, with the "
                      f"base weights frozen, which needs --zero-stage 3 (got {args.zero_stage}): "

@@ -204,8 +204,6 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
         tier_budgets=parse_budgets(args.budget) or None if args.offload else None)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
-  if args.budget and not args.offload:
-    raise SystemExit("error: --budget sets the budgets of --offload auto; add --offload auto.")
   mesh = zinfjax.make_mesh()
   moments = "bfloat16" if args.bf16_moments else "float32"
   auto = None
@@ -231,9 +229,11 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
   clip = args.clip or None
   # zinfjax's AdamW on every tier (jnp on the device, the C++ kernel on the host, the NVMe
-  # pipeline): one optimizer state format, so a checkpoint resumes onto any placement
-  tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
-                           max_grad_norm=clip, moment_dtype=moments)
+  # pipeline): one optimizer state format, so a checkpoint resumes onto any placement; weight
+  # decay on the weight matrices, not on biases and norm scales
+  decay = dict(weight_decay=args.weight_decay, mask=zinfjax.optim.decay_matrices)
+  tx = zinfjax.optim.adamw(schedule, b1=0.9, b2=0.95, **decay, max_grad_norm=clip,
+                           moment_dtype=moments)
   try:  # the placement and the optimizer checked against the model before any state exists
     build_engine(model_factory, tx, zero, mesh, open_store_=False)
   except ValueError as e:
@@ -270,7 +270,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
         raise SystemExit(f"error: {ckpt.directory} holds optax AdamW states (an older train_gpt.py"
                          " with the optimizer on the device); resume it with --offload-optimizer "
                          "device, then save again to move it to other tiers.")
-      tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+      tx = optax.adamw(schedule, b1=0.9, b2=0.95, **decay)
       tx = optax.chain(optax.clip_by_global_norm(clip), tx) if clip else tx
     restoring = init_line(sys.stdout, "restore", unit="bytes") if main_process else None
     if args.resume_step is not None:

@@ -411,3 +411,35 @@ def test_unless_skipped_keeps_the_states_in_either_form(platform):
     got = jax.jit(lambda s, ok: unless_skipped(ok, update, (s,), lambda s: s, platform))(
         states, jnp.bool_(ok))
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize("offload_optimizer", ["device", "pinned_host"])
+def test_decay_matrices_decays_weights_not_biases_or_norm_scales(offload_optimizer, mesh):
+  """`decay_matrices` (train_gpt.py's mask) is True on kernels and embeddings alone, whether the
+  tree is nnx.Optimizer's (Variable paths) or the engine's stacked one (whose biases and scales
+  are 2-D, so `ndim >= 2` would decay them); ZeRO training with it equals single-device optax's
+  AdamW with it (1e-5), and every scale and bias is then further from where decay pulls it."""
+  from helpers import reference_losses, zero_training
+  make = lambda rngs: GPT(get_config("tiny"), rngs=rngs)
+  model = make(nnx.Rngs(0))
+  names = lambda tree: {jax.tree_util.keystr(p): bool(v) for p, v in
+                        jax.tree_util.tree_leaves_with_path(zinfjax.optim.decay_matrices(tree))}
+  flags = names(nnx.state(model, nnx.Param))  # "['blocks']['block']['fc']['kernel'].value"
+  assert all(v == (k.split("'")[-2] in ("kernel", "embedding")) for k, v in flags.items())
+  assert sum(flags.values()) == 6 and len(flags) == 16, flags  # wte, wpe, 4 kernels
+  assert names(state_tree := nnx.to_pure_dict(nnx.state(model, nnx.Param))) == {
+      k.removesuffix(".value"): v for k, v in flags.items()}, state_tree.keys()
+  batches = text_batches(4, batch=8, seq=32, seed=3)
+  tx = lambda wd: optax.adamw(3e-3, weight_decay=wd, mask=zinfjax.optim.decay_matrices)
+  want_losses, want = reference_losses(make, tx(0.5), lm_loss, batches)
+  ours = zinfjax.optim.adamw(3e-3, weight_decay=0.5, mask=zinfjax.optim.decay_matrices)
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_optimizer=offload_optimizer)
+  losses, state = zero_training(make, ours, zero, mesh, batches, lm_loss)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  got = state.full_params()
+  assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))) < 1e-5
+  _, all_decayed = reference_losses(make, optax.adamw(3e-3, weight_decay=0.5), lm_loss, batches)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(all_decayed)):
+    if not zinfjax.optim.decay_matrices({str(path[-1].key): 0})[str(path[-1].key)]:
+      assert np.abs(np.asarray(x)).sum() > np.abs(np.asarray(y)).sum(), path

@@ -17,6 +17,21 @@ import numpy as np
 from .kernel import AdamConstants, bias_corrections
 
 
+# nnx's names of weight matrices: Linear's and Embed's, LoRA's adapters
+MATRIX_NAMES = ("kernel", "embedding", "lora_a", "lora_b")
+
+
+def decay_matrices(params: Any) -> Any:
+  """A weight-decay mask (`mask=` of `adamw`, or optax's): True on the weight matrices (nnx's
+  `kernel`, `embedding`, LoRA's `lora_a`, `lora_b`), False on biases and norm scales, as GPT-2
+  and Hugging Face's Trainer decay. By name, not by `ndim >= 2`: a `Stack`'s leaves carry the
+  layer axis, so its biases and scales are 2-D there."""
+  def named(path, _) -> bool:
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+    return bool(keys) and keys[-1] in MATRIX_NAMES
+  return jax.tree_util.tree_map_with_path(named, params)
+
+
 def weight_decays(params: Any, weight_decay: float, mask: Any) -> list[float]:
   """Per leaf of `params`: `weight_decay`, or 0 where `mask` (tree or callable) says no."""
   leaves = jax.tree.leaves(params)
