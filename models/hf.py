@@ -26,6 +26,7 @@ from flax import nnx
 
 from zinfjax.weights import Stacked, Transposed, safetensors
 
+from . import rope
 from .config import GPTConfig
 from .gpt import GPT
 from .llama import Llama, LlamaConfig
@@ -86,9 +87,9 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
   if kind in LLAMA_TYPES:
     scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", None):
-      raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (only the default "
-                       "rotary embedding).")
+    if rope_type not in ("default", None, *rope.KINDS):
+      raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (the default "
+                       f"rotary embedding, or scaled: {', '.join(rope.KINDS)}).")
     theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -110,6 +111,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         intermediate=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim"), rope_theta=float(theta),
+        rope_scaling=_rope_scaling(rope_type, scaling, hf),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", kind == "qwen2")),
@@ -133,6 +135,18 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
                    f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
 
 
+def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling | None:
+  if kind not in rope.KINDS:
+    return None
+  fields = {"factor": float(scaling["factor"])}
+  if kind == "llama3":
+    fields.update(low_freq_factor=float(scaling["low_freq_factor"]),
+                  high_freq_factor=float(scaling["high_freq_factor"]),
+                  original_max_position_embeddings=int(scaling.get(
+                      "original_max_position_embeddings", hf.get("max_position_embeddings"))))
+  return rope.RopeScaling(kind, **fields)
+
+
 def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
   """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
   out = dict(base or {})
@@ -154,6 +168,10 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
       out["attention_bias"] = c.qkv_bias
     if kind == "mistral":
       out["sliding_window"] = c.sliding_window
+    if c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
+      rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
+      out["rope_scaling"] = rope_hf if c.rope_scaling else None
+      out["rope_parameters"] = {**rope_hf, "rope_theta": c.rope_theta}
   else:
     out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
                n_positions=c.seq_len, n_layer=c.num_layers, n_head=c.num_heads, n_embd=c.hidden,

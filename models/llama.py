@@ -1,7 +1,7 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
-Covers Llama 2/3, Mistral-style and Qwen2 checkpoints (q/k/v biases), with
-tied or untied embeddings. Blocks are a `zinfjax.Stack`, so it trains on one
+Covers Llama 2/3 (Llama 3.1's rope scaling too), Mistral (its sliding window)
+and Qwen2 checkpoints (q/k/v biases), with tied or untied embeddings. Blocks are a `zinfjax.Stack`, so it trains on one
 device or layer by layer under ZeRO-3. Names and layouts follow Hugging Face's
 `LlamaForCausalLM` (see `models/hf.py` for the mapping); the math follows its
 forward: norms and softmax in fp32, rotary embedding with `rotate_half`.
@@ -22,6 +22,7 @@ from .config import check_lora_rank
 from .embedding import lookup
 from .linear import linears
 from .loss import dense, tied
+from .rope import RopeScaling, rotary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class LlamaConfig:
     num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
     head_dim: width of one head (default hidden // num_heads).
     rope_theta: base of the rotary frequencies.
+    rope_scaling: Llama 3.1's or a linear scaling of those frequencies (`rope.RopeScaling`).
     tie_embeddings: the output projection is the token embedding transposed.
     qkv_bias: q/k/v projections have biases (Qwen2).
     seq_len: longest sequence (HF's max_position_embeddings).
@@ -49,6 +51,7 @@ class LlamaConfig:
   num_kv_heads: int = 2
   head_dim: int | None = None
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
   rms_eps: float = 1e-6
   tie_embeddings: bool = False
   qkv_bias: bool = False
@@ -95,18 +98,6 @@ def _rms_norm(features: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
   return nnx.RMSNorm(features, epsilon=eps, dtype=jnp.float32, rngs=rngs)
 
 
-def rotary(x_BxTxHxK: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding of positions 0..T-1 (HF's default rope, `rotate_half` layout)."""
-  t, k = x_BxTxHxK.shape[1], x_BxTxHxK.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-  freqs_TxK = jnp.concatenate([jnp.outer(jnp.arange(t, dtype=jnp.float32), inv_freq)] * 2, -1)
-  cos, sin = jnp.cos(freqs_TxK)[:, None], jnp.sin(freqs_TxK)[:, None]
-  x = x_BxTxHxK.astype(jnp.float32)
-  half = k // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-  return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
-
-
 class Block(nnx.Module):
   """x + attn(norm1(x)); x + mlp(norm2(x)), with SwiGLU and grouped-query attention."""
 
@@ -125,13 +116,14 @@ class Block(nnx.Module):
     self.up = linear(d, config.intermediate)
     self.down = linear(config.intermediate, d)
     self.num_heads, self.num_kv_heads, self.dim = config.num_heads, config.num_kv_heads, k
-    self.rope_theta, self.window = config.rope_theta, config.sliding_window
+    self.rope = (config.rope_theta, config.rope_scaling)
+    self.window = config.sliding_window
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:
     b, t, _ = x_BxTxD.shape
     h, g, k = self.num_heads, self.num_kv_heads, self.dim
-    q_BxTxHxK = rotary(self.q(x_BxTxD).reshape(b, t, h, k), self.rope_theta)
-    k_BxTxGxK = rotary(self.k(x_BxTxD).reshape(b, t, g, k), self.rope_theta)
+    q_BxTxHxK = rotary(self.q(x_BxTxD).reshape(b, t, h, k), *self.rope)
+    k_BxTxGxK = rotary(self.k(x_BxTxD).reshape(b, t, g, k), *self.rope)
     v_BxTxGxK = self.v(x_BxTxD).reshape(b, t, g, k)
     # head j: kv head j // (h // g)
     y_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.window)

@@ -9,6 +9,8 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
   gpt2    GPT-2, odd vocabulary (101)
   mistral Mistral, a sliding window (5) shorter than the reference's 12 tokens, head_dim 16
           (not hidden / heads)
+  llama3  Llama 3.1's rope scaling (factor 8, original context 64: one of the head's four
+          frequencies kept, one interpolated, two slowed), tied embeddings
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward.
@@ -42,6 +44,11 @@ def models():
       "mistral": (T.MistralForCausalLM, T.MistralConfig(**common, num_key_value_heads=2,
                                                          head_dim=16, sliding_window=5,
                                                          tie_word_embeddings=False), None),
+      "llama3": (T.LlamaForCausalLM, T.LlamaConfig(
+          **{**common, "max_position_embeddings": 128}, num_key_value_heads=2,
+          tie_word_embeddings=True, rope_parameters={
+              "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), None),
   }
 
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import zinfjax
-from zinfjax.models import GPT, GPTConfig, hf, lm_loss
+from zinfjax.models import GPT, GPTConfig, hf, lm_loss, rope
 from zinfjax.weights import safetensors, source
 
 from helpers import REPO, random_batches
@@ -82,10 +82,33 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 
 # ------------------------------------------------------------------ Hugging Face
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
+def test_rope_scalings_change_the_frequencies_as_transformers_does():
+  """Linear scaling slows every frequency by its factor; Llama 3.1's keeps the short wavelengths,
+  slows the long ones by the factor and blends those between, continuously at both edges; a
+  scaling that is not one is refused by name. (Against transformers: the llama3 checkpoint's
+  logits, below.)"""
+  plain = np.asarray(rope.frequencies(64, 5e5))
+  np.testing.assert_allclose(rope.frequencies(64, 5e5, rope.RopeScaling("linear", 4.0)),
+                             plain / 4, rtol=1e-7)
+  scaled = np.asarray(rope.frequencies(64, 5e5, rope.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)))
+  wavelength = 2 * np.pi / plain
+  short, long = wavelength < 8192 / 4, wavelength > 8192
+  assert short.sum() and long.sum() and (~short & ~long).sum()  # all three bands in play
+  np.testing.assert_array_equal(scaled[short], plain[short])
+  np.testing.assert_allclose(scaled[long], plain[long] / 8, rtol=1e-6)
+  ratio = plain / scaled
+  assert ((ratio >= 1 - 1e-6) & (ratio <= 8 + 1e-5)).all() and (np.diff(ratio) >= -1e-6).all()
+  with pytest.raises(ValueError, match="kind 'yarn' is none of"):
+    rope.RopeScaling("yarn", 4.0)
+  with pytest.raises(ValueError, match="high_freq_factor 1.0 must exceed"):
+    rope.RopeScaling("llama3", 8.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
-  Mistral one's sliding window (5) is shorter than its 12 tokens."""
+  Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
+  scaling moves its logits by 0.1 (the same model unscaled is that far off)."""
   config, make, weights = hf.load(os.path.join(HF, family))
   ref = np.load(os.path.join(HF, family, "reference.npz"))
   model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
@@ -104,20 +127,26 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     back = hf.config_from_hf(hf.config_to_hf(config, base))
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
-  for family in ("llama", "qwen2", "gpt2", "mistral"):
+  for family in ("llama", "qwen2", "gpt2", "mistral", "llama3"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
+    assert again(config) == config, family   # written with no source config
   mistral = hf.config_from_hf(hf.read_config(os.path.join(HF, "mistral")))
   assert mistral.sliding_window == 5
   assert hf.config_to_hf(mistral)["model_type"] == "mistral"
-  assert again(mistral) == mistral
+  llama3 = hf.config_from_hf(hf.read_config(os.path.join(HF, "llama3")))
+  assert llama3.rope_scaling == rope.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+  legacy = {**hf.read_config(os.path.join(HF, "llama")), "rope_theta": 5e5,  # transformers 4's
+            "rope_scaling": {"type": "linear", "factor": 4.0}}
+  assert hf.config_from_hf(legacy).rope_scaling == rope.RopeScaling("linear", 4.0)
+  assert hf.config_from_hf(legacy).rope_theta == 5e5
   qwen2 = hf.read_config(os.path.join(HF, "qwen2"))
   assert hf.config_from_hf({**qwen2, "sliding_window": 4}).sliding_window is None  # not in use
   for change, problem in [({"use_sliding_window": True}, "use_sliding_window"),
                           ({"layer_types": ["sliding_attention", "full_attention"]},
                            "layer_types"),
-                          ({"rope_parameters": {"rope_type": "llama3"}}, "rope_scaling"),
+                          ({"rope_parameters": {"rope_type": "yarn"}}, "rope_scaling"),
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
                           ({"model_type": "gemma"}, "model_type 'gemma' is not supported")]:
