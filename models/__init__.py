@@ -7,5 +7,5 @@ from .llama import Llama, LlamaConfig
 from .loss import chunked_cross_entropy
 from . import hf, rope
 
-__all__ = ["GPT", "Block", "GPTConfig", "Llama", "LlamaConfig", "hf", "rope", "PRESETS", "get_config",
-           "lm_loss", "chunked_cross_entropy", "CharTokenizer", "TokenDataset", "load_tokens"]
+__all__ = ["GPT", "Block", "GPTConfig", "Llama", "LlamaConfig", "hf", "rope", "PRESETS",
+           "get_config", "lm_loss", "chunked_cross_entropy", "CharTokenizer", "TokenDataset", "load_tokens"]

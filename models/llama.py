@@ -1,8 +1,8 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
 Covers Llama 2/3 (Llama 3.1's rope scaling too), Mistral (its sliding window)
-and Qwen2 checkpoints (q/k/v biases), with tied or untied embeddings. Blocks are a `zinfjax.Stack`, so it trains on one
-device or layer by layer under ZeRO-3. Names and layouts follow Hugging Face's
+and Qwen2 checkpoints (q/k/v biases), with tied or untied embeddings. Blocks
+are a `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3. Names and layouts follow Hugging Face's
 `LlamaForCausalLM` (see `models/hf.py` for the mapping); the math follows its
 forward: norms and softmax in fp32, rotary embedding with `rotate_half`.
 """
