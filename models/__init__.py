@@ -8,4 +8,5 @@ from .loss import chunked_cross_entropy
 from . import hf, rope
 
 __all__ = ["GPT", "Block", "GPTConfig", "Llama", "LlamaConfig", "hf", "rope", "PRESETS",
-           "get_config", "lm_loss", "chunked_cross_entropy", "CharTokenizer", "TokenDataset", "load_tokens"]
+           "get_config", "lm_loss", "chunked_cross_entropy", "CharTokenizer", "TokenDataset",
+           "load_tokens"]

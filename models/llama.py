@@ -2,9 +2,10 @@
 
 Covers Llama 2/3 (Llama 3.1's rope scaling too), Mistral (its sliding window)
 and Qwen2 checkpoints (q/k/v biases), with tied or untied embeddings. Blocks
-are a `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3. Names and layouts follow Hugging Face's
-`LlamaForCausalLM` (see `models/hf.py` for the mapping); the math follows its
-forward: norms and softmax in fp32, rotary embedding with `rotate_half`.
+are a `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
+Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
+for the mapping); the math follows its forward: norms and softmax in fp32,
+rotary embedding with `rotate_half` (`models/rope.py`).
 """
 
 from __future__ import annotations
