@@ -1,7 +1,9 @@
-"""The ZeRO-Infinity memory model (paper, section 3) for a preset or a custom shape.
+"""The ZeRO-Infinity memory model (paper, section 3) for a preset, a custom shape, or a Hugging
+Face checkpoint's config.
 
   python scripts/estimate_memory.py --preset 1t --devices 16 --offload-param nvme --offload-optimizer nvme
   python scripts/estimate_memory.py --layers 50 --hidden 4096 --heads 16 --json
+  python scripts/estimate_memory.py --init-from HF_FOLDER --plan --budget device=70GiB
   python scripts/estimate_memory.py --preset 2.5b --plan --budget device=40GiB \
       --budget pinned_host=60GiB --nvme-path /local_nvme/zinfjax
 
@@ -10,6 +12,10 @@
 takes zinfjax's default) and prints where each state goes, the bytes per tier,
 and the step time it allows: the largest of compute, host<->device traffic,
 NVMe traffic and the host optimizer, at the rates given (defaults: one H100).
+
+`--init-from` reads the shape of a Hugging Face checkpoint folder (its
+config.json: Llama, Mistral, Qwen2, GPT-2; no weight is read) and counts its
+parameters exactly instead of 12·nl·hd².
 
 `--json` prints one object whose keys are the fields of
 `zinfjax.memory.MemoryEstimate` (all sizes in bytes) plus `inputs`.
@@ -25,10 +31,13 @@ import sys
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--preset", help="model preset (see zinfjax.models.PRESETS)")
+  p.add_argument("--init-from", metavar="HF_FOLDER",
+                 help="the model of a Hugging Face checkpoint folder (its config.json alone)")
   p.add_argument("--layers", type=int)
   p.add_argument("--hidden", type=int)
   p.add_argument("--heads", type=int)
-  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--seq-len", type=int, default=None,
+                 help="tokens per sequence (default 1024, or the --init-from model's if shorter)")
   p.add_argument("--batch-per-device", type=int, default=1)
   p.add_argument("--devices", type=int, default=1, help="data-parallel devices in total")
   p.add_argument("--devices-per-node", type=int, default=None, help="default: --devices")
@@ -77,30 +86,32 @@ def fmt(n: float) -> str:
   return str(n)
 
 
-def show_plan(args, layers: int, hidden: int, heads: int) -> int:
-  """The placement offload='auto' picks for the budgets, and the step time it allows."""
+def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
+  """The placement offload='auto' picks for the budgets, and the step time it allows (for
+  `config`, a Hugging Face model's, or the GPT of that shape)."""
   import os
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.devices}")
   import zinfjax
   from zinfjax.autoplace import PlacementError, Rates, predict
   from zinfjax.engine import build_engine
-  from zinfjax.models import GPT, get_config
+  from zinfjax.models import get_config, hf
   from zinfjax.progress import parse_budgets
   try:
     budgets = parse_budgets(args.budget)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  config = get_config(args.preset or "tiny", num_layers=layers, hidden=hidden, num_heads=heads,
-                      seq_len=args.seq_len)
+  if config is None:
+    config = get_config(args.preset or "tiny", num_layers=layers, hidden=hidden,
+                        num_heads=heads, seq_len=args.seq_len)
   try:
     zero = zinfjax.ZeroConfig(precision=args.precision, offload="auto", nvme_path=args.nvme_path,
                               tier_budgets=budgets or None, nvme_atomic_steps=args.atomic_nvme,
                               host_optimizer=args.host_optimizer,
                               host_atomic_steps=args.host_atomic_steps,
                               delay_update=args.delay_update)
-    engine = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-4), zero,
+    engine = build_engine(hf.factory(config), zinfjax.optim.adamw(1e-4), zero,
                           zinfjax.make_mesh(args.devices), open_store_=False)
   except (PlacementError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -109,8 +120,9 @@ def show_plan(args, layers: int, hidden: int, heads: int) -> int:
                 args.nvme_write_gbs * 1e9, args.adam_gelems * 1e9)
   tokens = args.seq_len * args.batch_per_device
   got = predict(engine.plan, tokens, config.num_params, rates)
-  print(f"GPT {layers} layers x {hidden} hidden ({config.num_params / 1e9:,.2f}B params), "
-        f"{args.precision}, ZeRO-3 on {args.devices} devices, {tokens} tokens per device per step")
+  print(f"{model_name(args)} {layers} layers x {hidden} hidden ({config.num_params / 1e9:,.2f}B "
+        f"params), {args.precision}, ZeRO-3 on {args.devices} devices, {tokens} tokens per "
+        "device per step")
   print(engine.auto.table())
   print(f"step time it allows: {got['step_s']:.3f} s ({got['bound']} bound; "
         f"{tokens / got['step_s']:,.0f} tokens/s per device)")
@@ -119,20 +131,51 @@ def show_plan(args, layers: int, hidden: int, heads: int) -> int:
   return 0
 
 
+def model_name(args) -> str:
+  return f"the model of {args.init_from}:" if args.init_from else "GPT"
+
+
+def hf_model(args):
+  """The --init-from folder's model config at --seq-len (default: 1024, or its own if shorter),
+  or the error to print."""
+  from zinfjax.models import hf
+  given = [f"--{n}" for n in ("preset", "layers", "hidden", "heads") if getattr(args, n)]
+  if given:
+    return f"{', '.join(given)} with --init-from: the shape comes from its config.json; leave " \
+           "them out."
+  try:
+    config = hf.config_from_hf(hf.read_config(args.init_from))
+  except (OSError, ValueError) as e:
+    return str(e)
+  if args.seq_len and args.seq_len > config.seq_len:
+    return f"--seq-len {args.seq_len} is longer than the model's {config.seq_len}."
+  args.seq_len = args.seq_len or min(1024, config.seq_len)
+  return config.replace(seq_len=args.seq_len)
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   from zinfjax.memory import estimate_memory
   layers, hidden, heads = args.layers, args.hidden, args.heads
+  config = hf_model(args) if args.init_from else None  # exact: a Hugging Face model's
+  if isinstance(config, str):
+    print(f"error: {config}", file=sys.stderr)
+    return 2
+  if config is not None:
+    layers, hidden, heads = config.num_layers, config.hidden, config.num_heads
+  args.seq_len = args.seq_len or 1024
   if args.preset:
     from zinfjax.models import get_config
-    config = get_config(args.preset)
-    layers, hidden, heads = layers or config.num_layers, hidden or config.hidden, heads or config.num_heads
+    preset = get_config(args.preset)
+    layers, hidden = layers or preset.num_layers, hidden or preset.hidden
+    heads = heads or preset.num_heads
   if not (layers and hidden and heads):
     print("error: give --preset NAME or all of --layers, --hidden and --heads.", file=sys.stderr)
     return 2
   if args.plan:
-    return show_plan(args, layers, hidden, heads)
+    return show_plan(args, layers, hidden, heads, config)
   est = estimate_memory(layers=layers, hidden=hidden, heads=heads, seq_len=args.seq_len,
+                        num_params=config.num_params if config else None,
                         batch_per_device=args.batch_per_device, devices=args.devices,
                         devices_per_node=args.devices_per_node, stage=args.zero_stage,
                         checkpoint_interval=args.checkpoint_interval,
@@ -145,8 +188,9 @@ def main(argv=None) -> int:
   if args.json:
     print(json.dumps({**est.as_dict(), "inputs": inputs}, indent=2))
     return 0
-  print(f"GPT {layers} layers x {hidden} hidden, {heads} heads: {est.num_params / 1e9:,.2f}B params "
-        f"(12·nl·hd²), ZeRO-{args.zero_stage} on {args.devices} devices")
+  print(f"{model_name(args)} {layers} layers x {hidden} hidden, {heads} heads: "
+        f"{est.num_params / 1e9:,.2f}B params ({'exact' if config else '12·nl·hd²'}), "
+        f"ZeRO-{args.zero_stage} on {args.devices} devices")
   rows = [("model states, whole model (20 B/param)", est.model_states)]
   rows += [(f"model states per device on {t}", b) for t, b in est.per_device.items()]
   rows += [(f"model states per node on {t}", b) for t, b in est.per_node.items()]

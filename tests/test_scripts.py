@@ -95,6 +95,28 @@ def test_estimate_memory_json():
   assert data["activation_checkpoints"] == 2 * 1024 * 4096 * 50
 
 
+def test_estimate_memory_of_a_hugging_face_checkpoint():
+  """--init-from takes the shape of a checkpoint folder's config.json and counts its params
+  exactly (the tensors its safetensors hold); --plan places that model; a shape given besides,
+  or a sequence past the model's, is refused."""
+  from zinfjax.weights.safetensors import Checkpoint
+  folder = os.path.join(REPO, "tests", "data", "hf", "llama3")
+  data = json.loads(run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder,
+                         "--devices", "2", "--offload-optimizer", "nvme", "--json"]))
+  ckpt = Checkpoint(folder)
+  n = sum(int(np.prod(ckpt.tensor(k).shape)) for k in ckpt)
+  assert data["num_params"] == n and data["inputs"]["seq_len"] == 128  # its own, under 1024
+  assert data["per_device"] == {"device": 4 * n // 2, "pinned_host": 0, "nvme": 2 * 16 * n // 2}
+  out = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder, "--seq-len",
+             "64", "--plan", "--budget", "device=100KiB"])
+  assert out.startswith(f"the model of {folder}: 2 layers x 32 hidden") and "placement" in out
+  for extra, problem in [(["--layers", "4"], "--layers with --init-from"),
+                         (["--seq-len", "256"], "--seq-len 256 is longer than the model's 128")]:
+    done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "estimate_memory.py"),
+                           "--init-from", folder, *extra], capture_output=True, text=True)
+    assert done.returncode == 2 and problem in done.stderr, done.stderr
+
+
 def test_bench_host_ram_puts_device_params_back_as_made(tmp_path):
   """bench_host_ram.py: the rows train alike (one loss) and the new params put back as they
   are made keep less on the host than those put back after the update."""
