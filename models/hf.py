@@ -34,6 +34,11 @@ from .llama import Llama, LlamaConfig
 LLAMA_TYPES = ("llama", "mistral", "qwen2")
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# the files besides config and weights that make a folder whole for `transformers`: its
+# tokenizer's, its chat template, its generation defaults (`save(..., copy_from=...)`)
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
 # HF buffers and copies that carry no weights of ours
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.bias|(^|\.)attn\.masked_bias)$")
 
@@ -277,11 +282,13 @@ def tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple[
 
 
 def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.float32,
-         base_config: dict[str, Any] | None = None, max_shard_bytes: int = 5 << 30) -> list[str]:
+         base_config: dict[str, Any] | None = None, max_shard_bytes: int = 5 << 30,
+         copy_from: str | None = None) -> list[str]:
   """Write `params` (a `zinfjax.TrainState`, an nnx model, or its pure dict of arrays) as a
   Hugging Face checkpoint folder that `transformers` loads with `from_pretrained` (LoRA
   adapters merged into the weights they adapt: `config` may be the base model's or the
-  adapted one's)."""
+  adapted one's). `copy_from`, the checkpoint folder the model came from, gives the
+  tokenizer and generation files it holds (`COMPANION_FILES`), copied along."""
   if hasattr(params, "full_leaf"):
     read = lambda path: params.full_leaf(path)
   else:
@@ -315,7 +322,11 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
       json.dump(hf_config, f, indent=2)
     files = safetensors.write_sharded(staging, tensors(config, leaf, dtype), max_shard_bytes,
                                       {"format": "pt"})
-    for name in ["config.json", *files]:
+    companions = [n for n in COMPANION_FILES
+                  if copy_from and os.path.isfile(os.path.join(copy_from, n))]
+    for name in companions:
+      shutil.copyfile(os.path.join(copy_from, name), os.path.join(staging, name))
+    for name in ["config.json", *files, *companions]:
       os.replace(os.path.join(staging, name), os.path.join(folder, name))
     for name in set(os.listdir(folder)) - set(files):  # an earlier export's other shards
       if safetensors.WEIGHT_FILE.fullmatch(name):

@@ -5,6 +5,7 @@ made by scripts/make_hf_testdata.py (transformers is not a test dependency).
 """
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -238,6 +239,26 @@ def test_export_replaces_a_folder_whole_or_not_at_all(tmp_path):
   assert {p.name: p.read_bytes() for p in out.iterdir()} == before
   hf.save(str(out), config, model)   # one file now
   assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
+  """`hf.save(..., copy_from=source)` copies the source folder's tokenizer, chat template and
+  generation files along with the weights (train_gpt --export does, from --init-from), and
+  nothing else of it; without it, none."""
+  source = tmp_path / "source"
+  shutil.copytree(os.path.join(HF, "gpt2"), source)
+  companions = {"tokenizer.json": b'{"model": {"type": "BPE"}}', "merges.txt": b"#v\na b\n",
+                "generation_config.json": b'{"do_sample": true}'}
+  for name, data in {**companions, "notes.txt": b"mine"}.items():
+    (source / name).write_bytes(data)
+  config, make, _ = hf.load(str(source))
+  model = make(nnx.Rngs(0))
+  hf.save(str(tmp_path / "out"), config, model, copy_from=str(source))
+  assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()
+          if p.name not in ("config.json", "model.safetensors")} == companions
+  hf.save(str(tmp_path / "bare"), config, model)
+  assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == ["config.json",
+                                                                   "model.safetensors"]
 
 
 def test_export_loads_in_transformers(mesh, tmp_path):
