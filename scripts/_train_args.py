@@ -27,7 +27,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                       "of the blocks, the pretrained weights frozen (no grads, master or "
                       "optimizer state); --export merges them into the weights")
   p.add_argument("--export", default=None, metavar="FOLDER",
-                 help="at the end, write the model as a Hugging Face checkpoint folder")
+                 help="at the end, write the model as a Hugging Face checkpoint folder (with "
+                      "the --init-from folder's tokenizer and generation files)")
   p.add_argument("--eval-every", type=int, default=0,
                  help="every N steps, the loss on held-out data (the last 10%% of the tokens)")
   p.add_argument("--layers", type=int, help="override the preset's number of layers")
