@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,7 +28,10 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   data = tmp_path / "tokens.bin"
   tokens.tofile(data)
   metrics = tmp_path / "m.jsonl"
-  common = ["--init-from", LLAMA, "--data", str(data), "--devices", "4", "--batch-size", "4",
+  source = tmp_path / "llama"  # with the files an export carries along
+  shutil.copytree(LLAMA, source)
+  (source / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+  common = ["--init-from", str(source), "--data", str(data), "--devices", "4", "--batch-size", "4",
             "--seq-len", "32", "--precision", "fp32", "--lr", "3e-3",
             "--offload-param", "pinned_host:1,nvme", "--offload-optimizer", "nvme",
             "--delay-update", "tail",
@@ -42,6 +46,8 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   assert len(evals) == 2 and all("lr" in r for r in records) and records[-1]["lr"] > 0
   assert os.path.exists(tmp_path / "out" / "model.safetensors")
   assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "llama"
+  assert (tmp_path / "out" / "generation_config.json").read_text() == (
+      source / "generation_config.json").read_text()
   out = _run(common + ["--steps", "9", "--resume"]).stdout
   assert "resumed from step 6" in out
   resumed = [json.loads(l) for l in metrics.read_text().splitlines()]
