@@ -89,6 +89,10 @@ def gpt2_rules(c: GPTConfig, prefix: str = "transformer.") -> list[Rule]:
 def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaConfig:
   """Our config of a Hugging Face `config.json` dict; a clear error for what we do not run."""
   kind = hf.get("model_type")
+  if hf.get("quantization_config"):
+    method = (hf["quantization_config"] or {}).get("quant_method", "unnamed")
+    raise ValueError(f"the checkpoint is quantized ({method}): zinfjax trains float weights; "
+                     "use the model's bf16 or fp32 release.")
   if kind in LLAMA_TYPES:
     scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))

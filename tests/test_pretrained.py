@@ -150,7 +150,9 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                           ({"rope_parameters": {"rope_type": "yarn"}}, "rope_scaling"),
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
-                          ({"model_type": "gemma"}, "model_type 'gemma' is not supported")]:
+                          ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
+                          ({"quantization_config": {"quant_method": "fp8"}},
+                           "quantized \\(fp8\\): zinfjax trains float weights")]:
     with pytest.raises(ValueError, match=problem):
       hf.config_from_hf({**qwen2, **change})
   gpt2 = hf.read_config(os.path.join(HF, "gpt2"))
