@@ -49,7 +49,8 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
         f"no data file at {path!r}; pass --data with a text file or a uint16 .bin token file.")
   size = os.path.getsize(path)
   if size == 0:
-    raise ValueError(f"data file {path} is empty: give a text file or a uint16 .bin token file.")
+    raise ValueError(f"data file {path} is empty: give a text file or a token file (a uint16 "
+                     ".bin, a .npy).")
   if path.endswith((".bin", ".npy")):
     tokens = _npy_tokens(path) if path.endswith(".npy") else _bin_tokens(path, size)
     vocab = vocab_size or 50257
