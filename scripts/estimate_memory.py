@@ -136,19 +136,16 @@ def model_name(args) -> str:
 
 
 def hf_model(args):
-  """The --init-from folder's model config at --seq-len (default: 1024, or its own if shorter),
-  or the error to print."""
+  """The --init-from folder's model config at --seq-len (default: 1024, or its own if shorter);
+  a ValueError (or OSError) says what is wrong with the flags or the folder."""
   from zinfjax.models import hf
   given = [f"--{n}" for n in ("preset", "layers", "hidden", "heads") if getattr(args, n)]
   if given:
-    return f"{', '.join(given)} with --init-from: the shape comes from its config.json; leave " \
-           "them out."
-  try:
-    config = hf.config_from_hf(hf.read_config(args.init_from))
-  except (OSError, ValueError) as e:
-    return str(e)
+    raise ValueError(f"{', '.join(given)} with --init-from: the shape comes from its "
+                     "config.json; leave them out.")
+  config = hf.config_from_hf(hf.read_config(args.init_from))
   if args.seq_len and args.seq_len > config.seq_len:
-    return f"--seq-len {args.seq_len} is longer than the model's {config.seq_len}."
+    raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {config.seq_len}.")
   args.seq_len = args.seq_len or min(1024, config.seq_len)
   return config.replace(seq_len=args.seq_len)
 
@@ -157,9 +154,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   from zinfjax.memory import estimate_memory
   layers, hidden, heads = args.layers, args.hidden, args.heads
-  config = hf_model(args) if args.init_from else None  # exact: a Hugging Face model's
-  if isinstance(config, str):
-    print(f"error: {config}", file=sys.stderr)
+  try:
+    config = hf_model(args) if args.init_from else None  # exact: a Hugging Face model's
+  except (OSError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
     return 2
   if config is not None:
     layers, hidden, heads = config.num_layers, config.hidden, config.num_heads
