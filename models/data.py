@@ -56,7 +56,7 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> tuple
     vocab = vocab_size or 50257
     if len(tokens) and int(tokens.max()) >= vocab:
       raise ValueError(f"{path} holds token id {int(tokens.max())} >= vocab_size {vocab}.")
-    if len(tokens) and int(tokens.min()) < 0:
+    if len(tokens) and np.issubdtype(tokens.dtype, np.signedinteger) and int(tokens.min()) < 0:
       raise ValueError(f"{path} holds token id {int(tokens.min())}: ids are never negative.")
     return tokens, vocab
   try:

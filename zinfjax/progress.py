@@ -158,14 +158,14 @@ def metrics_problem(path: str) -> str | None:
       head = f.read(1 << 16)
   except OSError as e:
     return f"cannot read it ({e.strerror or e})"
+  if not head.strip():
+    return None
   for line in head.splitlines()[:8]:
     try:
       if isinstance(json.loads(line), dict):
         return None
     except ValueError:
       continue
-  if not head.strip():
-    return None
   return ("it holds something other than metrics (no JSON record in its first lines), which "
           "the run would overwrite; give a new path, or remove the file if it is an old one")
 
