@@ -7,7 +7,7 @@ a tree of `zinfjax.weights` Tensors in our model's layout (per-layer
 weights transposed), memory-mapped and read shard by shard when passed to
 `zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
 same format back, one tensor at a time, so `transformers` loads it with
-`from_pretrained`. Families: Llama, Mistral, Qwen2 (`models/llama.py`) and
+`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3 (`models/llama.py`) and
 GPT-2 (`models/gpt.py`).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -31,7 +32,9 @@ from .config import GPTConfig
 from .gpt import GPT
 from .llama import Llama, LlamaConfig
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # the files besides config and weights that make a folder whole for `transformers`: its
@@ -65,6 +68,9 @@ def llama_rules(c: LlamaConfig) -> list[Rule]:
     rules.append(Rule(f"layers/block/{ours}/kernel", layer + theirs + ".weight", True))
     if c.qkv_bias and ours in "qkv":
       rules.append(Rule(f"layers/block/{ours}/bias", layer + theirs + ".bias"))
+  if c.qk_norm:
+    rules += [Rule(f"layers/block/{x}_norm/scale", layer + f"self_attn.{x}_norm.weight")
+              for x in "qk"]
   if not c.tie_embeddings:
     rules.append(Rule("lm_head/kernel", "lm_head.weight", True))
   return rules
@@ -123,7 +129,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         rope_scaling=_rope_scaling(rope_type, scaling, hf),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get("attention_bias", kind == "qwen2")),
+        qkv_bias=bool(hf.get("attention_bias", kind == "qwen2")), qk_norm=kind == "qwen3",
         seq_len=hf.get("max_position_embeddings", 2048),
         sliding_window=hf.get("sliding_window") if kind == "mistral" else None, remat=remat)
   if kind == "gpt2":
@@ -145,14 +151,30 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
 
 
 def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling | None:
+  """Our `RopeScaling` of HF's dict, with `transformers`' defaults for what it leaves out."""
   if kind not in rope.KINDS:
     return None
-  fields = {"factor": float(scaling["factor"])}
+  longest = hf.get("max_position_embeddings", 2048)
+  original = int(hf.get("original_max_position_embeddings")   # Phi-3 keeps it outside
+                 or scaling.get("original_max_position_embeddings") or longest)
+  factor = scaling.get("factor")
+  if factor is None and kind != "yarn":  # yarn's is the ratio of the two contexts
+    raise ValueError(f"rope_scaling of type {kind!r} gives no factor; add the checkpoint's.")
+  fields = {"factor": float(longest / original if factor is None and kind == "yarn" else factor)}
+  if kind in ("llama3", "yarn"):
+    fields["original_max_position_embeddings"] = original
   if kind == "llama3":
     fields.update(low_freq_factor=float(scaling["low_freq_factor"]),
-                  high_freq_factor=float(scaling["high_freq_factor"]),
-                  original_max_position_embeddings=int(scaling.get(
-                      "original_max_position_embeddings", hf.get("max_position_embeddings"))))
+                  high_freq_factor=float(scaling["high_freq_factor"]))
+  if kind == "yarn":
+    mscale = lambda m: 0.1 * m * math.log(fields["factor"]) + 1 if fields["factor"] > 1 else 1.0
+    attention = scaling.get("attention_factor")
+    if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+      attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+    fields.update(beta_fast=float(scaling.get("beta_fast") or 32),
+                  beta_slow=float(scaling.get("beta_slow") or 1),
+                  truncate=bool(scaling.get("truncate", True)),
+                  attention_factor=None if attention is None else float(attention))
   return rope.RopeScaling(kind, **fields)
 
 
@@ -160,20 +182,21 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
   """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
   out = dict(base or {})
   if isinstance(c, LlamaConfig):
-    kind = out.get("model_type", "qwen2" if c.qkv_bias else
+    kind = out.get("model_type", "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else
                    "mistral" if c.sliding_window else "llama")
     if c.sliding_window and kind != "mistral":
       raise ValueError(f"a {kind} checkpoint has no sliding window: a model with "
                        f"sliding_window={c.sliding_window} is written as a Mistral one.")
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM"}[kind]
-    out.update(model_type=kind, architectures=[arch], vocab_size=c.vocab_size,
+    if c.qk_norm != (kind == "qwen3"):
+      raise ValueError(f"a {kind} checkpoint {'has no' if c.qk_norm else 'has'} query/key norms "
+                       f"(qk_norm={c.qk_norm}): {'only' if c.qk_norm else 'every'} Qwen3 one does.")
+    out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
                hidden_size=c.hidden, intermediate_size=c.intermediate,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
                max_position_embeddings=c.seq_len, hidden_act="silu")
-    if kind == "llama":
+    if kind in ("llama", "qwen3"):
       out["attention_bias"] = c.qkv_bias
     if kind == "mistral":
       out["sliding_window"] = c.sliding_window

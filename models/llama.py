@@ -1,8 +1,9 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
-Covers Llama 2/3 (Llama 3.1's rope scaling too), Mistral (its sliding window)
-and Qwen2 checkpoints (q/k/v biases), with tied or untied embeddings. Blocks
-are a `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
+Covers Llama 2/3 (its rope scalings too: `models/rope.py`), Mistral (its
+sliding window), Qwen2 (q/k/v biases) and Qwen3 checkpoints (each head's
+queries and keys RMS-normed), with tied or untied embeddings. Blocks are a
+`zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
 Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
 for the mapping); the math follows its forward: norms and softmax in fp32,
 rotary embedding with `rotate_half` (`models/rope.py`).
@@ -34,9 +35,11 @@ class LlamaConfig:
     num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
     head_dim: width of one head (default hidden // num_heads).
     rope_theta: base of the rotary frequencies.
-    rope_scaling: Llama 3.1's or a linear scaling of those frequencies (`rope.RopeScaling`).
+    rope_scaling: a scaling of those frequencies (`rope.RopeScaling`: Llama 3.1's, YaRN's...).
     tie_embeddings: the output projection is the token embedding transposed.
     qkv_bias: q/k/v projections have biases (Qwen2).
+    qk_norm: each head's queries and keys are RMS-normed (a learned scale of head_dim) before
+      the rotary embedding (Qwen3).
     seq_len: longest sequence (HF's max_position_embeddings).
     sliding_window: each position attends to this many latest positions, itself included
       (Mistral's sliding window); None attends to all before it.
@@ -56,6 +59,7 @@ class LlamaConfig:
   rms_eps: float = 1e-6
   tie_embeddings: bool = False
   qkv_bias: bool = False
+  qk_norm: bool = False
   seq_len: int = 2048
   sliding_window: int | None = None
   remat: bool = True
@@ -88,6 +92,7 @@ class LlamaConfig:
     """Exact parameter count (tied embedding counted once; LoRA adapters not counted)."""
     d, h, kv, f = self.hidden, self.num_heads * self.dim, self.num_kv_heads * self.dim, self.intermediate
     block = d * h + 2 * d * kv + h * d + 3 * d * f + 2 * d + (h + 2 * kv if self.qkv_bias else 0)
+    block += 2 * self.dim if self.qk_norm else 0
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_layers * block + d + head
 
@@ -112,6 +117,9 @@ class Block(nnx.Module):
     self.k = linear(d, config.num_kv_heads * k, config.qkv_bias)
     self.v = linear(d, config.num_kv_heads * k, config.qkv_bias)
     self.o = linear(config.num_heads * k, d)
+    if config.qk_norm:
+      self.q_norm = _rms_norm(k, config.rms_eps, rngs)
+      self.k_norm = _rms_norm(k, config.rms_eps, rngs)
     self.ln2 = _rms_norm(d, config.rms_eps, rngs)
     self.gate = linear(d, config.intermediate)
     self.up = linear(d, config.intermediate)
@@ -119,12 +127,17 @@ class Block(nnx.Module):
     self.num_heads, self.num_kv_heads, self.dim = config.num_heads, config.num_kv_heads, k
     self.rope = (config.rope_theta, config.rope_scaling)
     self.window = config.sliding_window
+    self.qk_norm = config.qk_norm
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:
     b, t, _ = x_BxTxD.shape
     h, g, k = self.num_heads, self.num_kv_heads, self.dim
-    q_BxTxHxK = rotary(self.q(x_BxTxD).reshape(b, t, h, k), *self.rope)
-    k_BxTxGxK = rotary(self.k(x_BxTxD).reshape(b, t, g, k), *self.rope)
+    q_BxTxHxK = self.q(x_BxTxD).reshape(b, t, h, k)
+    k_BxTxGxK = self.k(x_BxTxD).reshape(b, t, g, k)
+    if self.qk_norm:  # normed in fp32, back in the compute dtype, as Qwen3's
+      q_BxTxHxK = self.q_norm(q_BxTxHxK).astype(x_BxTxD.dtype)
+      k_BxTxGxK = self.k_norm(k_BxTxGxK).astype(x_BxTxD.dtype)
+    q_BxTxHxK, k_BxTxGxK = rotary(q_BxTxHxK, *self.rope), rotary(k_BxTxGxK, *self.rope)
     v_BxTxGxK = self.v(x_BxTxD).reshape(b, t, g, k)
     # head j: kv head j // (h // g)
     y_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.window)

@@ -124,13 +124,15 @@ def draw(rng, layers: int, devices: int, lora: bool = False) -> dict:
 
 def draw_model(rng, args) -> dict:
   """The model's shape: GPT's tiny one, or a Llama drawn with its kv heads, tied or separate
-  output projection, q/k/v biases and a sliding window (Mistral's) or none."""
+  output projection, q/k/v biases, a sliding window (Mistral's) or none, and Qwen3's
+  query/key norms or none."""
   shape = dict(num_layers=args.layers, vocab_size=65, lora_rank=2 if args.lora else 0)
   if args.model == "llama":
     pick = lambda *xs: xs[int(rng.integers(len(xs)))]
     shape.update(hidden=64, intermediate=96, num_heads=4, num_kv_heads=pick(1, 2, 4),
                  tie_embeddings=pick(False, True), qkv_bias=pick(False, True), seq_len=SEQ)
-    shape.update(sliding_window=pick(None, None, SEQ // 4))  # drawn last: older seeds keep theirs
+    shape.update(sliding_window=pick(None, None, SEQ // 4))  # drawn later: older seeds keep theirs
+    shape.update(qk_norm=pick(False, True))
   return shape
 
 

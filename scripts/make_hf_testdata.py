@@ -11,16 +11,23 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           (not hidden / heads)
   llama3  Llama 3.1's rope scaling (factor 8, original context 64: one of the head's four
           frequencies kept, one interpolated, two slowed), tied embeddings
+  qwen3   Qwen3, each head's queries and keys RMS-normed, head_dim 16 (not hidden / heads),
+          untied head, rope_theta 1e6
+  yarn    Qwen3 with YaRN's rope scaling (factor 4, original context 32: of the head's eight
+          frequencies one kept, one on the ramp, six slowed; cos and sin scaled by 1.139)
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
-and the fp32 `logits` of `transformers`' forward.
+and the fp32 `logits` of `transformers`' forward. Besides, `rope.json`: for each
+rope scaling of `ROPES` (as a config.json gives it), the inverse frequencies and
+attention factor `transformers` computes.
 
-  python scripts/make_hf_testdata.py [--out tests/data/hf] [--models mistral ...]
+  python scripts/make_hf_testdata.py [--out tests/data/hf] [--models mistral ...] [--rope]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 
@@ -49,7 +56,54 @@ def models():
           tie_word_embeddings=True, rope_parameters={
               "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), None),
+      "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config(**common, num_key_value_heads=2, head_dim=16,
+                                                   rope_theta=1e6, tie_word_embeddings=False),
+                None),
+      "yarn": (T.Qwen3ForCausalLM, T.Qwen3Config(
+          **{**common, "max_position_embeddings": 128}, num_key_value_heads=2, head_dim=16,
+          tie_word_embeddings=True, rope_parameters={
+              "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+              "original_max_position_embeddings": 32}), None),
   }
+
+
+# rope scalings of a Llama config.json (head_dim 16, max_position_embeddings 128): every
+# field of yarn's, its defaults, and the others
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+ROPES = [
+    {"rope_theta": 10000.0, "rope_scaling": YARN},
+    {"rope_theta": 1e6, "rope_scaling": {**YARN, "beta_fast": 16, "beta_slow": 2,
+                                         "truncate": False}},
+    {"rope_theta": 10000.0, "rope_scaling": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.5}},
+    {"rope_theta": 10000.0, "rope_scaling": {**YARN, "attention_factor": 1.5}},
+    {"rope_theta": 10000.0, "rope_scaling": {**YARN, "factor": None}},
+    {"rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 2.0}},   # transformers 4's
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}},
+]
+
+
+def rope_references(out: str) -> None:
+  """`rope.json`: each of `ROPES` as a config.json, and what `transformers` makes of it."""
+  import transformers as T
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  cases = []
+  for rope in ROPES:
+    hf = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+          "head_dim": 16, "max_position_embeddings": 128, **rope}
+    given = json.loads(json.dumps(hf))   # transformers fills in the dicts it is given
+    config = T.LlamaConfig(**{k: v for k, v in given.items() if k != "model_type"})
+    kind = config.rope_parameters["rope_type"]
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    cases.append({"config": hf, "inv_freq": inv_freq.tolist(), "attention_factor": factor})
+  with open(os.path.join(out, "rope.json"), "w", encoding="utf-8") as f:
+    json.dump(cases, f, indent=1)
+  print(f"rope.json: {len(cases)} scalings")
 
 
 def main() -> None:
@@ -57,8 +111,14 @@ def main() -> None:
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "data",
                                                 "hf"))
   ap.add_argument("--models", nargs="+", help="build these alone (default: all)")
+  ap.add_argument("--rope", action="store_true", help="rope.json alone (default: with all)")
   args = ap.parse_args()
   import torch
+
+  if args.rope or not args.models:
+    rope_references(args.out)
+  if args.rope and not args.models:
+    return
 
   for k, (name, (cls, config, shard)) in enumerate(models().items()):
     if args.models and name not in args.models:

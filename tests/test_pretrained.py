@@ -83,34 +83,17 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 
 # ------------------------------------------------------------------ Hugging Face
-def test_rope_scalings_change_the_frequencies_as_transformers_does():
-  """Linear scaling slows every frequency by its factor; Llama 3.1's keeps the short wavelengths,
-  slows the long ones by the factor and blends those between, continuously at both edges; a
-  scaling that is not one is refused by name. (Against transformers: the llama3 checkpoint's
-  logits, below.)"""
-  plain = np.asarray(rope.frequencies(64, 5e5))
-  np.testing.assert_allclose(rope.frequencies(64, 5e5, rope.RopeScaling("linear", 4.0)),
-                             plain / 4, rtol=1e-7)
-  scaled = np.asarray(rope.frequencies(64, 5e5, rope.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)))
-  wavelength = 2 * np.pi / plain
-  short, long = wavelength < 8192 / 4, wavelength > 8192
-  assert short.sum() and long.sum() and (~short & ~long).sum()  # all three bands in play
-  np.testing.assert_array_equal(scaled[short], plain[short])
-  np.testing.assert_allclose(scaled[long], plain[long] / 8, rtol=1e-6)
-  ratio = plain / scaled
-  assert ((ratio >= 1 - 1e-6) & (ratio <= 8 + 1e-5)).all() and (np.diff(ratio) >= -1e-6).all()
-  with pytest.raises(ValueError, match="kind 'yarn' is none of"):
-    rope.RopeScaling("yarn", 4.0)
-  with pytest.raises(ValueError, match="high_freq_factor 1.0 must exceed"):
-    rope.RopeScaling("llama3", 8.0, 1.0, 1.0)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3",
+                                    "yarn"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
   Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
-  scaling moves its logits by 0.1 (the same model unscaled is that far off)."""
+  scaling moves its logits by 0.1 (the same model unscaled is that far off); the Qwen3 one
+  norms each head's queries and keys, and the YaRN one scales its rope. The config counts the
+  checkpoint's params exactly."""
   config, make, weights = hf.load(os.path.join(HF, family))
+  ckpt = safetensors.Checkpoint(os.path.join(HF, family))
+  assert config.num_params == sum(int(np.prod(ckpt[n].shape)) for n in ckpt)
   ref = np.load(os.path.join(HF, family, "reference.npz"))
   model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
   nnx.update(model, jax.tree.map(lambda t: jnp.asarray(t.read(())), weights,
@@ -128,7 +111,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     back = hf.config_from_hf(hf.config_to_hf(config, base))
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
-  for family in ("llama", "qwen2", "gpt2", "mistral", "llama3"):
+  for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
@@ -147,7 +130,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   for change, problem in [({"use_sliding_window": True}, "use_sliding_window"),
                           ({"layer_types": ["sliding_attention", "full_attention"]},
                            "layer_types"),
-                          ({"rope_parameters": {"rope_type": "yarn"}}, "rope_scaling"),
+                          ({"rope_parameters": {"rope_type": "longrope"}}, "rope_scaling"),
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "gelu"}, "hidden_act"),
                           ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
@@ -165,10 +148,15 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   assert hf.config_from_hf({**gpt2, "n_inner": 4 * gpt2["n_embd"]}) == hf.config_from_hf(gpt2)
   with pytest.raises(ValueError, match="written as a Mistral one"):
     hf.config_to_hf(mistral, hf.read_config(os.path.join(HF, "llama")))
+  qwen3 = hf.config_from_hf(hf.read_config(os.path.join(HF, "qwen3")))
+  assert qwen3.qk_norm and not qwen3.qkv_bias and hf.config_to_hf(qwen3)["model_type"] == "qwen3"
+  with pytest.raises(ValueError, match="a llama checkpoint has no query/key norms"):
+    hf.config_to_hf(qwen3, hf.read_config(os.path.join(HF, "llama")))
 
 
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
-                                              ("gpt2", "split"), ("llama", "pipeline")],
+                                              ("gpt2", "split"), ("llama", "pipeline"),
+                                              ("qwen3", "pipeline")],
                          indirect=["placement"])
 def test_checkpoint_streams_into_zero3(family, placement, mesh):
   """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
@@ -187,7 +175,7 @@ def test_checkpoint_streams_into_zero3(family, placement, mesh):
   _close(state)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
 def test_export_round_trip(family, mesh, tmp_path):
   """`hf.save` from a training state (NVMe included) writes the checkpoint's names, shapes and
   values back: reading it again is bit-exact, sharded with an index as well."""
@@ -263,11 +251,12 @@ def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
                                                                    "model.safetensors"]
 
 
-def test_export_loads_in_transformers(mesh, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn"])
+def test_export_loads_in_transformers(family, mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  folder = os.path.join(HF, "qwen2")
+  folder = os.path.join(HF, family)
   config, make, weights = hf.load(folder)
   ref = np.load(os.path.join(folder, "reference.npz"))
   tokens = np.tile(ref["tokens"], (4, 1))
