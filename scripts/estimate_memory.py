@@ -17,6 +17,10 @@ NVMe traffic and the host optimizer, at the rates given (defaults: one H100).
 config.json: Llama, Mistral, Qwen2, Qwen3, GPT-2; no weight is read) and counts its
 parameters exactly instead of 12·nl·hd².
 
+`--lora-rank R` counts a LoRA fine-tune (`ZeroConfig(trainable=nnx.LoRAParam)`):
+the adapters of rank R train, and the weights they adapt, frozen, keep their
+params alone: no grads, no master, no moments.
+
 `--json` prints one object whose keys are the fields of
 `zinfjax.memory.MemoryEstimate` (all sizes in bytes) plus `inputs`.
 """
@@ -63,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="ZeroConfig.delay_update: 'all' keeps the held grads twice and the new "
                       "params in host RAM (6 B a param; 'tail' only the leaves outside the "
                       "stacks, counted by --plan)")
+  p.add_argument("--lora-rank", type=int, default=0,
+                 help="LoRA adapters of this rank alone train (train_gpt.py --lora-rank): the "
+                      "frozen weights keep their params alone (params counted exactly)")
   p.add_argument("--plan", action="store_true",
                  help="print the placement offload='auto' chooses and the step time it allows")
   p.add_argument("--budget", action="append", default=[], metavar="TIER=SIZE",
@@ -93,6 +100,7 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.devices}")
   import zinfjax
+  from flax import nnx
   from zinfjax.autoplace import PlacementError, Rates, predict
   from zinfjax.engine import build_engine
   from zinfjax.models import get_config, hf
@@ -105,8 +113,10 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
   if config is None:
     config = get_config(args.preset or "tiny", num_layers=layers, hidden=hidden,
                         num_heads=heads, seq_len=args.seq_len)
+  config = config.replace(lora_rank=args.lora_rank)
   try:
     zero = zinfjax.ZeroConfig(precision=args.precision, offload="auto", nvme_path=args.nvme_path,
+                              trainable=nnx.LoRAParam if args.lora_rank else None,
                               tier_budgets=budgets or None, nvme_atomic_steps=args.atomic_nvme,
                               host_optimizer=args.host_optimizer,
                               host_atomic_steps=args.host_atomic_steps,
@@ -121,14 +131,30 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
   tokens = args.seq_len * args.batch_per_device
   got = predict(engine.plan, tokens, config.num_params, rates)
   print(f"{model_name(args)} {layers} layers x {hidden} hidden ({config.num_params / 1e9:,.2f}B "
-        f"params), {args.precision}, ZeRO-3 on {args.devices} devices, {tokens} tokens per "
-        "device per step")
+        f"params{lora_note(args, config)}), {args.precision}, ZeRO-3 on {args.devices} devices, "
+        f"{tokens} tokens per device per step")
   print(engine.auto.table())
   print(f"step time it allows: {got['step_s']:.3f} s ({got['bound']} bound; "
         f"{tokens / got['step_s']:,.0f} tokens/s per device)")
   for name, seconds in got["terms"].items():
     print(f"  {name:<15} {seconds:8.3f} s")
   return 0
+
+
+def param_counts(config) -> tuple[int, int]:
+  """(every param, those of LoRA adapters) of `config`'s model, counted on its abstract shape."""
+  import jax
+  from flax import nnx
+  from zinfjax.models import hf
+  model = nnx.eval_shape(lambda: hf.factory(config)(nnx.Rngs(0)))
+  size = lambda kind: sum(x.size for x in jax.tree.leaves(nnx.state(model, kind)))
+  return size(nnx.Param), size(nnx.LoRAParam)   # a LoRAParam is an nnx.Param
+
+
+def lora_note(args, config) -> str:
+  if not args.lora_rank:
+    return ""
+  return f" and {param_counts(config)[1] / 1e6:,.2f}M of LoRA adapters of rank {args.lora_rank}"
 
 
 def model_name(args) -> str:
@@ -170,10 +196,20 @@ def main(argv=None) -> int:
   if not (layers and hidden and heads):
     print("error: give --preset NAME or all of --layers, --hidden and --heads.", file=sys.stderr)
     return 2
+  if args.lora_rank < 0:
+    print(f"error: --lora-rank {args.lora_rank}: give a positive rank (0: no LoRA).",
+          file=sys.stderr)
+    return 2
   if args.plan:
     return show_plan(args, layers, hidden, heads, config)
+  num_params, trainable = (config.num_params if config else None), None
+  if args.lora_rank:  # counted exactly on the model with its adapters
+    from zinfjax.models import get_config
+    config = (config or get_config(args.preset or "tiny", num_layers=layers, hidden=hidden,
+                                   num_heads=heads, seq_len=args.seq_len))
+    num_params, trainable = param_counts(config.replace(lora_rank=args.lora_rank))
   est = estimate_memory(layers=layers, hidden=hidden, heads=heads, seq_len=args.seq_len,
-                        num_params=config.num_params if config else None,
+                        num_params=num_params, trainable_params=trainable,
                         batch_per_device=args.batch_per_device, devices=args.devices,
                         devices_per_node=args.devices_per_node, stage=args.zero_stage,
                         checkpoint_interval=args.checkpoint_interval,
@@ -189,7 +225,11 @@ def main(argv=None) -> int:
   print(f"{model_name(args)} {layers} layers x {hidden} hidden, {heads} heads: "
         f"{est.num_params / 1e9:,.2f}B params ({'exact' if config else '12·nl·hd²'}), "
         f"ZeRO-{args.zero_stage} on {args.devices} devices")
-  rows = [("model states, whole model (20 B/param)", est.model_states)]
+  if trainable is not None:
+    print(f"  of which {trainable / 1e6:,.2f}M train (LoRA adapters of rank {args.lora_rank}); "
+          "the others, frozen, keep their params alone")
+  whole = "20 B/param" if trainable is None else "2 B/frozen param, 20 B/trainable one"
+  rows = [(f"model states, whole model ({whole})", est.model_states)]
   rows += [(f"model states per device on {t}", b) for t, b in est.per_device.items()]
   rows += [(f"model states per node on {t}", b) for t, b in est.per_node.items()]
   rows += [("activation checkpoints per device", est.activation_checkpoints),
@@ -201,6 +241,9 @@ def main(argv=None) -> int:
   kept = ", ".join(f"{t} {b:g}" for t, b in est.per_param.items() if b)
   print(f"  zinfjax keeps per parameter (bytes, before the split over devices): {kept}"
         + copies_note(args))
+  if trainable is not None:
+    kept = ", ".join(f"{t} {b:g}" for t, b in est.per_frozen_param.items() if b)
+    print(f"  and per frozen parameter: {kept}")
   return 0
 
 

@@ -155,6 +155,47 @@ def test_bytes_per_param_match_the_plan(param, optimizer, atomic, host, tmp_path
   assert extra == (4 if twins else 6 - returned if in_store else 0)
 
 
+@pytest.mark.parametrize("param,optimizer,atomic,host", [
+    ("device", "device", True, "xla"), ("pinned_host", "nvme", True, "xla"),
+    ("nvme", "nvme", True, "xla"), ("nvme", "nvme", False, "xla"),
+    ("pinned_host", "pinned_host", True, "pipeline")])
+def test_frozen_params_keep_their_params_alone_as_the_plan_does(param, optimizer, atomic, host,
+                                                                  tmp_path):
+  """A LoRA fine-tune (`trainable=nnx.LoRAParam`): the estimate's bytes, `per_param` for the
+  adapters and `per_frozen_param` for the weights they adapt, equal the plan's on every tier (to
+  the stores' padding); the frozen weights keep no grads, master or moments, and the estimate
+  of the whole model drops from 20 bytes a param to 2 for each of them."""
+  import jax
+  from flax import nnx
+  import zinfjax
+  from zinfjax.autoplace import need
+  from zinfjax.engine import build_engine
+  from zinfjax.memory import estimate_memory
+  from zinfjax.models import GPT, get_config
+  config = get_config("tiny", num_layers=8, hidden=256, num_heads=4).replace(lora_rank=4)
+  zero = zinfjax.ZeroConfig(offload_param=param, offload_optimizer=optimizer,
+                            nvme_path=str(tmp_path), nvme_atomic_steps=atomic,
+                            host_optimizer=host, host_atomic_steps=atomic and host == "pipeline",
+                            trainable=nnx.LoRAParam)
+  plan = build_engine(lambda r: GPT(config, rngs=r), zinfjax.optim.adamw(1e-3), zero,
+                      zinfjax.make_mesh(jax.devices()[:1]), open_store_=False).plan
+  t = sum(leaf.size for leaf in plan.leaves if leaf.trainable)
+  f = sum(leaf.size for leaf in plan.leaves if not leaf.trainable)
+  assert 0 < 20 * t < f
+  est = estimate_memory(layers=8, hidden=256, heads=4, offload_param=param,
+                        offload_optimizer=optimizer, atomic_nvme=atomic, host_optimizer=host,
+                        atomic_host=atomic and host == "pipeline", num_params=t + f,
+                        trainable_params=t)
+  held = need(plan, zero)
+  for tier in held:
+    want = est.per_param[tier] * t + est.per_frozen_param[tier] * f
+    assert want <= held[tier] <= want * 1.05, (tier, held[tier], want)
+  assert est.model_states == 2 * f + 20 * t
+  assert est.per_device[param] >= 2 * (t + f) and sum(est.per_device.values()) == 2 * f + 20 * t
+  with pytest.raises(ValueError, match="trainable_params=11 must be between 0 and the 10"):
+    estimate_memory(layers=1, hidden=8, heads=1, num_params=10, trainable_params=11)
+
+
 def test_the_delayed_update_counts_its_host_arrays():
   """delay_update="all" adds the held grads twice and the new params (6 B a param) to host RAM
   where the optimizer is in a store, nowhere else; a RAM store alone, rewritten in place, holds

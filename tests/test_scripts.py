@@ -97,8 +97,9 @@ def test_estimate_memory_json():
 
 def test_estimate_memory_of_a_hugging_face_checkpoint():
   """--init-from takes the shape of a checkpoint folder's config.json and counts its params
-  exactly (the tensors its safetensors hold); --plan places that model; a shape given besides,
-  or a sequence past the model's, is refused."""
+  exactly (the tensors its safetensors hold); --plan places that model; --lora-rank counts
+  the adapters that train and the frozen rest; a shape given besides, or a sequence past the
+  model's, is refused."""
   from zinfjax.weights.safetensors import Checkpoint
   folder = os.path.join(REPO, "tests", "data", "hf", "llama3")
   data = json.loads(run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder,
@@ -110,8 +111,25 @@ def test_estimate_memory_of_a_hugging_face_checkpoint():
   out = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder, "--seq-len",
              "64", "--plan", "--budget", "device=100KiB"])
   assert out.startswith(f"the model of {folder}: 2 layers x 32 hidden") and "placement" in out
+  # LoRA of rank 2 on every projection (r x (in + out) each): the adapters train, the rest
+  # keep their bf16 params alone
+  hf = json.loads(open(os.path.join(folder, "config.json"), encoding="utf-8").read())
+  d, f = hf["hidden_size"], hf["intermediate_size"]
+  k = d // hf["num_attention_heads"]
+  q, kv = hf["num_attention_heads"] * k, hf["num_key_value_heads"] * k
+  t = 2 * hf["num_hidden_layers"] * (2 * (d + q) + 2 * (d + kv) + 2 * (d + f) + (f + d))
+  lora = json.loads(run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder,
+                         "--devices", "2", "--offload-optimizer", "nvme", "--json",
+                         "--lora-rank", "2"]))
+  assert lora["num_params"] == n + t and lora["trainable_params"] == t
+  assert lora["per_device"] == {"device": n + 2 * t, "pinned_host": 0, "nvme": 8 * t}
+  assert lora["per_frozen_param"] == {"device": 2, "pinned_host": 0, "nvme": 0}
+  out = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder, "--plan",
+             "--lora-rank", "2"])
+  assert f"{t / 1e6:,.2f}M of LoRA adapters of rank 2" in out and "placement" in out
   for extra, problem in [(["--layers", "4"], "--layers with --init-from"),
-                         (["--seq-len", "256"], "--seq-len 256 is longer than the model's 128")]:
+                         (["--seq-len", "256"], "--seq-len 256 is longer than the model's 128"),
+                         (["--lora-rank", "-1"], "--lora-rank -1: give a positive rank")]:
     done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "estimate_memory.py"),
                            "--init-from", folder, *extra], capture_output=True, text=True)
     assert done.returncode == 2 and problem in done.stderr, done.stderr

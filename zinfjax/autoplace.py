@@ -317,16 +317,18 @@ class Rates:
 def predict(plan: Plan, tokens_per_device: int, num_params: int, rates: Rates = Rates()) -> dict:
   """The step time a placement allows, per device, if every transfer hides behind the others
   and behind compute (the bound the schedule aims for): the largest of compute (6 FLOPs per
-  param per token), the host<->device traffic, the NVMe traffic and the host optimizer."""
-  link = read = write = host_elems = 0.0
+  param per token; 4 for a frozen one, whose weight gradient is not made), the host<->device
+  traffic, the NVMe traffic and the host optimizer."""
+  link = read = write = host_elems = frozen = 0.0
   item = plan.dtype("params").itemsize
   for leaf in plan.leaves:
+    frozen += 0 if leaf.trainable else leaf.size
     for layer in range(leaf.num_layers):
       p = leaf.local_size * item          # params; grads are the same size
       ptier = leaf.tier("params", layer)
       otier = leaf.tier("master", layer) if leaf.trainable else None
       if ptier != Tier.DEVICE:         # forward and backward reads come over the link,
-        link += 3 * p                    # the grads go back over it
+        link += (3 if leaf.trainable else 2) * p   # the grads go back over it
       if ptier == Tier.NVME:
         read, write = read + 2 * p, write + (p if leaf.trainable else 0)
       if otier is None:
@@ -338,7 +340,8 @@ def predict(plan: Plan, tokens_per_device: int, num_params: int, rates: Rates = 
       if otier == Tier.NVME:           # master, m, v in and out; grads read, params written
         read += plan.optimizer_bytes * leaf.local_size + (p if ptier == Tier.NVME else 0)
         write += plan.optimizer_bytes * leaf.local_size + (p if ptier == Tier.NVME else 0)
-  terms = {"compute": 6 * num_params * tokens_per_device / rates.flops,
+  share = frozen / max(1, sum(leaf.size for leaf in plan.leaves))
+  terms = {"compute": (6 - 2 * share) * num_params * tokens_per_device / rates.flops,
            "host<->device": link / rates.link,
            Tier.NVME: read / rates.nvme_read + write / rates.nvme_write,
            "host optimizer": host_elems / rates.host_adam}

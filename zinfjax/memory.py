@@ -97,6 +97,8 @@ class MemoryEstimate:
   model_state_working_memory: int      # 4·hd·4hd: params + grads of the largest linear
   activation_working_memory: int       # per device: bsz·seq·ci·(16·hd + 2·heads·seq)
   per_param: dict[str, float] = dataclasses.field(default_factory=dict)  # zinfjax's, by tier
+  trainable_params: int | None = None  # those that train (the rest frozen); None: all
+  per_frozen_param: dict[str, float] = dataclasses.field(default_factory=dict)  # a frozen one's
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -108,7 +110,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                     offload_grad: str | None = None, offload_optimizer: str = Tier.DEVICE,
                     num_params: int | None = None, atomic_nvme: bool = True,
                     bf16_moments: bool = False, host_optimizer: str = "xla",
-                    atomic_host: bool = False, delay_update: str = "none") -> MemoryEstimate:
+                    atomic_host: bool = False, delay_update: str = "none",
+                    trainable_params: int | None = None) -> MemoryEstimate:
   """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
 
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
@@ -116,6 +119,9 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   zinfjax itself keeps per parameter on each tier (`bytes_per_param`, which reads
   `atomic_nvme`, `host_optimizer`, `atomic_host` and `delay_update`); `bf16_moments` shrinks
   both it and `per_device`'s optimizer states by the moments' 4 bytes.
+  `trainable_params` of the `num_params` train (LoRA's adapters, say; None: all): the frozen
+  rest keep their params alone (`ZeroConfig.trainable`), no grads and no optimizer states,
+  `per_frozen_param` bytes each.
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
                      ("offload_optimizer", offload_optimizer)):
@@ -126,20 +132,27 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   offload_grad = offload_grad or offload_param
   per_node_devices = devices_per_node or devices
   n = num_params if num_params is not None else 12 * layers * hidden ** 2
+  t = n if trainable_params is None else trainable_params
+  if not 0 <= t <= n:
+    raise ValueError(f"trainable_params={t} must be between 0 and the {n} params.")
 
-  def share(bytes_per_param: int, split: bool) -> int:
-    return -(-n * bytes_per_param // devices) if split else n * bytes_per_param
+  def share(bytes_per_param: int, split: bool, count: int = n) -> int:
+    return -(-count * bytes_per_param // devices) if split else count * bytes_per_param
 
   per_device = dict.fromkeys(TIERS, 0)
   per_device[offload_param] += share(PARAM_BYTES, stage >= 3)
-  per_device[offload_grad] += share(GRAD_BYTES, stage >= 2)
+  per_device[offload_grad] += share(GRAD_BYTES, stage >= 2, t)
   # the paper's 16 optimizer bytes, less the 4 that bf16 moments save
   saved = STATE_BYTES["optimizer"] - BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else 0
-  per_device[offload_optimizer] += share(OPTIMIZER_BYTES - saved, stage >= 1)
+  per_device[offload_optimizer] += share(OPTIMIZER_BYTES - saved, stage >= 1, t)
+  twice = copied_tiers(offload_param, offload_optimizer, atomic_nvme=atomic_nvme,
+                       host_optimizer=host_optimizer, atomic_host=atomic_host)
+  frozen = dict.fromkeys(TIERS, 0.0)
+  frozen[Tier(offload_param)] += PARAM_BYTES * (2 if offload_param in twice else 1)
   ci = checkpoint_interval
   return MemoryEstimate(
       num_params=n,
-      model_states=n * (PARAM_BYTES + GRAD_BYTES + OPTIMIZER_BYTES),
+      model_states=n * PARAM_BYTES + t * (GRAD_BYTES + OPTIMIZER_BYTES),
       per_device=per_device,
       per_node={t: b * per_node_devices for t, b in per_device.items()},
       activation_checkpoints=2 * batch_per_device * seq_len * hidden * layers // ci,
@@ -149,6 +162,7 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                                 atomic_nvme=atomic_nvme, bf16_moments=bf16_moments,
                                 host_optimizer=host_optimizer, atomic_host=atomic_host,
                                 delay_update=delay_update),
+      trainable_params=trainable_params, per_frozen_param=frozen,
   )
 
 
