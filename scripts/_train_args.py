@@ -29,6 +29,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
   p.add_argument("--export", default=None, metavar="FOLDER",
                  help="at the end, write the model as a Hugging Face checkpoint folder (with "
                       "the --init-from folder's tokenizer and generation files)")
+  p.add_argument("--export-dtype", default=None, choices=("float32", "bfloat16"),
+                 help="the --export weights' dtype (default float32: bfloat16 halves the folder "
+                      "but rounds away a fine-tune's updates under 1/256 of a weight)")
   p.add_argument("--eval-every", type=int, default=0,
                  help="every N steps, the loss on held-out data (the last 10%% of the tokens)")
   p.add_argument("--layers", type=int, help="override the preset's number of layers")
@@ -186,6 +189,10 @@ def check_args(args) -> None:
     if given:
       raise SystemExit(f"error: {', '.join(given)} with --init-from: the model's shape comes from "
                        f"{os.path.join(args.init_from, 'config.json')}; leave them out.")
+  if args.export_dtype and not args.export:
+    raise SystemExit(f"error: --export-dtype {args.export_dtype} sets the dtype of --export: "
+                     "add --export FOLDER.")
+  args.export_dtype = args.export_dtype or "float32"
   check_outputs(args)
 
 

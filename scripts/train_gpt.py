@@ -381,7 +381,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     base = hf.read_config(args.init_from) if args.init_from else None
     # several processes: each holds its own shards; the checkpoint saved last holds them all
     source = state if jax.process_count() == 1 else CheckpointParams(args.checkpoint_dir)
-    hf.save(args.export, config, source, base_config=base, copy_from=args.init_from)
+    hf.save(args.export, config, source, args.export_dtype, base, copy_from=args.init_from)
     say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
     if args.delay_update != "none":
       say("  with every update but the last step's, whose grads --delay-update holds for a next "

@@ -48,8 +48,12 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "llama"
   assert (tmp_path / "out" / "generation_config.json").read_text() == (
       source / "generation_config.json").read_text()
-  out = _run(common + ["--steps", "9", "--resume"]).stdout
+  out = _run(common + ["--steps", "9", "--resume", "--export-dtype", "bfloat16"]).stdout
   assert "resumed from step 6" in out
+  from zinfjax.weights import safetensors
+  assert json.load(open(tmp_path / "out" / "config.json"))["torch_dtype"] == "bfloat16"
+  half = safetensors.Checkpoint(str(tmp_path / "out"))
+  assert {str(half[n].dtype) for n in half} == {"bfloat16"}
   resumed = [json.loads(l) for l in metrics.read_text().splitlines()]
   assert [r["step"] for r in resumed] == list(range(1, 10))  # the first run's records kept
   assert resumed[:6] == records
@@ -57,6 +61,8 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   done = _run(["--init-from", LLAMA, "--data", DATA, "--devices", "2", "--steps", "1"], ok=False)
   assert done.returncode != 0 and "needs the model's tokenizer" in done.stderr
   assert "Traceback" not in done.stderr
+  done = _run(["--init-from", LLAMA, "--export-dtype", "bfloat16"], ok=False)
+  assert done.returncode != 0 and "--export-dtype bfloat16 sets the dtype of --export" in done.stderr
 
 
 def test_finetune_lora_exports_merged_weights(tmp_path):
