@@ -62,7 +62,8 @@ def test_finetune_checkpoint_resume_and_export(tmp_path):
   assert done.returncode != 0 and "needs the model's tokenizer" in done.stderr
   assert "Traceback" not in done.stderr
   done = _run(["--init-from", LLAMA, "--export-dtype", "bfloat16"], ok=False)
-  assert done.returncode != 0 and "--export-dtype bfloat16 sets the dtype of --export" in done.stderr
+  assert done.returncode != 0
+  assert "--export-dtype bfloat16 sets the dtype of --export" in done.stderr
 
 
 def test_finetune_lora_exports_merged_weights(tmp_path):
