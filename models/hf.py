@@ -120,6 +120,9 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
                        "only).")
     if kind == "llama" and hf.get("mlp_bias"):
       raise ValueError("mlp_bias=true is not supported.")
+    if kind in ("llama", "qwen3") and hf.get("attention_bias"):
+      raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
+                       "supported (Qwen2's q, k and v biases are).")
     heads = hf["num_attention_heads"]
     return LlamaConfig(
         vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
@@ -129,7 +132,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         rope_scaling=_rope_scaling(rope_type, scaling, hf),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get("attention_bias", kind == "qwen2")), qk_norm=kind == "qwen3",
+        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
         seq_len=hf.get("max_position_embeddings", 2048),
         sliding_window=hf.get("sliding_window") if kind == "mistral" else None, remat=remat)
   if kind == "gpt2":
@@ -187,9 +190,10 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
     if c.sliding_window and kind != "mistral":
       raise ValueError(f"a {kind} checkpoint has no sliding window: a model with "
                        f"sliding_window={c.sliding_window} is written as a Mistral one.")
-    if c.qk_norm != (kind == "qwen3"):
-      raise ValueError(f"a {kind} checkpoint {'has no' if c.qk_norm else 'has'} query/key norms "
-                       f"(qk_norm={c.qk_norm}): {'only' if c.qk_norm else 'every'} Qwen3 one does.")
+    if c.qk_norm != (kind == "qwen3") or c.qkv_bias != (kind == "qwen2"):
+      raise ValueError(f"a {kind} checkpoint cannot hold this model (qk_norm={c.qk_norm}, "
+                       f"qkv_bias={c.qkv_bias}): Qwen3's alone norms queries and keys, Qwen2's "
+                       "alone has q, k and v biases (and none on o).")
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
                hidden_size=c.hidden, intermediate_size=c.intermediate,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
@@ -197,7 +201,7 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
                max_position_embeddings=c.seq_len, hidden_act="silu")
     if kind in ("llama", "qwen3"):
-      out["attention_bias"] = c.qkv_bias
+      out["attention_bias"] = False
     if kind == "mistral":
       out["sliding_window"] = c.sliding_window
     if c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms

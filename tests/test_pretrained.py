@@ -150,8 +150,12 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     hf.config_to_hf(mistral, hf.read_config(os.path.join(HF, "llama")))
   qwen3 = hf.config_from_hf(hf.read_config(os.path.join(HF, "qwen3")))
   assert qwen3.qk_norm and not qwen3.qkv_bias and hf.config_to_hf(qwen3)["model_type"] == "qwen3"
-  with pytest.raises(ValueError, match="a llama checkpoint has no query/key norms"):
-    hf.config_to_hf(qwen3, hf.read_config(os.path.join(HF, "llama")))
+  llama = hf.read_config(os.path.join(HF, "llama"))
+  for config, base in [(qwen3, llama), (hf.config_from_hf(qwen2), llama), (qwen3, qwen2)]:
+    with pytest.raises(ValueError, match=f"a {base['model_type']} checkpoint cannot hold"):
+      hf.config_to_hf(config, base)
+  with pytest.raises(ValueError, match="attention_bias=true \\(biases on the q, k, v and o"):
+    hf.config_from_hf({**llama, "attention_bias": True})
 
 
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
