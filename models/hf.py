@@ -143,6 +143,9 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
       raise ValueError("GPT-2 attention scaled otherwise than by 1/sqrt(head dim) "
                        "(scale_attn_weights, scale_attn_by_inverse_layer_idx) is not supported.")
+    if not hf.get("tie_word_embeddings", True):
+      raise ValueError("GPT-2 with tie_word_embeddings=false (an output head of its own) is not "
+                       "supported: zinfjax's GPT projects with the token embedding.")
     if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
       raise ValueError(f"GPT-2 n_inner={hf['n_inner']} is not supported (the MLP is 4 x n_embd "
                        f"= {4 * hf['n_embd']} wide).")

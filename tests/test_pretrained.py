@@ -142,6 +142,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   for change, problem in [({"scale_attn_by_inverse_layer_idx": True}, "scaled otherwise"),
                           ({"scale_attn_weights": False}, "scaled otherwise"),
                           ({"n_inner": 100}, "n_inner=100"),
+                          ({"tie_word_embeddings": False}, "an output head of its own"),
                           ({"activation_function": "relu"}, "activation")]:
     with pytest.raises(ValueError, match=problem):
       hf.config_from_hf({**gpt2, **change})
