@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 import threading
 
@@ -21,6 +22,14 @@ def script_env() -> dict[str, str]:
   (the scripts pick their devices), keeping conftest's other XLA flags and compilation cache."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
   return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+
+
+def run_script(args: list[str], timeout: float = 600) -> str:
+  """`python ARGS` in the repository root with `script_env()`; its stdout (it must succeed)."""
+  out = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=timeout, env=script_env())
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
 
 
 def load_script(name: str):
