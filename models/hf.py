@@ -33,6 +33,8 @@ from .gpt import GPT
 from .llama import Llama, LlamaConfig
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# transformers' defaults for what a config.json leaves out, where they are not ours
+CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # positions
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
@@ -128,13 +130,15 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
         intermediate=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim"), rope_theta=float(theta),
+        head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
+        rope_theta=float(theta),
         rope_scaling=_rope_scaling(rope_type, scaling, hf),
         rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-        seq_len=hf.get("max_position_embeddings", 2048),
-        sliding_window=hf.get("sliding_window") if kind == "mistral" else None, remat=remat)
+        seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
+        sliding_window=hf.get("sliding_window", 4096) if kind == "mistral" else None,
+        remat=remat)
   if kind == "gpt2":
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
       raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
@@ -160,7 +164,7 @@ def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling
   """Our `RopeScaling` of HF's dict, with `transformers`' defaults for what it leaves out."""
   if kind not in rope.KINDS:
     return None
-  longest = hf.get("max_position_embeddings", 2048)
+  longest = hf.get("max_position_embeddings", CONTEXT.get(hf.get("model_type"), 2048))
   original = int(hf.get("original_max_position_embeddings")   # Phi-3 keeps it outside
                  or scaling.get("original_max_position_embeddings") or longest)
   factor = scaling.get("factor")

@@ -151,6 +151,12 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     hf.config_to_hf(mistral, hf.read_config(os.path.join(HF, "llama")))
   qwen3 = hf.config_from_hf(hf.read_config(os.path.join(HF, "qwen3")))
   assert qwen3.qk_norm and not qwen3.qkv_bias and hf.config_to_hf(qwen3)["model_type"] == "qwen3"
+  given = {k: v for k, v in hf.read_config(os.path.join(HF, "qwen3")).items() if k != "head_dim"}
+  assert hf.config_from_hf(given).dim == 128   # Qwen3's default, not hidden / heads
+  given = {k: v for k, v in hf.read_config(os.path.join(HF, "mistral")).items()
+           if k not in ("sliding_window", "max_position_embeddings")}
+  assert (hf.config_from_hf(given).sliding_window, hf.config_from_hf(given).seq_len) == (
+      4096, 131072)   # Mistral's defaults
   llama = hf.read_config(os.path.join(HF, "llama"))
   for config, base in [(qwen3, llama), (hf.config_from_hf(qwen2), llama), (qwen3, qwen2)]:
     with pytest.raises(ValueError, match=f"a {base['model_type']} checkpoint cannot hold"):
