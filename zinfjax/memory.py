@@ -132,19 +132,19 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   offload_grad = offload_grad or offload_param
   per_node_devices = devices_per_node or devices
   n = num_params if num_params is not None else 12 * layers * hidden ** 2
-  t = n if trainable_params is None else trainable_params
-  if not 0 <= t <= n:
-    raise ValueError(f"trainable_params={t} must be between 0 and the {n} params.")
+  trained = n if trainable_params is None else trainable_params
+  if not 0 <= trained <= n:
+    raise ValueError(f"trainable_params={trained} must be between 0 and the {n} params.")
 
   def share(bytes_per_param: int, split: bool, count: int = n) -> int:
     return -(-count * bytes_per_param // devices) if split else count * bytes_per_param
 
   per_device = dict.fromkeys(TIERS, 0)
   per_device[offload_param] += share(PARAM_BYTES, stage >= 3)
-  per_device[offload_grad] += share(GRAD_BYTES, stage >= 2, t)
+  per_device[offload_grad] += share(GRAD_BYTES, stage >= 2, trained)
   # the paper's 16 optimizer bytes, less the 4 that bf16 moments save
   saved = STATE_BYTES["optimizer"] - BF16_MOMENTS_OPTIMIZER_BYTES if bf16_moments else 0
-  per_device[offload_optimizer] += share(OPTIMIZER_BYTES - saved, stage >= 1, t)
+  per_device[offload_optimizer] += share(OPTIMIZER_BYTES - saved, stage >= 1, trained)
   twice = copied_tiers(offload_param, offload_optimizer, atomic_nvme=atomic_nvme,
                        host_optimizer=host_optimizer, atomic_host=atomic_host)
   frozen = dict.fromkeys(TIERS, 0.0)
@@ -152,7 +152,7 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   ci = checkpoint_interval
   return MemoryEstimate(
       num_params=n,
-      model_states=n * PARAM_BYTES + t * (GRAD_BYTES + OPTIMIZER_BYTES),
+      model_states=n * PARAM_BYTES + trained * (GRAD_BYTES + OPTIMIZER_BYTES),
       per_device=per_device,
       per_node={t: b * per_node_devices for t, b in per_device.items()},
       activation_checkpoints=2 * batch_per_device * seq_len * hidden * layers // ci,
