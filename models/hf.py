@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import shutil
@@ -32,11 +31,11 @@ from .config import GPTConfig
 from .gpt import GPT
 from .llama import Llama, LlamaConfig
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# transformers' defaults for what a config.json leaves out, where they are not ours
-CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # positions
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+LLAMA_TYPES = tuple(ARCHITECTURES)
+# transformers' defaults for what a config.json leaves out, where they are not ours
+CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # positions
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # the files besides config and weights that make a folder whole for `transformers`: its
@@ -177,10 +176,10 @@ def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling
     fields.update(low_freq_factor=float(scaling["low_freq_factor"]),
                   high_freq_factor=float(scaling["high_freq_factor"]))
   if kind == "yarn":
-    mscale = lambda m: 0.1 * m * math.log(fields["factor"]) + 1 if fields["factor"] > 1 else 1.0
-    attention = scaling.get("attention_factor")
+    attention, factor = scaling.get("attention_factor"), fields["factor"]
     if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
-      attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+      attention = (rope.mscale(factor, scaling["mscale"])
+                   / rope.mscale(factor, scaling["mscale_all_dim"]))
     fields.update(beta_fast=float(scaling.get("beta_fast") or 32),
                   beta_slow=float(scaling.get("beta_slow") or 1),
                   truncate=bool(scaling.get("truncate", True)),

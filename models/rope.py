@@ -56,9 +56,7 @@ class RopeScaling:
     """What cos and sin are multiplied by: yarn's attention factor, 1 for the others."""
     if self.kind != "yarn":
       return 1.0
-    if self.attention_factor is not None:
-      return self.attention_factor
-    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+    return self.attention_factor if self.attention_factor is not None else mscale(self.factor)
 
   def to_hf(self) -> dict:
     out = {"rope_type": self.kind, "factor": self.factor}
@@ -72,6 +70,11 @@ class RopeScaling:
       out.update({} if self.attention_factor is None else
                  {"attention_factor": self.attention_factor})
     return out
+
+
+def mscale(factor: float, m: float = 1.0) -> float:
+  """YaRN's attention factor for a context `factor` times longer: 0.1 m ln(factor) + 1."""
+  return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _yarn(inv_freq: jax.Array, head_dim: int, theta: float, s: RopeScaling) -> jax.Array:

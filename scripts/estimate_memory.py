@@ -103,17 +103,14 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
   from flax import nnx
   from zinfjax.autoplace import PlacementError, Rates, predict
   from zinfjax.engine import build_engine
-  from zinfjax.models import get_config, hf
+  from zinfjax.models import hf
   from zinfjax.progress import parse_budgets
   try:
     budgets = parse_budgets(args.budget)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if config is None:
-    config = get_config(args.preset or "tiny", num_layers=layers, hidden=hidden,
-                        num_heads=heads, seq_len=args.seq_len)
-  config = config.replace(lora_rank=args.lora_rank)
+  config = model_config(args, layers, hidden, heads, config).replace(lora_rank=args.lora_rank)
   try:
     zero = zinfjax.ZeroConfig(precision=args.precision, offload="auto", nvme_path=args.nvme_path,
                               trainable=nnx.LoRAParam if args.lora_rank else None,
@@ -131,8 +128,8 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
   tokens = args.seq_len * args.batch_per_device
   got = predict(engine.plan, tokens, config.num_params, rates)
   print(f"{model_name(args)} {layers} layers x {hidden} hidden ({config.num_params / 1e9:,.2f}B "
-        f"params{lora_note(args, config)}), {args.precision}, ZeRO-3 on {args.devices} devices, "
-        f"{tokens} tokens per device per step")
+        f"params{lora_note(args, engine.plan)}), {args.precision}, ZeRO-3 on {args.devices} "
+        f"devices, {tokens} tokens per device per step")
   print(engine.auto.table())
   print(f"step time it allows: {got['step_s']:.3f} s ({got['bound']} bound; "
         f"{tokens / got['step_s']:,.0f} tokens/s per device)")
@@ -151,10 +148,21 @@ def param_counts(config) -> tuple[int, int]:
   return size(nnx.Param), size(nnx.LoRAParam)   # a LoRAParam is an nnx.Param
 
 
-def lora_note(args, config) -> str:
+def lora_note(args, plan) -> str:
+  """The LoRA adapters' share of the params, as the plan holds them (its trainable leaves)."""
   if not args.lora_rank:
     return ""
-  return f" and {param_counts(config)[1] / 1e6:,.2f}M of LoRA adapters of rank {args.lora_rank}"
+  adapters = sum(leaf.size for leaf in plan.leaves if leaf.trainable)
+  return f" and {adapters / 1e6:,.2f}M of LoRA adapters of rank {args.lora_rank}"
+
+
+def model_config(args, layers: int, hidden: int, heads: int, config=None):
+  """`config` (a Hugging Face model's), or the GPT of the preset and shape given."""
+  if config is not None:
+    return config
+  from zinfjax.models import get_config
+  return get_config(args.preset or "tiny", num_layers=layers, hidden=hidden, num_heads=heads,
+                    seq_len=args.seq_len)
 
 
 def model_name(args) -> str:
@@ -204,9 +212,7 @@ def main(argv=None) -> int:
     return show_plan(args, layers, hidden, heads, config)
   num_params, trainable = (config.num_params if config else None), None
   if args.lora_rank:  # counted exactly on the model with its adapters
-    from zinfjax.models import get_config
-    config = (config or get_config(args.preset or "tiny", num_layers=layers, hidden=hidden,
-                                   num_heads=heads, seq_len=args.seq_len))
+    config = model_config(args, layers, hidden, heads, config)
     num_params, trainable = param_counts(config.replace(lora_rank=args.lora_rank))
   est = estimate_memory(layers=layers, hidden=hidden, heads=heads, seq_len=args.seq_len,
                         num_params=num_params, trainable_params=trainable,
