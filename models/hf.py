@@ -293,16 +293,13 @@ def load(folder: str, remat: bool = True):
 
 
 # ---------------------------------------------------------------------------- out
-def tensors(config, leaf: Callable[[str], np.ndarray], dtype) -> Iterator[tuple[str, Any]]:
-  """(HF name, (shape, dtype, produce)) of every tensor; `leaf(path)` gives one whole leaf."""
-  cache: dict[str, np.ndarray] = {}
-
+def tensors(config, leaf: Callable[[str, int | None], np.ndarray], dtype
+            ) -> Iterator[tuple[str, Any]]:
+  """(HF name, (shape, dtype, produce)) of every tensor; `leaf(path, i)` gives one leaf's layer
+  `i` (None: the whole leaf, one outside the stacks), so an export holds one layer at a time."""
   def layer_of(rule: Rule, i: int | None) -> Callable[[], np.ndarray]:
     def produce():
-      if rule.path not in cache:
-        cache.clear()  # one leaf in memory at a time (rules of one leaf are consecutive)
-        cache[rule.path] = np.asarray(leaf(rule.path))
-      x = cache[rule.path] if i is None else cache[rule.path][i]
+      x = np.asarray(leaf(rule.path, i))
       return x.T if rule.transpose else x
     return produce
 
@@ -326,18 +323,18 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
   adapters merged into the weights they adapt: `config` may be the base model's or the
   adapted one's). `copy_from`, the checkpoint folder the model came from, gives the
   tokenizer and generation files it holds (`COMPANION_FILES`), copied along."""
-  if hasattr(params, "full_leaf"):
-    read = lambda path: params.full_leaf(path)
+  if hasattr(params, "full_leaf"):  # read a layer at a time: `full_leaf(path, layer=i)`
+    read = lambda path, i: params.full_leaf(path) if i is None else params.full_leaf(path, layer=i)
   else:
     tree = nnx.to_pure_dict(nnx.state(params)) if isinstance(params, nnx.Module) else params
-    read = lambda path: _get(tree, path)
+    read = lambda path, i: _get(tree, path) if i is None else _get(tree, path)[i]
 
-  def leaf(path: str) -> np.ndarray:  # LoRA adapters merged into their kernel: W + A @ B
-    x = np.asarray(read(path))
+  def leaf(path: str, i: int | None) -> np.ndarray:  # LoRA adapters merged in: W + A @ B
+    x = np.asarray(read(path, i))
     if path.endswith("/kernel"):  # wherever `params` holds adapters, whatever `config` says
       base = path[:-len("kernel")]
       try:
-        a, b = np.asarray(read(base + "lora/lora_a")), np.asarray(read(base + "lora/lora_b"))
+        a, b = (np.asarray(read(base + f"lora/lora_{n}", i)) for n in "ab")
       except KeyError:  # not an adapted projection (the output head)
         return x
       x = x + np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(x.dtype)

@@ -247,3 +247,16 @@ def check_no_resave(saved: list[int], start: int, args) -> None:
         f"error: {args.checkpoint_dir} already holds step(s) {again}, which this run (from step "
         f"{start} to {args.steps}) would save again, and a save never replaces a step. Move "
         f"those steps' folders out of it, or stop before them (--steps {again[0] - 1}).")
+
+
+def lr_schedule(args):
+  """--lr's schedule: warm-up (--warmup-steps, default a tenth of the run up to 100 steps), then
+  cosine decay to a tenth over --schedule-steps (default --steps)."""
+  import optax
+  total = args.schedule_steps or args.steps
+  warmup = max(1, min(100, total // 10)) if args.warmup_steps is None else args.warmup_steps
+  if warmup:
+    return optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup_steps=warmup,
+                                              decay_steps=max(total, warmup + 1),
+                                              end_value=args.lr / 10)
+  return optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)

@@ -38,7 +38,7 @@ def make_checkpoint(folder: str, shape: str) -> None:
   config = LlamaConfig(vocab_size=vocab, hidden=d, intermediate=f, num_layers=layers,
                        num_heads=h, num_kv_heads=kv, seq_len=2048)
   rng = np.random.default_rng(0)
-  leaf = lambda path: None  # noqa: E731  (shapes come from the rules; values are drawn below)
+  leaf = lambda path, layer: None  # noqa: E731  (shapes from the rules; values drawn below)
 
   def tensors():
     for name, (shp, dtype, _) in hf.tensors(config, leaf, np.dtype(ml_dtypes.bfloat16)):

@@ -23,7 +23,8 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _train_args import check_args, check_metrics_file, check_no_resave, parse_args  # noqa: E402
+from _train_args import (check_args, check_metrics_file, check_no_resave, lr_schedule,  # noqa: E402
+                         parse_args)
 
 if TYPE_CHECKING:
   from zinfjax.progress import HostMemoryWatch
@@ -219,15 +220,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by {dp} devices x "
                      f"{zero.micro_batches} micro-batches; use a multiple of "
                      f"{dp * zero.micro_batches}.")
-  total = args.schedule_steps or args.steps
-  warmup = max(1, min(100, total // 10)) if args.warmup_steps is None else args.warmup_steps
-  if warmup:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup_steps=warmup, decay_steps=max(total, warmup + 1),
-        end_value=args.lr / 10)
-  else:
-    schedule = optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
-  clip = args.clip or None
+  schedule, clip = lr_schedule(args), args.clip or None
   # zinfjax's AdamW on every tier (jnp on the device, the C++ kernel on the host, the NVMe
   # pipeline): one optimizer state format, so a checkpoint resumes onto any placement; weight
   # decay on the weight matrices, not on biases and norm scales
@@ -380,10 +373,12 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     t0 = time.perf_counter()
     base = hf.read_config(args.init_from) if args.init_from else None
     # several processes: each holds its own shards; the checkpoint saved last holds them all
-    source = state if jax.process_count() == 1 else CheckpointParams(args.checkpoint_dir)
+    # (and the grads --delay-update holds, unapplied); one: the held update is applied first
+    one = jax.process_count() == 1
+    source = zinfjax.flush_updates(state) if one else CheckpointParams(args.checkpoint_dir)
     hf.save(args.export, config, source, args.export_dtype, base, copy_from=args.init_from)
     say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
-    if args.delay_update != "none":
+    if args.delay_update != "none" and not one:
       say("  with every update but the last step's, whose grads --delay-update holds for a next "
           "step (a checkpoint keeps them; --resume applies them)")
   if args.export and jax.process_count() > 1:  # the others wait for it, then shut down together

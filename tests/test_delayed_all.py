@@ -108,20 +108,14 @@ def test_every_update_one_step_late_equals_the_reference(param, optimizer, extra
   state.close()
 
 
-def split_reference(batches, clip, first_late: int):
-  """`late_reference` where only the stacked layers from `first_late` on are late: the other
-  layers and the leaves outside the stack are updated by their own step (each part with its
-  own AdamW state, so its count is its own number of updates)."""
-  params, grads = reference_grads(scaled_loss, clip)
+def masked_reference(batches, clip, late, loss_fn=scaled_loss, flush: bool = False):
+  """Losses and final params of plain AdamW on one device whose entries `late(path, leaf)` marks
+  take each step's grads one step late (each part with its own AdamW state, so its count is its
+  own number of updates); with `flush`, the last step's held grads applied at the end."""
+  params, grads = reference_grads(loss_fn, clip)
   adam = optax.adamw(LR, weight_decay=DECAY)
-
-  def late(path, x):  # which entries of a leaf are late: the stack's layers >= first_late
-    if "blocks" not in jax.tree_util.keystr(path):
-      return np.zeros(x.shape, bool)
-    return np.broadcast_to((np.arange(x.shape[0]) >= first_late).reshape(-1, *[1] * (x.ndim - 1)),
-                           x.shape)
-
   mask = jax.tree_util.tree_map_with_path(late, params)
+  where = lambda a, b: jax.tree.map(lambda m, x, y: jnp.where(m, x, y), mask, a, b)
 
   @jax.jit
   def update(p, g, opt):
@@ -133,13 +127,24 @@ def split_reference(batches, clip, first_late: int):
     value, g, _ = grads(params, batch)
     losses.append(float(value))
     fresh, now = update(params, g, now)
-    if held is not None:
-      stale, later = update(params, held, later)
-    else:
-      stale = params
-    params = jax.tree.map(lambda m, a, b: jnp.where(m, a, b), mask, stale, fresh)
+    stale, later = update(params, held, later) if held is not None else (params, later)
+    params = where(stale, fresh)
     held = g
+  if flush:
+    params = where(update(params, held, later)[0], params)
   return np.asarray(losses), params
+
+
+def split_reference(batches, clip, first_late: int):
+  """`late_reference` where only the stacked layers from `first_late` on are late: the other
+  layers and the leaves outside the stack are updated by their own step."""
+  def late(path, x):  # which entries of a leaf are late: the stack's layers >= first_late
+    if "blocks" not in jax.tree_util.keystr(path):
+      return np.zeros(x.shape, bool)
+    return np.broadcast_to((np.arange(x.shape[0]) >= first_late).reshape(-1, *[1] * (x.ndim - 1)),
+                           x.shape)
+
+  return masked_reference(batches, clip, late)
 
 
 def test_the_largest_runs_placement_one_step_late(mesh, batches, monkeypatch):

@@ -172,7 +172,7 @@ class ZeroConfig:
       two trade places after each step: no copy). The trade: those params see
       each step's grads one step later (the first step leaves them as they
       were; checkpoints keep the held grads, and a run resumed with the same
-      delay applies them).
+      delay applies them, as `zinfjax.flush_updates` does before an export).
       "none" (default): no delay.
       With offload="auto", a placement that keeps every optimizer state on
       the device has nothing to delay: it runs as "none" (any other

@@ -26,6 +26,7 @@ from .optim.host import HostAdamState
 from .ordering import needs_order, ordered_collectives
 from .placement import Plan
 from .progress import InitReport, Tally
+from .shards import host_shards
 from .weights.source import as_tree, match
 from .weights.stream import existing_weights, stream_states
 
@@ -141,16 +142,22 @@ class TrainState:
     plan = self.engine.plan
     return plan.unflatten([jnp.asarray(self._full(leaf, dtype)) for leaf in plan.leaves])
 
-  def full_leaf(self, name: str, dtype=np.float32) -> np.ndarray:
+  def full_leaf(self, name: str, dtype=np.float32, layer: int | None = None) -> np.ndarray:
     """One leaf's fp32 master (a frozen leaf: its compute params) in its logical shape, by its
-    path (e.g. "layers/block/q/kernel"), as numpy: an export reads one leaf at a time."""
+    path (e.g. "layers/block/q/kernel"), as numpy: an export reads one leaf at a time; of a
+    stacked leaf, one `layer` at a time where given (that layer read alone, not the stack)."""
     self.check_usable("full_leaf")
     found = [l for l in self.engine.plan.leaves if l.name == name]
     if not found:
       raise KeyError(f"the model has no leaf {name!r}.")
-    return self._full(found[0], dtype)
+    leaf = found[0]
+    if layer is not None and not (leaf.stacked and 0 <= layer < leaf.num_layers):
+      raise IndexError(f"full_leaf({name!r}, layer={layer}): " + (
+          f"the leaf has layers 0 to {leaf.num_layers - 1}." if leaf.stacked
+          else "the leaf is not stacked; leave layer out."))
+    return self._full(leaf, dtype, layer)
 
-  def _full(self, leaf, dtype) -> np.ndarray:
+  def _full(self, leaf, dtype, layer: int | None = None) -> np.ndarray:
     if jax.process_count() > 1:
       raise NotImplementedError(
           "full_params, full_leaf and model() join every rank's shards in this process, and "
@@ -159,9 +166,10 @@ class TrainState:
           "(hf.save takes it; train_gpt.py --export does so with --checkpoint-dir).")
     plan = self.engine.plan
     state = "master" if leaf.trainable else "params"
-    x = _whole(plan, leaf, plan.flatten(getattr(self, state))[leaf.index], self.engine.store, state)
-    index = tuple(slice(0, n) for n in leaf.layout.shape)
-    return np.asarray(x[index], dtype)
+    parts = plan.flatten(getattr(self, state))[leaf.index]
+    x = _whole(plan, leaf, parts, self.engine.store, state, layer)
+    shape = leaf.layout.shape if layer is None else leaf.layout.shape[1:]
+    return np.asarray(x[tuple(slice(0, n) for n in shape)], dtype)
 
   def model(self) -> nnx.Module:
     """An ordinary NNX model holding the current master params (gathered whole)."""
@@ -177,23 +185,32 @@ jax.tree_util.register_pytree_with_keys(
     lambda s: ([getattr(s, f) for f in _FIELDS], _EngineRef(s.engine)))
 
 
-def _whole(plan: Plan, leaf, parts: tuple, store, state: str = "master") -> np.ndarray:
+def _whole(plan: Plan, leaf, parts: tuple, store, state: str = "master",
+           layer: int | None = None) -> np.ndarray:
   """One leaf's `state` (master, or ZeRO-3 params) in storage shape, joined from its segments
-  (one process)."""
-  arrays = iter(parts)
-  pieces = []
+  (one process); of a stacked leaf, its `layer` alone where given (only that layer is read)."""
+  lay, arrays, pieces = leaf.layout, iter(parts), []
+  # ranks join along the sharded axis (one layer's: without the layer axis before it)
+  one = int(layer is not None)
+  join = lambda ranks: ranks[0] if lay.axis is None else np.concatenate(ranks, axis=lay.axis - one)
   for seg in leaf.segments(state):
-    if seg.tier.holds_arrays:
-      # a copy: numpy may view a CPU buffer that the next (donating) step reuses
-      pieces.append(np.array(next(arrays), copy=True))
+    x = next(arrays) if seg.tier.holds_arrays else None
+    if layer is not None and layer not in range(seg.start, seg.stop):
       continue
-    ranks = []
-    for r in range(plan.dp):
-      layers = [store.read(leaf.key(state, r, j)).wait() for j in range(seg.start, seg.stop)]
-      ranks.append(np.stack(layers) if leaf.stacked else layers[0])
-    lay = leaf.layout
-    pieces.append(ranks[0] if lay.axis is None else np.concatenate(ranks, axis=lay.axis))
-  return np.concatenate(pieces) if leaf.stacked else pieces[0]
+    if x is not None and layer is None:
+      # a copy: numpy may view a CPU buffer that the next (donating) step reuses
+      pieces.append(np.array(x, copy=True))
+    elif x is not None:
+      shards = host_shards(x, plan.mesh, layer - seg.start)
+      pieces.append(join([np.array(shards[r], copy=True) for r in range(plan.dp)]))
+    else:
+      ranks = []
+      for r in range(plan.dp):
+        layers = [store.read(leaf.key(state, r, j)).wait()
+                  for j in (range(seg.start, seg.stop) if layer is None else [layer])]
+        ranks.append(np.stack(layers) if leaf.stacked and layer is None else layers[0])
+      pieces.append(join(ranks))
+  return np.concatenate(pieces) if leaf.stacked and layer is None else pieces[0]
 
 
 def untuple(plan: Plan, tree: Any) -> Any:

@@ -37,17 +37,23 @@ class CheckpointParams:
     """A leaf's logical shape, from the metadata (nothing is read)."""
     return tuple(self.leaves[path][1]["shape"])
 
-  def full_leaf(self, path: str, dtype=np.float32) -> np.ndarray:
+  def full_leaf(self, path: str, dtype=np.float32, layer: int | None = None) -> np.ndarray:
     """One leaf (e.g. "layers/block/q/kernel") in its logical shape: its master where it
-    trained, else its params. KeyError for a path the checkpoint does not hold."""
+    trained, else its params; with `layer`, its entry along the first axis alone (a stacked
+    leaf's layer: only that is read). KeyError for a path the checkpoint does not hold."""
     if path not in self.leaves:
       raise KeyError(f"checkpoint step {self.step} holds no leaf {path!r}.")
     name, info = self.leaves[path]
     leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
-    data = read(open_checked(os.path.join(self.folder, name), leaf),
-                tuple(slice(0, n) for n in leaf.shape), leaf, np.dtype(dtype))
+    index = tuple(slice(0, n) for n in leaf.shape)
+    if layer is not None:
+      if not leaf.shape or not 0 <= layer < leaf.shape[0]:
+        raise IndexError(f"checkpoint leaf {path!r} of shape {list(leaf.shape)} has no layer "
+                         f"{layer}.")
+      index = (slice(layer, layer + 1), *index[1:])
+    data = read(open_checked(os.path.join(self.folder, name), leaf), index, leaf, np.dtype(dtype))
     trim()  # the staging buffers of this leaf's reads
-    return data
+    return data if layer is None else data[0]
 
 
 def _metadata(directory: str, step: int | None) -> dict:

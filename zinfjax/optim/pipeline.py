@@ -65,8 +65,7 @@ class NvmePipeline(StreamAdam):
   """AdamW over the plan's store-held optimizer segments, for the ranks this process owns.
 
   Args:
-    store: the process's swap store.
-    plan: the placement plan (segments, keys, shapes).
+    store, plan: the process's swap store; the placement plan (segments, keys, shapes).
     hyper, decays: AdamW hyperparameters and per-leaf weight decay.
     budget: bytes the rotating buffers may take.
     delay: "tail" or "all": which parts are updated one step late (see above); "none".
@@ -168,9 +167,7 @@ class NvmePipeline(StreamAdam):
     return list(dict.fromkeys((p.leaf, p.layer) for u in self.units[n:] + self.units[:n]
                               for p in u.parts if not self.on_store("grads", p)))
 
-  @property
-  def grads_all_on_nvme(self) -> bool:
-    return all(self.on_store("grads", p) for p in self.parts)
+  grads_all_on_nvme = property(lambda self: all(self.on_store("grads", p) for p in self.parts))
 
   @property
   def grads_on_store(self) -> bool:
@@ -221,10 +218,7 @@ class NvmePipeline(StreamAdam):
         del outs[p.id]
     runs = []  # each stream's stats, summed for the step
     if held is not None:  # the delayed parts, with the grads held from the step before
-      h_lr, h_bc1, h_bc2, h_step = self._hyper_at(held.count)
-      self.stream(h_lr, h_bc1, h_bc2, self.decays, lambda p: held.grads[p.id], out_of, None,
-                  lambda: held.norm, clip, h_step, units=self.tail, held=True)
-      runs.append(self.last_step)
+      runs.append(self._held_update(held, out_of))
       self._new_in_twins = twins
     if now:
       self.stream(lr, bc1, bc2, self.decays, grad_of, out_of, gate, norm, clip, step, units=now,
@@ -236,6 +230,31 @@ class NvmePipeline(StreamAdam):
                                           returned if putback is not None else None),
                            count, in_store=kept)
     self.last_step = {k: sum(r.get(k, 0.0) for r in runs) for k in STATS}
+    return outs
+
+  def _held_update(self, held: Held, out_of: Callable[[Part], np.ndarray]) -> dict:
+    """The delayed parts' update with `held`'s grads (its step's count and norm); its stats."""
+    lr, bc1, bc2, step = self._hyper_at(held.count)
+    self.stream(lr, bc1, bc2, self.decays, lambda p: held.grads[p.id], out_of, None,
+                lambda: held.norm, self.hyper.max_grad_norm, step, units=self.tail, held=True)
+    return self.last_step
+
+  def flush(self) -> dict[PartKey, np.ndarray]:
+    """Apply the held grads now, with no step beside (before the model is taken out); nothing
+    is held after. Returns the new compute params of the parts whose params are arrays."""
+    if self.held is None or not self.tail:
+      return {}
+    parts = [p for u in self.tail for p in u.parts]
+    stored = [p for p in parts if self.on_store("params", p)]
+    outs = self._new_params([p for p in parts if not (self.twins and p in stored)])
+    twin = lambda p: self.store.view(self._twin_key("params", p))
+    out_of = lambda p: (outs[p.id] if p.id in outs else twin(p)).reshape(-1)
+    self.last_step = self._held_update(self.held, out_of)
+    if self.twins:  # the new params are in the twins: they trade places
+      self._exchange("params", stored)
+    elif stored:
+      self.store.write_many([(self.key("params", p), outs.pop(p.id)) for p in stored]).wait()
+    self.held = None
     return outs
 
   def prepare(self, count: int) -> None:
