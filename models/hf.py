@@ -286,6 +286,12 @@ def read_config(folder: str) -> dict[str, Any]:
   return config
 
 
+def family(hf: dict[str, Any]) -> str:
+  """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
+  kind = hf.get("model_type", "")
+  return "GPT-2" if kind == "gpt2" else ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")
+
+
 def load(folder: str, remat: bool = True):
   """`(config, model factory, weights)` of a Hugging Face checkpoint folder."""
   config = config_from_hf(read_config(folder), remat=remat)

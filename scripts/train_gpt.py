@@ -178,7 +178,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
       seq_len = args.seq_len or min(config.seq_len, 1024)
       if seq_len > config.seq_len:
         raise ValueError(f"--seq-len {seq_len} is longer than the model's {config.seq_len}.")
-      name = f"{type(config).__name__[:-6]} from {args.init_from}"
+      name = f"{hf.family(hf.read_config(args.init_from))} from {args.init_from}"
     else:
       tokens, vocab = load_tokens(args.data)
       config = get_config(args.preset, num_layers=args.layers, hidden=args.hidden,

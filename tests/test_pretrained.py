@@ -118,6 +118,9 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     assert again(config) == config, family   # written with no source config
   mistral = hf.config_from_hf(hf.read_config(os.path.join(HF, "mistral")))
   assert mistral.sliding_window == 5
+  # the family train_gpt names: config.json's, not the class of ours that runs it
+  assert {f: hf.family(hf.read_config(os.path.join(HF, f))) for f in ("gpt2", "mistral", "qwen3")
+          } == {"gpt2": "GPT-2", "mistral": "Mistral", "qwen3": "Qwen3"}
   assert hf.config_to_hf(mistral)["model_type"] == "mistral"
   llama3 = hf.config_from_hf(hf.read_config(os.path.join(HF, "llama3")))
   assert llama3.rope_scaling == rope.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
