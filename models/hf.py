@@ -7,8 +7,8 @@ a tree of `zinfjax.weights` Tensors in our model's layout (per-layer
 weights transposed), memory-mapped and read shard by shard when passed to
 `zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
 same format back, one tensor at a time, so `transformers` loads it with
-`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3 (`models/llama.py`) and
-GPT-2 (`models/gpt.py`).
+`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3 (`models/llama.py`)
+and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
 """
 
 from __future__ import annotations
@@ -25,17 +25,14 @@ import numpy as np
 from flax import nnx
 
 from zinfjax.weights import Stacked, Transposed, safetensors
+from zinfjax.weights.source import Rows
 
-from . import rope
 from .config import GPTConfig
 from .gpt import GPT
+from .hf_config import (ARCHITECTURES, CONTEXT, LLAMA_TYPES, config_from_hf,  # noqa: F401
+                        config_to_hf, family)
 from .llama import Llama, LlamaConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-LLAMA_TYPES = tuple(ARCHITECTURES)
-# transformers' defaults for what a config.json leaves out, where they are not ours
-CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # positions
 # the dtypes `save` writes, by numpy name, and their name in config.json's torch_dtype
 TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # the files besides config and weights that make a folder whole for `transformers`: its
@@ -49,24 +46,34 @@ IGNORED = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.bias|(^|\.)attn\.masked
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  """Our leaf `path` <- HF tensor `name` (`{i}`: one per layer, stacked), maybe transposed."""
+  """Our leaf `path` <- HF tensor `name` (`{i}`: one per layer, stacked), maybe transposed;
+  with `rows`, those rows of it (one projection of a fused one, Phi-3's)."""
 
   path: str
   name: str
   transpose: bool = False
+  rows: tuple[int, int] | None = None
 
 
-def llama_rules(c: LlamaConfig) -> list[Rule]:
+def llama_rules(c: LlamaConfig, fused: bool = False) -> list[Rule]:
+  """The Llama family's tensors; `fused`: Phi-3's, q, k and v in one `qkv_proj` and gate and
+  up in one `gate_up_proj`, their rows in that order."""
   layer = "model.layers.{i}."
   rules = [Rule("embed/embedding", "model.embed_tokens.weight"),
            Rule("layers/block/ln1/scale", layer + "input_layernorm.weight"),
            Rule("layers/block/ln2/scale", layer + "post_attention_layernorm.weight"),
            Rule("norm/scale", "model.norm.weight")]
+  q, kv = c.num_heads * c.dim, c.num_kv_heads * c.dim
+  rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+          "gate": (0, c.intermediate), "up": (c.intermediate, 2 * c.intermediate)}
   for ours, theirs in (("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"),
                        ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"),
                        ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"),
                        ("down", "mlp.down_proj")):
-    rules.append(Rule(f"layers/block/{ours}/kernel", layer + theirs + ".weight", True))
+    if fused and ours in rows:
+      theirs = "self_attn.qkv_proj" if ours in "qkv" else "mlp.gate_up_proj"
+    rules.append(Rule(f"layers/block/{ours}/kernel", layer + theirs + ".weight", True,
+                      rows[ours] if fused and ours in rows else None))
     if c.qkv_bias and ours in "qkv":
       rules.append(Rule(f"layers/block/{ours}/bias", layer + theirs + ".bias"))
   if c.qk_norm:
@@ -92,143 +99,16 @@ def gpt2_rules(c: GPTConfig, prefix: str = "transformer.") -> list[Rule]:
   return rules
 
 
-# ---------------------------------------------------------------------------- config
-def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaConfig:
-  """Our config of a Hugging Face `config.json` dict; a clear error for what we do not run."""
-  kind = hf.get("model_type")
-  if hf.get("quantization_config"):
-    method = (hf["quantization_config"] or {}).get("quant_method", "unnamed")
-    raise ValueError(f"the checkpoint is quantized ({method}): zinfjax trains float weights; "
-                     "use the model's bf16 or fp32 release.")
-  if kind in LLAMA_TYPES:
-    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", None, *rope.KINDS):
-      raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (the default "
-                       f"rotary embedding, or scaled: {', '.join(rope.KINDS)}).")
-    theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
-    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-      raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary positions on "
-                       "every dimension of a head).")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu).")
-    if hf.get("use_sliding_window"):
-      raise ValueError("use_sliding_window=true is not supported (full causal attention only).")
-    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
-    if kinds and kind != "mistral":  # Mistral's layers all take its sliding_window
-      raise ValueError(f"layer_types {sorted(kinds)} are not supported (full causal attention "
-                       "only).")
-    if kind == "llama" and hf.get("mlp_bias"):
-      raise ValueError("mlp_bias=true is not supported.")
-    if kind in ("llama", "qwen3") and hf.get("attention_bias"):
-      raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
-                       "supported (Qwen2's q, k and v biases are).")
-    heads = hf["num_attention_heads"]
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
-        intermediate=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
-        rope_theta=float(theta),
-        rope_scaling=_rope_scaling(rope_type, scaling, hf),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-        seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
-        sliding_window=hf.get("sliding_window", 4096) if kind == "mistral" else None,
-        remat=remat)
-  if kind == "gpt2":
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-      raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
-    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
-      raise ValueError("GPT-2 layer_norm_epsilon other than 1e-5 is not supported.")
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-      raise ValueError("GPT-2 attention scaled otherwise than by 1/sqrt(head dim) "
-                       "(scale_attn_weights, scale_attn_by_inverse_layer_idx) is not supported.")
-    if not hf.get("tie_word_embeddings", True):
-      raise ValueError("GPT-2 with tie_word_embeddings=false (an output head of its own) is not "
-                       "supported: zinfjax's GPT projects with the token embedding.")
-    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-      raise ValueError(f"GPT-2 n_inner={hf['n_inner']} is not supported (the MLP is 4 x n_embd "
-                       f"= {4 * hf['n_embd']} wide).")
-    return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
-                     num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
-                     remat=remat)
-  raise ValueError(f"model_type {kind!r} is not supported; zinfjax reads "
-                   f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
-
-
-def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling | None:
-  """Our `RopeScaling` of HF's dict, with `transformers`' defaults for what it leaves out."""
-  if kind not in rope.KINDS:
-    return None
-  longest = hf.get("max_position_embeddings", CONTEXT.get(hf.get("model_type"), 2048))
-  original = int(hf.get("original_max_position_embeddings")   # Phi-3 keeps it outside
-                 or scaling.get("original_max_position_embeddings") or longest)
-  factor = scaling.get("factor")
-  if factor is None and kind != "yarn":  # yarn's is the ratio of the two contexts
-    raise ValueError(f"rope_scaling of type {kind!r} gives no factor; add the checkpoint's.")
-  fields = {"factor": float(longest / original if factor is None and kind == "yarn" else factor)}
-  if kind in ("llama3", "yarn"):
-    fields["original_max_position_embeddings"] = original
-  if kind == "llama3":
-    fields.update(low_freq_factor=float(scaling["low_freq_factor"]),
-                  high_freq_factor=float(scaling["high_freq_factor"]))
-  if kind == "yarn":
-    attention, factor = scaling.get("attention_factor"), fields["factor"]
-    if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
-      attention = (rope.mscale(factor, scaling["mscale"])
-                   / rope.mscale(factor, scaling["mscale_all_dim"]))
-    fields.update(beta_fast=float(scaling.get("beta_fast") or 32),
-                  beta_slow=float(scaling.get("beta_slow") or 1),
-                  truncate=bool(scaling.get("truncate", True)),
-                  attention_factor=None if attention is None else float(attention))
-  return rope.RopeScaling(kind, **fields)
-
-
-def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
-  """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
-  out = dict(base or {})
-  if isinstance(c, LlamaConfig):
-    kind = out.get("model_type", "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else
-                   "mistral" if c.sliding_window else "llama")
-    if c.sliding_window and kind != "mistral":
-      raise ValueError(f"a {kind} checkpoint has no sliding window: a model with "
-                       f"sliding_window={c.sliding_window} is written as a Mistral one.")
-    if c.qk_norm != (kind == "qwen3") or c.qkv_bias != (kind == "qwen2"):
-      raise ValueError(f"a {kind} checkpoint cannot hold this model (qk_norm={c.qk_norm}, "
-                       f"qkv_bias={c.qkv_bias}): Qwen3's alone norms queries and keys, Qwen2's "
-                       "alone has q, k and v biases (and none on o).")
-    out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
-               hidden_size=c.hidden, intermediate_size=c.intermediate,
-               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-               num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
-               rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
-               max_position_embeddings=c.seq_len, hidden_act="silu")
-    if kind in ("llama", "qwen3"):
-      out["attention_bias"] = False
-    if kind == "mistral":
-      out["sliding_window"] = c.sliding_window
-    if c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
-      rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
-      out["rope_scaling"] = rope_hf if c.rope_scaling else None
-      out["rope_parameters"] = {**rope_hf, "rope_theta": c.rope_theta}
-  else:
-    out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
-               n_positions=c.seq_len, n_layer=c.num_layers, n_head=c.num_heads, n_embd=c.hidden,
-               layer_norm_epsilon=1e-5, activation_function="gelu_new", tie_word_embeddings=True)
-  return out
-
-
 def factory(c: GPTConfig | LlamaConfig) -> Callable[[nnx.Rngs], nnx.Module]:
   return (lambda rngs: Llama(c, rngs=rngs)) if isinstance(c, LlamaConfig) else (
       lambda rngs: GPT(c, rngs=rngs))
 
 
-def rules_for(c: GPTConfig | LlamaConfig, names=()) -> list[Rule]:
+def rules_for(c: GPTConfig | LlamaConfig, names=(), kind: str | None = None) -> list[Rule]:
+  """The rules of `c` in the layout of the checkpoint whose tensor `names` are given, or of
+  config.json's `kind` (model_type)."""
   if isinstance(c, LlamaConfig):
-    return llama_rules(c)
+    return llama_rules(c, kind == "phi3" or any(".qkv_proj." in n for n in names))
   prefix = "transformer." if any(n.startswith("transformer.") for n in names) or not names else ""
   return gpt2_rules(c, prefix)
 
@@ -259,6 +139,12 @@ def load_weights(path: str, config: GPTConfig | LlamaConfig) -> dict:
                        "does its config.json match its weights?")
     used.update(names)
     tensors = [ckpt.tensor(n) for n in names]
+    if rule.rows is not None:  # one projection of a fused one, whose rows the parts fill
+      fill = max(r.rows[1] for r in rules if r.name == rule.name)
+      if tensors[0].shape[0] != fill:
+        raise ValueError(f"{names[0]!r} in {ckpt.path} has {tensors[0].shape[0]} rows where "
+                         f"config.json's heads and sizes make {fill}; does it match the weights?")
+      tensors = [Rows(t, *rule.rows) for t in tensors]
     if rule.transpose:
       tensors = [Transposed(t) for t in tensors]
     flat[rule.path] = Stacked(tensors) if "{i}" in rule.name else tensors[0]
@@ -286,12 +172,6 @@ def read_config(folder: str) -> dict[str, Any]:
   return config
 
 
-def family(hf: dict[str, Any]) -> str:
-  """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
-  kind = hf.get("model_type", "")
-  return "GPT-2" if kind == "gpt2" else ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")
-
-
 def load(folder: str, remat: bool = True):
   """`(config, model factory, weights)` of a Hugging Face checkpoint folder."""
   config = config_from_hf(read_config(folder), remat=remat)
@@ -299,26 +179,31 @@ def load(folder: str, remat: bool = True):
 
 
 # ---------------------------------------------------------------------------- out
-def tensors(config, leaf: Callable[[str, int | None], np.ndarray], dtype
+def tensors(config, leaf: Callable[[str, int | None], np.ndarray], dtype, kind: str | None = None
             ) -> Iterator[tuple[str, Any]]:
-  """(HF name, (shape, dtype, produce)) of every tensor; `leaf(path, i)` gives one leaf's layer
-  `i` (None: the whole leaf, one outside the stacks), so an export holds one layer at a time."""
-  def layer_of(rule: Rule, i: int | None) -> Callable[[], np.ndarray]:
+  """(HF name, (shape, dtype, produce)) of every tensor in the layout of config.json's `kind`;
+  `leaf(path, i)` gives one leaf's layer `i` (None: the whole leaf, one outside the stacks), so
+  an export holds one layer at a time (of a fused tensor, its parts, joined)."""
+  def layer_of(rules: list[Rule], i: int | None) -> Callable[[], np.ndarray]:
     def produce():
-      x = np.asarray(leaf(rule.path, i))
-      return x.T if rule.transpose else x
+      xs = [np.asarray(leaf(r.path, i)) for r in rules]
+      xs = [x.T if r.transpose else x for r, x in zip(rules, xs)]
+      return xs[0] if len(xs) == 1 else np.concatenate(xs)
     return produce
 
   abstract = nnx.eval_shape(lambda: factory(config)(nnx.Rngs(0)))   # shapes of the base weights
   shapes = nnx.to_pure_dict(nnx.state(abstract))
-  for rule in rules_for(config):
-    shape = tuple(_get(shapes, rule.path).shape[1 if "{i}" in rule.name else 0:])
-    shape = shape[::-1] if rule.transpose else shape
-    if "{i}" in rule.name:
+  rules = rules_for(config, kind=kind)
+  for name in dict.fromkeys(r.name for r in rules):  # in order; a fused tensor's parts at once
+    parts = [r for r in rules if r.name == name]
+    shape = tuple(_get(shapes, parts[0].path).shape[1 if "{i}" in name else 0:])
+    shape = shape[::-1] if parts[0].transpose else shape
+    shape = (sum(r.rows[1] - r.rows[0] for r in parts), *shape[1:]) if parts[0].rows else shape
+    if "{i}" in name:
       for i in range(config.num_layers):
-        yield rule.name.format(i=i), (shape, dtype, layer_of(rule, i))
+        yield name.format(i=i), (shape, dtype, layer_of(parts, i))
     else:
-      yield rule.name, (shape, dtype, layer_of(rule, None))
+      yield name, (shape, dtype, layer_of(parts, None))
 
 
 def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.float32,
@@ -360,8 +245,8 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
   try:
     with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as f:
       json.dump(hf_config, f, indent=2)
-    files = safetensors.write_sharded(staging, tensors(config, leaf, dtype), max_shard_bytes,
-                                      {"format": "pt"})
+    layout = tensors(config, leaf, dtype, hf_config["model_type"])
+    files = safetensors.write_sharded(staging, layout, max_shard_bytes, {"format": "pt"})
     companions = [n for n in COMPANION_FILES
                   if copy_from and os.path.isfile(os.path.join(copy_from, n))]
     for name in companions:

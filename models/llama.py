@@ -1,8 +1,8 @@
 """A Llama-family decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
 Covers Llama 2/3 (its rope scalings too: `models/rope.py`), Mistral (its
-sliding window), Qwen2 (q/k/v biases) and Qwen3 checkpoints (each head's
-queries and keys RMS-normed), with tied or untied embeddings. Blocks are a
+sliding window), Qwen2 (q/k/v biases), Qwen3 (each head's queries and keys
+RMS-normed) and Phi-3 checkpoints, with tied or untied embeddings. Blocks are a
 `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
 Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
 for the mapping); the math follows its forward: norms and softmax in fp32,

@@ -15,6 +15,8 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           untied head, rope_theta 1e6
   yarn    Qwen3 with YaRN's rope scaling (factor 4, original context 32: of the head's eight
           frequencies one kept, one on the ramp, six slowed; cos and sin scaled by 1.139)
+  phi3    Phi-3, q, k and v fused in one projection and gate and up in another, a sliding
+          window (6), grouped-query attention
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward. Besides, `rope.json`: for each
@@ -64,6 +66,10 @@ def models():
           tie_word_embeddings=True, rope_parameters={
               "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
               "original_max_position_embeddings": 32}), None),
+      "phi3": (T.Phi3ForCausalLM, T.Phi3Config(**common, num_key_value_heads=2, sliding_window=6,
+                                                 pad_token_id=0, eos_token_id=2,
+                                                 tie_word_embeddings=False),
+               None),
   }
 
 

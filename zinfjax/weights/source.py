@@ -78,6 +78,33 @@ class Transposed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+  """Rows `start:stop` of `source` (one projection of a fused one, e.g. Phi-3's `qkv_proj`)."""
+
+  source: Tensor
+  start: int
+  stop: int
+
+  def __post_init__(self):
+    if not 0 <= self.start < self.stop <= self.source.shape[0]:
+      raise ValueError(f"rows {self.start}:{self.stop} are not within the "
+                       f"{self.source.shape[0]} rows of a tensor{origin(self.source)}.")
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return (self.stop - self.start, *self.source.shape[1:])
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.source.dtype
+
+  def read(self, index: Index) -> np.ndarray:
+    index = _full(index, len(self.shape))
+    rows = range(self.start, self.stop)[index[0]]
+    return self.source.read((slice(rows.start, rows.stop, rows.step), *index[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
 class Stacked:
   """Per-layer tensors of equal shape stacked on a new leading (layer) axis."""
 
@@ -160,7 +187,7 @@ def origin(t: Tensor) -> str:
   while True:
     if hasattr(t, "describe"):
       return f" from {t.describe()}"
-    if isinstance(t, Transposed):
+    if isinstance(t, (Transposed, Rows)):
       t = t.source
     elif isinstance(t, Stacked):
       bad = [l for l in t.layers if hasattr(l, "describe")]

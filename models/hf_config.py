@@ -1,0 +1,161 @@
+"""Hugging Face `config.json` and our model configs, both ways.
+
+`config_from_hf` reads a checkpoint's settings as a `LlamaConfig` (Llama,
+Mistral, Qwen2, Qwen3, Phi-3) or a `GPTConfig` (GPT-2), with `transformers`'
+defaults for what the file leaves out, and refuses by name what our models
+would compute otherwise; `config_to_hf` writes one back, keeping the fields of
+a source checkpoint's config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import rope
+from .config import GPTConfig
+from .llama import LlamaConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
+LLAMA_TYPES = tuple(ARCHITECTURES)
+# transformers' defaults for what a config.json leaves out, where they are not ours
+CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,  # positions
+           "phi3": 4096}
+# the families whose every layer takes config.json's sliding_window (transformers' default)
+WINDOWED = {"mistral": 4096, "phi3": None}
+
+
+def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaConfig:
+  """Our config of a Hugging Face `config.json` dict; a clear error for what we do not run."""
+  kind = hf.get("model_type")
+  if hf.get("quantization_config"):
+    method = (hf["quantization_config"] or {}).get("quant_method", "unnamed")
+    raise ValueError(f"the checkpoint is quantized ({method}): zinfjax trains float weights; "
+                     "use the model's bf16 or fp32 release.")
+  if kind in LLAMA_TYPES:
+    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", None, *rope.KINDS):
+      raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (the default "
+                       f"rotary embedding, or scaled: {', '.join(rope.KINDS)}).")
+    theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+      raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary positions on "
+                       "every dimension of a head).")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu).")
+    if hf.get("use_sliding_window"):
+      raise ValueError("use_sliding_window=true is not supported (full causal attention only).")
+    kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
+    if kinds and kind not in WINDOWED:  # Mistral's layers all take its sliding_window
+      raise ValueError(f"layer_types {sorted(kinds)} are not supported (full causal attention "
+                       "only).")
+    if kind == "llama" and hf.get("mlp_bias"):
+      raise ValueError("mlp_bias=true is not supported.")
+    if kind in ("llama", "qwen3") and hf.get("attention_bias"):
+      raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
+                       "supported (Qwen2's q, k and v biases are).")
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
+        intermediate=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
+        rope_theta=float(theta),
+        rope_scaling=_rope_scaling(rope_type, scaling, hf),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-5 if kind == "phi3" else 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+        seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
+        sliding_window=hf.get("sliding_window", WINDOWED[kind]) if kind in WINDOWED else None,
+        remat=remat)
+  if kind == "gpt2":
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+      raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
+    if abs(hf.get("layer_norm_epsilon", 1e-5) - 1e-5) > 1e-12:
+      raise ValueError("GPT-2 layer_norm_epsilon other than 1e-5 is not supported.")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+      raise ValueError("GPT-2 attention scaled otherwise than by 1/sqrt(head dim) "
+                       "(scale_attn_weights, scale_attn_by_inverse_layer_idx) is not supported.")
+    if not hf.get("tie_word_embeddings", True):
+      raise ValueError("GPT-2 with tie_word_embeddings=false (an output head of its own) is not "
+                       "supported: zinfjax's GPT projects with the token embedding.")
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+      raise ValueError(f"GPT-2 n_inner={hf['n_inner']} is not supported (the MLP is 4 x n_embd "
+                       f"= {4 * hf['n_embd']} wide).")
+    return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
+                     num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
+                     remat=remat)
+  raise ValueError(f"model_type {kind!r} is not supported; zinfjax reads "
+                   f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
+
+
+def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling | None:
+  """Our `RopeScaling` of HF's dict, with `transformers`' defaults for what it leaves out."""
+  if kind not in rope.KINDS:
+    return None
+  longest = hf.get("max_position_embeddings", CONTEXT.get(hf.get("model_type"), 2048))
+  original = int(hf.get("original_max_position_embeddings")   # Phi-3 keeps it outside
+                 or scaling.get("original_max_position_embeddings") or longest)
+  factor = scaling.get("factor")
+  if factor is None and kind != "yarn":  # yarn's is the ratio of the two contexts
+    raise ValueError(f"rope_scaling of type {kind!r} gives no factor; add the checkpoint's.")
+  fields = {"factor": float(longest / original if factor is None and kind == "yarn" else factor)}
+  if kind in ("llama3", "yarn"):
+    fields["original_max_position_embeddings"] = original
+  if kind == "llama3":
+    fields.update(low_freq_factor=float(scaling["low_freq_factor"]),
+                  high_freq_factor=float(scaling["high_freq_factor"]))
+  if kind == "yarn":
+    attention, factor = scaling.get("attention_factor"), fields["factor"]
+    if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+      attention = (rope.mscale(factor, scaling["mscale"])
+                   / rope.mscale(factor, scaling["mscale_all_dim"]))
+    fields.update(beta_fast=float(scaling.get("beta_fast") or 32),
+                  beta_slow=float(scaling.get("beta_slow") or 1),
+                  truncate=bool(scaling.get("truncate", True)),
+                  attention_factor=None if attention is None else float(attention))
+  return rope.RopeScaling(kind, **fields)
+
+
+def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
+  """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
+  out = dict(base or {})
+  if isinstance(c, LlamaConfig):
+    kind = out.get("model_type", "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else
+                   "mistral" if c.sliding_window else "llama")
+    if c.sliding_window and kind not in WINDOWED:
+      raise ValueError(f"a {kind} checkpoint has no sliding window: a model with "
+                       f"sliding_window={c.sliding_window} is written as a Mistral one.")
+    if c.qk_norm != (kind == "qwen3") or c.qkv_bias != (kind == "qwen2"):
+      raise ValueError(f"a {kind} checkpoint cannot hold this model (qk_norm={c.qk_norm}, "
+                       f"qkv_bias={c.qkv_bias}): Qwen3's alone norms queries and keys, Qwen2's "
+                       "alone has q, k and v biases (and none on o).")
+    out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
+               hidden_size=c.hidden, intermediate_size=c.intermediate,
+               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+               num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
+               rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
+               max_position_embeddings=c.seq_len, hidden_act="silu")
+    if kind in ("llama", "qwen3"):
+      out["attention_bias"] = False
+    if kind in WINDOWED:
+      out["sliding_window"] = c.sliding_window
+    if c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
+      rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
+      out["rope_scaling"] = rope_hf if c.rope_scaling else None
+      out["rope_parameters"] = {**rope_hf, "rope_theta": c.rope_theta}
+  else:
+    out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
+               n_positions=c.seq_len, n_layer=c.num_layers, n_head=c.num_heads, n_embd=c.hidden,
+               layer_norm_epsilon=1e-5, activation_function="gelu_new", tie_word_embeddings=True)
+  return out
+
+
+def family(hf: dict[str, Any]) -> str:
+  """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
+  kind = hf.get("model_type", "")
+  named = {"gpt2": "GPT-2", "phi3": "Phi-3"}
+  return named.get(kind) or ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")
