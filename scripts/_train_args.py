@@ -86,7 +86,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
   p.add_argument("--delay-update", choices=("none", "tail", "all"), default="none",
                  help="updates the host pipeline makes one step late, beside the next step's "
                       "program: 'tail', the leaves outside the stacks (embedding, final norm); "
-                      "'all', every one (ZeroConfig.delay_update)")
+                      "'all', every one (ZeroConfig.delay_update); with --export, the last "
+                      "step's are applied before its checkpoint and the export")
   p.add_argument("--nvme-io-threads", type=int, default=4,
                  help="shards the swap store moves at once (the drive's queue depth)")
   p.add_argument("--offload-activations", action="store_true",

@@ -351,6 +351,8 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
                              "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                              "tiers": tiers, "peak_rss": peak_rss(), "peak_hbm": peak_hbm(),
                              "least_ram_available": watch.take(), **breakdown})
+      if args.export and step == args.steps:  # the last checkpoint and the export: every update
+        state = zinfjax.flush_updates(state)   # (none held back by --delay-update)
       due = step == args.steps or args.save_every and step % args.save_every == 0
       if ckpt is not None and due:
         ckpt.save(state, extra={"args": vars(args), "model": dataclasses.asdict(config)})
@@ -373,12 +375,11 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     t0 = time.perf_counter()
     base = hf.read_config(args.init_from) if args.init_from else None
     # several processes: each holds its own shards; the checkpoint saved last holds them all
-    # (and the grads --delay-update holds, unapplied); one: the held update is applied first
-    one = jax.process_count() == 1
+    one, held = jax.process_count() == 1, state.engine.pipeline and state.engine.pipeline.held
     source = zinfjax.flush_updates(state) if one else CheckpointParams(args.checkpoint_dir)
     hf.save(args.export, config, source, args.export_dtype, base, copy_from=args.init_from)
     say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")
-    if args.delay_update != "none" and not one:
+    if held and not one:  # no step ran (the checkpoint was at --steps): as it was saved
       say("  with every update but the last step's, whose grads --delay-update holds for a next "
           "step (a checkpoint keeps them; --resume applies them)")
   if args.export and jax.process_count() > 1:  # the others wait for it, then shut down together
