@@ -327,3 +327,14 @@ def test_the_progress_line_names_the_drive_only_where_it_moved_bytes():
   assert "optimizer 0.30 s (Adam 0.10 s)" in ram and "NVMe" not in ram, ram
   assert ("(Adam 0.10 s, NVMe read wait 0.02 s, write wait 0.01 s, 1.0 MiB read, 3.0 MiB "
           "written)") in drive, drive
+
+
+def test_bench_export_holds_a_layer_not_the_stack(tmp_path):
+  """bench_export.py: the export a layer at a time peaks below the largest leaf; the same export
+  reading whole leaves holds at least that leaf."""
+  out = run([os.path.join(SCRIPTS, "bench_export.py"), "--layers", "4", "--hidden", "128",
+             "--folder", str(tmp_path)])
+  rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()
+          if line.startswith(("a layer", "whole leaves"))}
+  layered, whole = float(rows["a layer at a time"][2]), float(rows["whole leaves (before)"][2])
+  assert layered < 1.0 <= whole, out
