@@ -1,7 +1,7 @@
 """Hugging Face `config.json` and our model configs, both ways.
 
 `config_from_hf` reads a checkpoint's settings as a `LlamaConfig` (Llama,
-Mistral, Qwen2, Qwen3, Phi-3) or a `GPTConfig` (GPT-2), with `transformers`'
+Mistral, Qwen2, Qwen3, Phi-3, OLMo 2) or a `GPTConfig` (GPT-2), with `transformers`'
 defaults for what the file leaves out, and refuses by name what our models
 would compute otherwise; `config_to_hf` writes one back, keeping the fields of
 a source checkpoint's config.
@@ -17,11 +17,16 @@ from .llama import LlamaConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 LLAMA_TYPES = tuple(ARCHITECTURES)
 # transformers' defaults for what a config.json leaves out, where they are not ours
 CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,  # positions
-           "phi3": 4096}
+           "phi3": 4096, "olmo2": 2048}
+EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # rms_norm_eps (1e-6 for the others)
+# what sets a family's blocks apart (LlamaConfig's qk_norm and its span, qkv_bias, post_norm):
+# the one family that holds a model of each; the others, none of them
+FEATURES = {"qwen3": dict(qk_norm=True, qk_norm_span="head"), "qwen2": dict(qkv_bias=True),
+            "olmo2": dict(qk_norm=True, qk_norm_span="all", post_norm=True)}
 # the families whose every layer takes config.json's sliding_window (transformers' default)
 WINDOWED = {"mistral": 4096, "phi3": None}
 
@@ -54,7 +59,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
                        "only).")
     if kind == "llama" and hf.get("mlp_bias"):
       raise ValueError("mlp_bias=true is not supported.")
-    if kind in ("llama", "qwen3") and hf.get("attention_bias"):
+    if kind in ("llama", "qwen3", "olmo2") and hf.get("attention_bias"):
       raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
                        "supported (Qwen2's q, k and v biases are).")
     heads = hf["num_attention_heads"]
@@ -65,9 +70,9 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
         rope_theta=float(theta),
         rope_scaling=_rope_scaling(rope_type, scaling, hf),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-5 if kind == "phi3" else 1e-6)),
+        rms_eps=float(hf.get("rms_norm_eps", EPS.get(kind, 1e-6))),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+        **FEATURES.get(kind, {}),
         seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
         sliding_window=hf.get("sliding_window", WINDOWED[kind]) if kind in WINDOWED else None,
         remat=remat)
@@ -124,22 +129,26 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
   """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
   out = dict(base or {})
   if isinstance(c, LlamaConfig):
-    kind = out.get("model_type", "qwen3" if c.qk_norm else "qwen2" if c.qkv_bias else
-                   "mistral" if c.sliding_window else "llama")
+    features = lambda kind: {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm"), False),
+                             "qk_norm_span": "head", **FEATURES.get(kind, {})}
+    has = {k: getattr(c, k) for k in features(None)}
+    held = [k for k in FEATURES if features(k) == has]
+    kind = out.get("model_type", held[0] if held else "mistral" if c.sliding_window else "llama")
     if c.sliding_window and kind not in WINDOWED:
       raise ValueError(f"a {kind} checkpoint has no sliding window: a model with "
                        f"sliding_window={c.sliding_window} is written as a Mistral one.")
-    if c.qk_norm != (kind == "qwen3") or c.qkv_bias != (kind == "qwen2"):
-      raise ValueError(f"a {kind} checkpoint cannot hold this model (qk_norm={c.qk_norm}, "
-                       f"qkv_bias={c.qkv_bias}): Qwen3's alone norms queries and keys, Qwen2's "
-                       "alone has q, k and v biases (and none on o).")
+    if features(kind) != has:
+      raise ValueError(f"a {kind} checkpoint cannot hold this model ({has}): Qwen3's alone "
+                       "norms each head's queries and keys, Qwen2's alone has q, k and v biases "
+                       "(and none on o), OLMo 2's alone norms after attention and the MLP and "
+                       "the whole q and k projections.")
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
                hidden_size=c.hidden, intermediate_size=c.intermediate,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
                max_position_embeddings=c.seq_len, hidden_act="silu")
-    if kind in ("llama", "qwen3"):
+    if kind in ("llama", "qwen3", "olmo2"):
       out["attention_bias"] = False
     if kind in WINDOWED:
       out["sliding_window"] = c.sliding_window
@@ -157,5 +166,5 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
 def family(hf: dict[str, Any]) -> str:
   """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
   kind = hf.get("model_type", "")
-  named = {"gpt2": "GPT-2", "phi3": "Phi-3"}
+  named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2"}
   return named.get(kind) or ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")

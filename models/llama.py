@@ -2,7 +2,8 @@
 
 Covers Llama 2/3 (its rope scalings too: `models/rope.py`), Mistral (its
 sliding window), Qwen2 (q/k/v biases), Qwen3 (each head's queries and keys
-RMS-normed) and Phi-3 checkpoints, with tied or untied embeddings. Blocks are a
+RMS-normed), Phi-3 and OLMo 2 checkpoints (norms after attention and the MLP, and
+on the whole q and k projections), with tied or untied embeddings. Blocks are a
 `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
 Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
 for the mapping); the math follows its forward: norms and softmax in fp32,
@@ -38,8 +39,11 @@ class LlamaConfig:
     rope_scaling: a scaling of those frequencies (`rope.RopeScaling`: Llama 3.1's, YaRN's...).
     tie_embeddings: the output projection is the token embedding transposed.
     qkv_bias: q/k/v projections have biases (Qwen2).
-    qk_norm: each head's queries and keys are RMS-normed (a learned scale of head_dim) before
-      the rotary embedding (Qwen3).
+    qk_norm: queries and keys are RMS-normed before the rotary embedding: each head's (a
+      learned scale of head_dim, Qwen3) or, with qk_norm_span="all", all heads' at once (a
+      scale per feature of the q and k projections, OLMo 2).
+    post_norm: the norms follow attention and the MLP, on their outputs before the residual
+      add (x + norm(attn(x)), OLMo 2), instead of preceding them on their inputs.
     seq_len: longest sequence (HF's max_position_embeddings).
     sliding_window: each position attends to this many latest positions, itself included
       (Mistral's sliding window); None attends to all before it.
@@ -60,6 +64,8 @@ class LlamaConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  qk_norm_span: str = "head"
+  post_norm: bool = False
   seq_len: int = 2048
   sliding_window: int | None = None
   remat: bool = True
@@ -75,6 +81,9 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide "
                        f"num_heads={self.num_heads}.")
     check_lora_rank("LlamaConfig", self.lora_rank)
+    if self.qk_norm_span not in ("head", "all"):
+      raise ValueError(f"LlamaConfig.qk_norm_span must be 'head' or 'all', got "
+                       f"{self.qk_norm_span!r}.")
     if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                             or self.sliding_window < 1):
       raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
@@ -92,7 +101,7 @@ class LlamaConfig:
     """Exact parameter count (tied embedding counted once; LoRA adapters not counted)."""
     d, h, kv, f = self.hidden, self.num_heads * self.dim, self.num_kv_heads * self.dim, self.intermediate
     block = d * h + 2 * d * kv + h * d + 3 * d * f + 2 * d + (h + 2 * kv if self.qkv_bias else 0)
-    block += 2 * self.dim if self.qk_norm else 0
+    block += (2 * self.dim if self.qk_norm_span == "head" else h + kv) if self.qk_norm else 0
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_layers * block + d + head
 
@@ -105,7 +114,8 @@ def _rms_norm(features: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 
 class Block(nnx.Module):
-  """x + attn(norm1(x)); x + mlp(norm2(x)), with SwiGLU and grouped-query attention."""
+  """x + attn(norm1(x)); x + mlp(norm2(x)) (or, `post_norm`, x + norm1(attn(x)); x +
+  norm2(mlp(x))), with SwiGLU and grouped-query attention."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, k = config.hidden, config.dim
@@ -117,9 +127,12 @@ class Block(nnx.Module):
     self.k = linear(d, config.num_kv_heads * k, config.qkv_bias)
     self.v = linear(d, config.num_kv_heads * k, config.qkv_bias)
     self.o = linear(config.num_heads * k, d)
+    # None, or what the q and k norms span: "head" (each head) or "all" (the projection)
+    self.qk_norm = config.qk_norm_span if config.qk_norm else None
     if config.qk_norm:
-      self.q_norm = _rms_norm(k, config.rms_eps, rngs)
-      self.k_norm = _rms_norm(k, config.rms_eps, rngs)
+      whole = config.qk_norm_span == "all"
+      self.q_norm = _rms_norm(k * (config.num_heads if whole else 1), config.rms_eps, rngs)
+      self.k_norm = _rms_norm(k * (config.num_kv_heads if whole else 1), config.rms_eps, rngs)
     self.ln2 = _rms_norm(d, config.rms_eps, rngs)
     self.gate = linear(d, config.intermediate)
     self.up = linear(d, config.intermediate)
@@ -127,14 +140,17 @@ class Block(nnx.Module):
     self.num_heads, self.num_kv_heads, self.dim = config.num_heads, config.num_kv_heads, k
     self.rope = (config.rope_theta, config.rope_scaling)
     self.window = config.sliding_window
-    self.qk_norm = config.qk_norm
+    self.post_norm = config.post_norm
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:
     b, t, _ = x_BxTxD.shape
     h, g, k = self.num_heads, self.num_kv_heads, self.dim
-    q_BxTxHxK = self.q(x_BxTxD).reshape(b, t, h, k)
-    k_BxTxGxK = self.k(x_BxTxD).reshape(b, t, g, k)
-    if self.qk_norm:  # normed in fp32, back in the compute dtype, as Qwen3's
+    q_BxTxF, k_BxTxF = self.q(x_BxTxD), self.k(x_BxTxD)
+    if self.qk_norm == "all":  # the projections normed whole, as OLMo 2's
+      q_BxTxF = self.q_norm(q_BxTxF).astype(x_BxTxD.dtype)
+      k_BxTxF = self.k_norm(k_BxTxF).astype(x_BxTxD.dtype)
+    q_BxTxHxK, k_BxTxGxK = q_BxTxF.reshape(b, t, h, k), k_BxTxF.reshape(b, t, g, k)
+    if self.qk_norm == "head":  # normed in fp32, back in the compute dtype, as Qwen3's
       q_BxTxHxK = self.q_norm(q_BxTxHxK).astype(x_BxTxD.dtype)
       k_BxTxGxK = self.k_norm(k_BxTxGxK).astype(x_BxTxD.dtype)
     q_BxTxHxK, k_BxTxGxK = rotary(q_BxTxHxK, *self.rope), rotary(k_BxTxGxK, *self.rope)
@@ -148,6 +164,9 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
     dtype = x_BxTxD.dtype
+    if self.post_norm:  # OLMo 2's: the outputs normed, then added
+      x_BxTxD = x_BxTxD + self.ln1(self.attention(x_BxTxD)).astype(dtype)
+      return x_BxTxD + self.ln2(self.mlp(x_BxTxD)).astype(dtype)
     x_BxTxD = x_BxTxD + self.attention(self.ln1(x_BxTxD).astype(dtype))
     return x_BxTxD + self.mlp(self.ln2(x_BxTxD).astype(dtype))
 

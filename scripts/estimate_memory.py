@@ -14,7 +14,7 @@ and the step time it allows: the largest of compute, host<->device traffic,
 NVMe traffic and the host optimizer, at the rates given (defaults: one H100).
 
 `--init-from` reads the shape of a Hugging Face checkpoint folder (its
-config.json: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2; no weight is read) and counts its
+config.json: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, GPT-2; no weight is read) and counts its
 parameters exactly instead of 12·nl·hd².
 
 `--lora-rank R` counts a LoRA fine-tune (`ZeroConfig(trainable=nnx.LoRAParam)`):

@@ -17,6 +17,8 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           frequencies one kept, one on the ramp, six slowed; cos and sin scaled by 1.139)
   phi3    Phi-3, q, k and v fused in one projection and gate and up in another, a sliding
           window (6), grouped-query attention
+  olmo2   OLMo 2, norms after attention and the MLP (not before), the whole q and k
+          projections RMS-normed
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward. Besides, `rope.json`: for each
@@ -70,6 +72,9 @@ def models():
                                                  pad_token_id=0, eos_token_id=2,
                                                  tie_word_embeddings=False),
                None),
+      "olmo2": (T.Olmo2ForCausalLM, T.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=0,
+                                                   eos_token_id=2, tie_word_embeddings=False),
+                None),
   }
 
 

@@ -1,5 +1,5 @@
 """Train a GPT with zinfjax ZeRO on a text file or a token file (.bin, .npy), or fine-tune a
-Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2).
+Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, GPT-2).
 
   python scripts/train_gpt.py --preset tiny --zero-stage 3 --steps 200 --devices 8
   python scripts/train_gpt.py --init-from HF_FOLDER --data tokens.bin --export OUT_FOLDER

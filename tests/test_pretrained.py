@@ -84,13 +84,14 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 # ------------------------------------------------------------------ Hugging Face
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3",
-                                    "yarn", "phi3"])
+                                    "yarn", "phi3", "olmo2"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
   Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
   scaling moves its logits by 0.1 (the same model unscaled is that far off); the Qwen3 one
   norms each head's queries and keys, and the YaRN one scales its rope; the Phi-3 one fuses q, k
-  and v, and gate and up. The config counts the checkpoint's params exactly."""
+  and v, and gate and up; the OLMo 2 one norms after attention and the MLP. The config counts
+  the checkpoint's params exactly."""
   config, make, weights = hf.load(os.path.join(HF, family))
   ckpt = safetensors.Checkpoint(os.path.join(HF, family))
   assert config.num_params == sum(int(np.prod(ckpt[n].shape)) for n in ckpt)
@@ -111,7 +112,8 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     back = hf.config_from_hf(hf.config_to_hf(config, base))
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
-  for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn", "phi3"):
+  for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn", "phi3",
+                 "olmo2"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
@@ -119,8 +121,8 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   mistral = hf.config_from_hf(hf.read_config(os.path.join(HF, "mistral")))
   assert mistral.sliding_window == 5
   # the family train_gpt names: config.json's, not the class of ours that runs it
-  assert {f: hf.family(hf.read_config(os.path.join(HF, f))) for f in ("gpt2", "phi3", "qwen3")
-          } == {"gpt2": "GPT-2", "phi3": "Phi-3", "qwen3": "Qwen3"}
+  assert {f: hf.family(hf.read_config(os.path.join(HF, f))) for f in ("gpt2", "olmo2", "qwen3")
+          } == {"gpt2": "GPT-2", "olmo2": "OLMo 2", "qwen3": "Qwen3"}
   assert hf.config_to_hf(mistral)["model_type"] == "mistral"
   llama3 = hf.config_from_hf(hf.read_config(os.path.join(HF, "llama3")))
   assert llama3.rope_scaling == rope.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
@@ -172,6 +174,11 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
           if k not in ("sliding_window", "rms_norm_eps", "max_position_embeddings")}
   given = hf.config_from_hf(phi3)
   assert (given.sliding_window, given.rms_eps, given.seq_len) == (None, 1e-5, 4096)
+  olmo2 = hf.config_from_hf(hf.read_config(os.path.join(HF, "olmo2")))
+  assert olmo2.post_norm and olmo2.qk_norm_span == "all"
+  assert hf.config_to_hf(olmo2)["model_type"] == "olmo2"   # the one family that holds it
+  with pytest.raises(ValueError, match="a qwen3 checkpoint cannot hold .* OLMo 2's alone"):
+    hf.config_to_hf(olmo2, hf.read_config(os.path.join(HF, "qwen3")))
   wrong = hf.config_from_hf({**phi3, "num_key_value_heads": 4})
   with pytest.raises(ValueError, match="qkv_proj.weight' .* has 64 rows where config.json's "
                                        "heads and sizes make 96"):
@@ -180,7 +187,8 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
 
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
                                               ("gpt2", "split"), ("llama", "pipeline"),
-                                              ("qwen3", "pipeline"), ("phi3", "split")],
+                                              ("qwen3", "pipeline"), ("phi3", "split"),
+                                              ("olmo2", "nvme")],
                          indirect=["placement"])
 def test_checkpoint_streams_into_zero3(family, placement, mesh):
   """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
@@ -199,7 +207,7 @@ def test_checkpoint_streams_into_zero3(family, placement, mesh):
   _close(state)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3", "olmo2"])
 def test_export_round_trip(family, mesh, tmp_path):
   """`hf.save` from a training state (NVMe included) writes the checkpoint's names, shapes and
   values back: reading it again is bit-exact, sharded with an index as well."""
@@ -276,7 +284,7 @@ def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
                                                                    "model.safetensors"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2"])
 def test_export_loads_in_transformers(family, mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")
