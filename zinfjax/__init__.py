@@ -17,12 +17,12 @@ from .layers import Stack
 from .mesh import make_mesh
 from .tiling import TiledLinear, tile_matmuls
 from .placement import Plan
-from .state import TrainState, UnusableStateError, abstract_init, init
+from .state import HeldUpdateWarning, TrainState, UnusableStateError, abstract_init, init
 from .step import make_train_step, train_step
 from .evaluate import eval_step, make_eval_step
 from .flush import flush_updates
 from . import weights  # noqa: F401
 
-__all__ = ["ZeroConfig", "Plan", "Stack", "TiledLinear", "tile_matmuls", "TrainState",
-           "UnusableStateError", "abstract_init", "eval_step", "flush_updates", "init",
-           "make_eval_step", "make_mesh", "make_train_step", "train_step", "weights"]
+__all__ = ["ZeroConfig", "HeldUpdateWarning", "Plan", "Stack", "TiledLinear", "tile_matmuls",
+           "TrainState", "UnusableStateError", "abstract_init", "eval_step", "flush_updates",
+           "init", "make_eval_step", "make_mesh", "make_train_step", "train_step", "weights"]

@@ -8,6 +8,7 @@ array per segment of the leaf on `device` or `pinned_host` (see
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Any
 
@@ -60,6 +61,10 @@ class _EngineRef:
 
 class UnusableStateError(RuntimeError):
   """A `TrainState` that was donated to a step, or whose run was closed, was used."""
+
+
+class HeldUpdateWarning(UserWarning):
+  """Params were taken out of a state whose last update `ZeroConfig.delay_update` holds back."""
 
 
 @dataclasses.dataclass
@@ -164,7 +169,13 @@ class TrainState:
           f"this run has {jax.process_count()} processes, each holding its own. Save a "
           "checkpoint and read it whole: zinfjax.checkpoint.CheckpointParams(directory) "
           "(hf.save takes it; train_gpt.py --export does so with --checkpoint-dir).")
-    plan = self.engine.plan
+    pipeline, plan = self.engine.pipeline, self.engine.plan
+    if pipeline is not None and pipeline.held is not None and pipeline.tail:
+      warnings.warn(
+          "zinfjax: these params miss the last step's update of the parts "
+          f"ZeroConfig.delay_update={self.engine.config.delay_update!r} holds back (its grads "
+          "wait for a next step); `state = zinfjax.flush_updates(state)` applies it first.",
+          HeldUpdateWarning, stacklevel=3)
     state = "master" if leaf.trainable else "params"
     parts = plan.flatten(getattr(self, state))[leaf.index]
     x = _whole(plan, leaf, parts, self.engine.store, state, layer)
