@@ -132,6 +132,7 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
     features = lambda kind: {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm"), False),
                              "qk_norm_span": "head", **FEATURES.get(kind, {})}
     has = {k: getattr(c, k) for k in features(None)}
+    has["qk_norm_span"] = c.qk_norm_span if c.qk_norm else "head"  # no norm: no span
     held = [k for k in FEATURES if features(k) == has]
     kind = out.get("model_type", held[0] if held else "mistral" if c.sliding_window else "llama")
     if c.sliding_window and kind not in WINDOWED:

@@ -177,6 +177,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   olmo2 = hf.config_from_hf(hf.read_config(os.path.join(HF, "olmo2")))
   assert olmo2.post_norm and olmo2.qk_norm_span == "all"
   assert hf.config_to_hf(olmo2)["model_type"] == "olmo2"   # the one family that holds it
+  assert hf.config_to_hf(olmo2.replace(qk_norm=False, post_norm=False))["model_type"] == "llama"
   with pytest.raises(ValueError, match="a qwen3 checkpoint cannot hold .* OLMo 2's alone"):
     hf.config_to_hf(olmo2, hf.read_config(os.path.join(HF, "qwen3")))
   wrong = hf.config_from_hf({**phi3, "num_key_value_heads": 4})
