@@ -1,5 +1,5 @@
-"""An export's host memory and time: `hf.save` of a training state, a stacked leaf read one
-layer at a time, against the same export reading each leaf whole (as exports did before).
+"""An export's host memory and time: `hf.save` of a training state and consolidate.py's file of
+a checkpoint, a stacked leaf read one layer at a time, against each leaf read whole (before).
 
   python scripts/bench_export.py --layers 16 --hidden 512 --tier nvme --devices 2
 
@@ -7,7 +7,8 @@ For one Llama-shaped model whose states live on `--tier` (device, pinned_host or
 writes the Hugging Face folder twice and prints, for each way, the peak of numpy's host
 allocations during the export (tracemalloc) and its time (a second, untraced run), next to
 the bounds that count: the largest leaf in fp32 (a whole-leaf read holds at least that) and
-one layer of it (what a layer-at-a-time read needs).
+one layer of it (what a layer-at-a-time read needs). Then the same for consolidate.py's file
+from a checkpoint of that state: written from each leaf's slabs, against whole leaves.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--tier", choices=("device", "pinned_host", "nvme"), default="nvme")
   p.add_argument("--devices", type=int, default=2, help="host devices where there is no GPU")
   p.add_argument("--folder", default=None, help="where the swap store and exports go")
+  p.add_argument("--slab-mib", type=float, default=64,
+                 help="consolidate's slab (CheckpointParams.blocks; consolidate.py: 64 MiB)")
   return p.parse_args(argv)
 
 
@@ -47,7 +50,9 @@ def main(argv=None) -> int:
   os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
   import numpy as np
   import zinfjax
+  import zinfjax.checkpoint
   from zinfjax.models import LlamaConfig, hf
+  from zinfjax.weights import safetensors
 
   d = args.hidden
   config = LlamaConfig(vocab_size=4 * d, hidden=d, intermediate=4 * d, num_layers=args.layers,
@@ -79,7 +84,20 @@ def main(argv=None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     print(f"{name:<26}{peak:>16.1f}{peak / (leaf_mib / big.num_layers):>13.1f}"
           f"{peak / leaf_mib:>14.2f}{seconds:>9.2f}", flush=True)
+  ckpt = os.path.join(folder, "ckpt")
+  with zinfjax.checkpoint.Checkpointer(ckpt) as saver:
+    saver.save(state)
   state.close()
+  saved = zinfjax.checkpoint.CheckpointParams(ckpt)
+  slabs = lambda path: saved.blocks(path, max_bytes=int(args.slab_mib * 2**20))
+  for name, read in (("consolidate, slabs", slabs),
+                     ("consolidate (before)", saved.full_leaf)):
+    out = os.path.join(folder, "params.safetensors")
+    tensors = [(p, (saved.shape(p), np.float32, lambda p=p: read(p))) for p in saved]
+    peak, seconds = measured(lambda: safetensors.write(out, tensors))
+    os.remove(out)
+    print(f"{name:<26}{peak:>16.1f}{peak / (leaf_mib / big.num_layers):>13.1f}"
+          f"{peak / leaf_mib:>14.2f}{seconds:>9.2f}", flush=True)
   if args.folder is None:
     shutil.rmtree(folder, ignore_errors=True)
   return 0

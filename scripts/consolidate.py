@@ -2,10 +2,11 @@
 
   python scripts/consolidate.py CKPT_DIR params.safetensors [--step N] [--dtype bf16]
 
-Reads the fp32 master params (a frozen param's own values: LoRA's base weights, say), one
-tensor at a time, from a checkpoint saved on any number of devices, processes and tiers, and
-writes them in their logical shapes under dotted names ("blocks.block.attn.qkv.kernel";
-stacked layers keep their leading layer axis). Host memory holds one tensor at a time.
+Reads the fp32 master params (a frozen param's own values: LoRA's base weights, say) from a
+checkpoint saved on any number of devices, processes and tiers, and writes them in their
+logical shapes under dotted names ("blocks.block.attn.qkv.kernel"; stacked layers keep their
+leading layer axis). Host memory holds one slab of a tensor at a time: a stacked leaf's layers,
+as many as fit 64 MiB (at least one), not the whole leaf.
 """
 
 from __future__ import annotations
@@ -46,10 +47,9 @@ def main(argv=None) -> int:
     """One leaf as the writer takes it: its shape from the metadata, its data read on use."""
     name = path.replace("/", ".")
 
-    def produce() -> np.ndarray:
-      array = params.full_leaf(path).astype(dtype)
-      print(f"{name}: {list(array.shape)}", flush=True)
-      return array
+    def produce():  # the leaf's slabs (a stacked leaf's layers), each written before the next
+      print(f"{name}: {list(params.shape(path))}", flush=True)
+      return (block.astype(dtype, copy=False) for block in params.blocks(path))
 
     return name, (params.shape(path), dtype, produce)
 

@@ -80,3 +80,21 @@ def test_a_flush_without_a_delay_changes_nothing(mesh, batches):
   state.close()
   with pytest.raises(zinfjax.UnusableStateError, match="flush_updates"):
     zinfjax.flush_updates(state)
+
+
+def test_a_failed_flush_leaves_the_store_as_it_was(mesh, batches, tmp_path):
+  """A write fault during a flush on NVMe (all or nothing): the flush fails with the engine's
+  error and a note naming the flush, and every shard holds its bytes from before it."""
+  zero = zinfjax.ZeroConfig(precision="fp32", offload_param="nvme", offload_optimizer="nvme",
+                            delay_update="tail", nvme_path=str(tmp_path / "swap"))
+  _, state = zero_training(factory, zinfjax.optim.adamw(LR), zero, mesh, batches[:1], lm_loss)
+  store = state.engine.store
+  before = {k: store.read(k).wait().tobytes() for k in store.keys()}
+  store.engine.set_fault_after_writes(1)
+  with pytest.raises(Exception, match="injected write fault") as failure:
+    zinfjax.flush_updates(state)
+  store.engine.set_fault_after_writes(-1)
+  assert any("the flush failed" in n for n in getattr(failure.value, "__notes__", []))
+  after = {k: store.read(k).wait().tobytes() for k in store.keys()}
+  assert [k for k in before if after[k] != before[k]] == [] and not store.in_transaction
+  state.close()

@@ -330,11 +330,14 @@ def test_the_progress_line_names_the_drive_only_where_it_moved_bytes():
 
 
 def test_bench_export_holds_a_layer_not_the_stack(tmp_path):
-  """bench_export.py: the export a layer at a time peaks below the largest leaf; the same export
-  reading whole leaves holds at least that leaf."""
-  out = run([os.path.join(SCRIPTS, "bench_export.py"), "--layers", "4", "--hidden", "128",
-             "--folder", str(tmp_path)])
+  """bench_export.py: the export a layer at a time (and consolidate's file written in slabs) peaks
+  below the largest leaf; the same export reading whole leaves holds at least that leaf."""
+  # a leaf of 16 MiB: above the 8 MiB the chunk reads stage in, which slabs of 4 MiB share
+  out = run([os.path.join(SCRIPTS, "bench_export.py"), "--layers", "4", "--hidden", "512",
+             "--folder", str(tmp_path), "--slab-mib", "4"])
   rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()
-          if line.startswith(("a layer", "whole leaves"))}
+          if line.startswith(("a layer", "whole leaves", "consolidate"))}
   layered, whole = float(rows["a layer at a time"][2]), float(rows["whole leaves (before)"][2])
   assert layered < 1.0 <= whole, out
+  slabs, whole = float(rows["consolidate, slabs"][2]), float(rows["consolidate (before)"][2])
+  assert slabs < 1.0 <= whole, out

@@ -35,7 +35,7 @@ def flush_updates(state: TrainState) -> TrainState:
     return dataclasses.replace(state, params=params), {}
 
   if engine.store is not None and engine.config.nvme_atomic_steps:
-    run = all_or_nothing(engine, run)  # a failed flush leaves the store as it was
+    run = all_or_nothing(engine, run, "flush")  # a failed flush leaves the store as it was
   try:
     new, _ = run(state, None)
   except BaseException:

@@ -41,10 +41,11 @@ Step = Callable[[Any, Any], tuple[Any, dict]]
 VERSIONED = tuple(f"{PREFIX[s]}/" for s in ("params", "master", "mu", "nu"))
 
 
-def all_or_nothing(engine, run: Step) -> Step:
+def all_or_nothing(engine, run: Step, what: str = "step") -> Step:
   """`run` as one transaction of the swap store: the params and optimizer states it rewrites on
   NVMe are committed when it returns and rolled back when it raises, so a failed step (an I/O
-  error, a corrupted shard, a fault in the optimizer) leaves the previous step's there."""
+  error, a corrupted shard, a fault in the optimizer) leaves the previous step's there. `what`
+  names `run` in the note a failure carries ("step", "flush")."""
   store = engine.store
 
   def step(state, batch):
@@ -55,9 +56,9 @@ def all_or_nothing(engine, run: Step) -> Step:
       out = run(state, batch)
     except BaseException as e:
       store.rollback()
-      e.add_note("zinfjax: the step failed; the params and optimizer states on NVMe were rolled "
-                 "back to those before it (nothing half-written). The TrainState passed in was "
-                 "donated to the step: continue from a checkpoint.")
+      e.add_note(f"zinfjax: the {what} failed; the params and optimizer states on NVMe were "
+                 "rolled back to those before it (nothing half-written). The TrainState passed "
+                 f"in was donated to the {what}: continue from a checkpoint.")
       raise
     store.commit()
     return out

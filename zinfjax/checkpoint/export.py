@@ -15,9 +15,10 @@ import numpy as np
 from .handler import open_checked, read
 from .leaves import Leaf
 from .manager import read_metadata
-from .zarr import trim
+from .zarr import Array, trim
 
 PREFIXES = ("master/", "params/")  # a trained leaf's fp32 master; a frozen leaf's params
+BLOCK_BYTES = 64 << 20  # a slab of `CheckpointParams.blocks`, where a chunk row fits
 
 
 class CheckpointParams:
@@ -41,19 +42,50 @@ class CheckpointParams:
     """One leaf (e.g. "layers/block/q/kernel") in its logical shape: its master where it
     trained, else its params; with `layer`, its entry along the first axis alone (a stacked
     leaf's layer: only that is read). KeyError for a path the checkpoint does not hold."""
+    arr, leaf = self._open(path)
+    if layer is not None and (not leaf.shape or not 0 <= layer < leaf.shape[0]):
+      raise IndexError(f"checkpoint leaf {path!r} of shape {list(leaf.shape)} has no layer "
+                       f"{layer}.")
+    data = self._rows(arr, leaf, dtype, None if layer is None else (layer, layer + 1))
+    return data if layer is None else data[0]
+
+  def blocks(self, path: str, dtype=np.float32, max_bytes: int = BLOCK_BYTES
+             ) -> Iterator[np.ndarray]:
+    """A leaf in slabs along its first axis, in order, each whole stored chunk rows (a stacked
+    leaf's layers), as many as fit `max_bytes` (at least one): a writer that writes each slab
+    before the next is read holds one slab, not the leaf. A scalar comes whole."""
+    arr, leaf = self._open(path)
+    if not leaf.shape:
+      yield self._rows(arr, leaf, dtype)
+      return
+    rows = arr.chunk[0]
+    row_bytes = int(np.prod(leaf.shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize * rows
+    step = rows * max(1, max_bytes // max(row_bytes, 1))
+    try:  # one slab's staging buffers, reused by the next slab's read
+      for start in range(0, leaf.shape[0], step):
+        yield self._rows(arr, leaf, dtype, (start, min(start + step, leaf.shape[0])), keep=True)
+    finally:
+      trim()
+
+  def _open(self, path: str) -> tuple[Array, Leaf]:
     if path not in self.leaves:
       raise KeyError(f"checkpoint step {self.step} holds no leaf {path!r}.")
     name, info = self.leaves[path]
     leaf = Leaf(name, tuple(info["shape"]), np.dtype(info["dtype"]), None, [])
+    return open_checked(os.path.join(self.folder, name), leaf), leaf
+
+  @staticmethod
+  def _rows(arr: Array, leaf: Leaf, dtype, rows: tuple[int, int] | None = None,
+            keep: bool = False) -> np.ndarray:
+    """Rows `rows` of the leaf's first axis (default: the whole leaf), in `dtype`; the staging
+    buffers of the read freed unless `keep`."""
     index = tuple(slice(0, n) for n in leaf.shape)
-    if layer is not None:
-      if not leaf.shape or not 0 <= layer < leaf.shape[0]:
-        raise IndexError(f"checkpoint leaf {path!r} of shape {list(leaf.shape)} has no layer "
-                         f"{layer}.")
-      index = (slice(layer, layer + 1), *index[1:])
-    data = read(open_checked(os.path.join(self.folder, name), leaf), index, leaf, np.dtype(dtype))
-    trim()  # the staging buffers of this leaf's reads
-    return data if layer is None else data[0]
+    if rows is not None:
+      index = (slice(*rows), *index[1:])
+    data = read(arr, index, leaf, np.dtype(dtype))
+    if not keep:
+      trim()
+    return data
 
 
 def _metadata(directory: str, step: int | None) -> dict:

@@ -186,13 +186,16 @@ class Checkpoint(Mapping[str, np.ndarray]):
     return tuple(h["shape"]), DTYPES[h["dtype"]]
 
 
-Tensor = tuple[tuple[int, ...], Any, Callable[[], np.ndarray]]  # shape, dtype, produce
+# shape, dtype, produce: `produce()` gives the tensor, or an iterator of its slabs along the
+# first axis, in order
+Tensor = tuple[tuple[int, ...], Any, Callable[[], "np.ndarray | Iterator[np.ndarray]"]]
 
 
 def write(path: str, tensors: Iterable[tuple[str, Tensor]], metadata: dict[str, str] | None = None
           ) -> int:
   """Write a safetensors file from `(name, (shape, dtype, produce))`: the header first, then
-  each tensor made by `produce()` and written before the next is made. Returns its bytes."""
+  each tensor made by `produce()` and written before the next is made (a tensor given as slabs:
+  each slab written before the next is made). Returns its bytes."""
   tensors = list(tensors)
   header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
   offset = 0
@@ -210,12 +213,34 @@ def write(path: str, tensors: Iterable[tuple[str, Tensor]], metadata: dict[str, 
     f.write(struct.pack("<Q", len(raw)))
     f.write(raw)
     for name, (shape, dtype, produce) in tensors:
-      x = np.ascontiguousarray(produce(), dtype=np.dtype(dtype))
-      if x.shape != tuple(shape):
-        raise FormatError(f"tensor {name!r} was announced as {tuple(shape)} but is {x.shape}.")
-      f.write(x.reshape(-1).view(np.uint8).data)  # native little-endian bytes, no copy
+      _write_tensor(f, name, tuple(shape), np.dtype(dtype), produce())
   return 8 + len(raw) + offset
 
+
+def _write_tensor(f, name: str, shape: tuple[int, ...], dtype: np.dtype, made: Any) -> None:
+  """One tensor's bytes from what `produce()` made: the array, or an iterator of its slabs along
+  the first axis; checked against the announced shape (a wrong size would shift every later
+  tensor)."""
+  if isinstance(made, Iterator) and not shape:  # a scalar has no rows: its one slab is the value
+    made = list(made)
+    made = made[0] if len(made) == 1 else np.stack(made)  # more: the shape check refuses it
+  if not isinstance(made, Iterator):
+    x = np.asarray(made, dtype=dtype, order="C")  # a scalar stays 0-d
+    if x.shape != shape:
+      raise FormatError(f"tensor {name!r} was announced as {shape} but is {x.shape}.")
+    f.write(x.reshape(-1).view(np.uint8).data)  # native little-endian bytes, no copy
+    return
+  rows = 0
+  for slab in made:
+    x = np.asarray(slab, dtype=dtype, order="C")
+    if x.shape[1:] != shape[1:] or x.ndim != len(shape):
+      raise FormatError(f"tensor {name!r} was announced as {shape} but has a slab of {x.shape}.")
+    rows += x.shape[0]
+    f.write(x.reshape(-1).view(np.uint8).data)
+    del slab, x  # freed before the next slab is made
+  if rows != shape[0]:
+    raise FormatError(f"tensor {name!r} was announced with {shape[0]} rows but its slabs hold "
+                      f"{rows}.")
 
 def write_sharded(folder: str, tensors: Iterable[tuple[str, Tensor]], max_bytes: int = 5 << 30,
                   metadata: dict[str, str] | None = None) -> list[str]:
