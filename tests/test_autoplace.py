@@ -122,6 +122,16 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(mesh, t
   no_nvme = zinfjax.ZeroConfig(precision="fp32", offload="auto", tier_budgets=dict(budgets))
   with pytest.raises(PlacementError, match="Give ZeroConfig.nvme_path a folder"):
     zinfjax.init(gpt, tx(), no_nvme, mesh)
+  # host memory a byte short of what it holds with every layer on NVMe (the held grads of
+  # delay_update="all" among it): the fix is its budget, not the drive
+  least = budgets_of(mesh, "nvme", "nvme", str(path), delay_update="all")
+  short = dict(least, pinned_host=least["pinned_host"] - 1, nvme=1 << 40)
+  with pytest.raises(PlacementError, match=r"pinned_host needs .* \(1 B short\)\. Raise "
+                     r"tier_budgets for pinned_host: that is the least it holds") as refused:
+    build_engine(gpt, tx(), zinfjax.ZeroConfig(precision="fp32", offload="auto",
+                                               delay_update="all", tier_budgets=short,
+                                               nvme_path=str(path)), mesh, open_store_=False)
+  assert "nvme_path" not in str(refused.value)
   with pytest.raises(ValueError, match="offload='auto' put optimizer states off the device"):
     build_engine(gpt, optax.adam(1e-3), zinfjax.ZeroConfig(
         offload="auto", tier_budgets={"device": 0, "pinned_host": 1 << 30}), mesh,

@@ -248,6 +248,19 @@ def plan_placement(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
       pinned, pinned_need(build(again.resolve(config)), config)))
 
 
+def _fix(short: Mapping[str, int], nvme: bool) -> str:
+  """What to change for the tiers `short` of their budgets (`nvme`: a drive is given)."""
+  if not nvme:
+    return "Give ZeroConfig.nvme_path a folder on a drive with room."
+  fixes = ["Free space under nvme_path or add drives to it."] if Tier.NVME in short else []
+  fast = [t for t in TIERS if t in short and t != Tier.NVME]
+  if fast:  # what no split moves to the drive (leaves outside the stack, buffers, held grads)
+    fixes.append(f"Raise tier_budgets for {' and '.join(fast)}: that is the least "
+                 f"{'they hold' if len(fast) > 1 else 'it holds'} with every layer that can go "
+                 "to NVMe there.")
+  return " ".join(fixes)
+
+
 def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
             budget: dict[str, int]) -> AutoPlan:
   """The greedy choice (see the module docstring) for one set of budgets."""
@@ -290,11 +303,10 @@ def _choose(config: ZeroConfig, build: Callable[[ZeroConfig], Plan],
     total = need(build(base), base)[Tier.DEVICE]
     detail = ", ".join(f"{t} needs {_gb(got[t])} of a {_gb(budget[t])} budget ({_gb(n)} short)"
                        for t, n in short.items())
-    hint = (" Give ZeroConfig.nvme_path a folder on a drive with room." if not config.nvme_paths
-            else " Free space under nvme_path, add drives to it, or raise tier_budgets.")
     raise PlacementError(
         f"offload='auto': the model's states ({_gb(total)} per device in all) do not fit the "
-        f"tiers' budgets even with the fewest layers on the fast tiers: {detail}.{hint}")
+        f"tiers' budgets even with the fewest layers on the fast tiers: {detail}. "
+        f"{_fix(short, bool(config.nvme_paths))}")
   mapped = chosen.with_host_pipeline()
   stores = ((Tier.PINNED_HOST, mapped.host_store), (Tier.NVME, mapped.uses_nvme))
   copies = tuple(t for t, held in stores if held and mapped.nvme_atomic_steps)
