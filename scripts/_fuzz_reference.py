@@ -91,15 +91,22 @@ def initial_params(make_model) -> list:
     return param_leaves(make_model(nnx.Rngs(jax.random.key(0))))
 
 
-def reference(make_model, clip, data, nan_step, trainable=None):
+def reference(make_model, clip, data, nan_step, trainable=None, jitter: int | None = None):
   """Losses, initial and final params of optax on one device, training the params
-  `trainable` names; the NaN step is skipped (its loss kept)."""
+  `trainable` names; the NaN step is skipped (its loss kept). With `jitter` (a seed), every
+  initial param is first moved by one unit in the last place, up or down at random: the
+  model's own sensitivity to rounding (see `calibrated`)."""
   import jax
   import numpy as np
   from flax import nnx
   with jax.default_device(jax.devices()[0]):
     model = make_model(nnx.Rngs(jax.random.key(0)))
     initial = param_leaves(model)
+    if jitter is not None:
+      rng = np.random.default_rng(jitter)
+      away = lambda x: jax.numpy.asarray(np.nextafter(np.asarray(x), np.where(
+          rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(x.dtype)))
+      nnx.update(model, jax.tree.map(away, nnx.state(model, nnx.Param)))
     optimizer = nnx.Optimizer(model, reference_tx(clip), wrt=wrt(trainable))
 
     @nnx.jit(static_argnames="apply")
@@ -177,6 +184,19 @@ def measure(losses, params, want_losses, initial, want_params, init_rtol: float)
       worst["at"] = f"leaf {i} {b.shape}"
     worst["leaf"], worst["element"] = max(worst["leaf"], leaf), max(worst["element"], element)
   return worst
+
+
+def calibrated(tol: Tolerance, want, make_model, clip, data, nan_step, trainable=None,
+               draws: int = 2) -> tuple[Tolerance, dict]:
+  """`tol` widened, measure by measure, to twice the farthest the reference `want` is from
+  itself started one unit in the last place away (`draws` times): a model whose fp32 training
+  amplifies rounding (OLMo 2's norms on the MLP's small outputs) differs that much from itself
+  whatever computes it. Returns that farthest distance too."""
+  floors = [measure(*reference(make_model, clip, data, nan_step, trainable, jitter=k)[::2],
+                    *want, tol.init_rtol) for k in range(draws)]
+  floor = {m: max(f[m] for f in floors) for m in ("loss", "leaf", "element")}
+  return tol._replace(loss=max(tol.loss, 2 * floor["loss"]), leaf=max(tol.leaf, 2 * floor["leaf"]),
+                      element=max(tol.element, 2 * floor["element"])), floor
 
 
 def compare(losses, params, want_losses, initial, want_params, tol: Tolerance = FP32
