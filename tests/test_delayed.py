@@ -145,6 +145,11 @@ def test_delay_update_needs_the_host_pipeline(mesh):
     with pytest.raises(ValueError, match=f"delay_update='{delay}'.*offload_optimizer='nvme'"):
       zinfjax.init(factory, tx, zinfjax.ZeroConfig(offload_optimizer="pinned_host",
                                                    host_optimizer="xla", delay_update=delay), mesh)
+  # NVMe named, but the splits before it take all 4 layers: no state there to delay
+  with pytest.raises(ValueError, match=r"names NVMe, but its splits take every layer"):
+    build_engine(factory, tx, zinfjax.ZeroConfig(
+        offload_optimizer="device:2,pinned_host:2,nvme", host_optimizer="xla",
+        delay_update="tail", nvme_path="/nonexistent/unused"), mesh, open_store_=False)
   with pytest.raises(ValueError, match="host_atomic_steps=True .* host_optimizer='xla'"):
     zinfjax.ZeroConfig(host_optimizer="xla", host_atomic_steps=True)
   host = zinfjax.ZeroConfig(offload_optimizer="pinned_host")

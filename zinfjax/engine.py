@@ -291,11 +291,14 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
     if auto is not None:  # "auto" kept every optimizer state on the device: nothing to delay
       config = config.replace(delay_update="none")
     else:
+      unused = (f" (offload_optimizer={config.offload_optimizer!r} names NVMe, but its splits "
+                "take every layer before NVMe gets one)"
+                if Tier.NVME in str(config.offload_optimizer) else "")
       raise ValueError(
           f"ZeroConfig.delay_update={config.delay_update!r} delays updates of the host "
-          "pipeline, but no optimizer state is in the host pipeline: place the optimizer on NVMe "
-          "(offload_optimizer='nvme') or in pinned host with host_optimizer='pipeline', or "
-          "leave delay_update='none'.")
+          f"pipeline, but no optimizer state is in the host pipeline{unused}: place the "
+          "optimizer on NVMe (offload_optimizer='nvme') or in pinned host with "
+          "host_optimizer='pipeline', or leave delay_update='none'.")
   decays = ()
   if hyper is not None:
     shapes = plan.unflatten([jax.ShapeDtypeStruct(l.layout.storage_shape, jnp.float32)
