@@ -375,7 +375,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
     t0 = time.perf_counter()
     base = hf.read_config(args.init_from) if args.init_from else None
     # several processes: each holds its own shards; the checkpoint saved last holds them all
-    one, held = jax.process_count() == 1, state.engine.pipeline and state.engine.pipeline.held
+    one, held = jax.process_count() == 1, state.engine.pipeline and state.engine.pipeline.holding
     source = zinfjax.flush_updates(state) if one else CheckpointParams(args.checkpoint_dir)
     hf.save(args.export, config, source, args.export_dtype, base, copy_from=args.init_from)
     say(f"exported {args.export} (Hugging Face format) in {time.perf_counter() - t0:.1f} s")

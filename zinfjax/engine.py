@@ -31,6 +31,7 @@ from .optim.pipeline import NvmePipeline
 from .partition import plan_layouts
 from .placement import Plan, Tier, make_plan
 from .progress import human_bytes
+from .tier import split_tiers
 
 Path = tuple[Any, ...]
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -293,7 +294,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
     else:
       unused = (f" (offload_optimizer={config.offload_optimizer!r} names NVMe, but its splits "
                 "take every layer before NVMe gets one)"
-                if Tier.NVME in str(config.offload_optimizer) else "")
+                if Tier.NVME in split_tiers(config.optimizer_split) else "")
       raise ValueError(
           f"ZeroConfig.delay_update={config.delay_update!r} delays updates of the host "
           f"pipeline, but no optimizer state is in the host pipeline{unused}: place the "

@@ -25,7 +25,7 @@ def flush_updates(state: TrainState) -> TrainState:
   state.check_usable("flush_updates")
   engine = state.engine
   pipeline = engine.pipeline
-  if pipeline is None or pipeline.held is None or not pipeline.tail:
+  if pipeline is None or pipeline.holding is None:
     return state
 
   def run(state: TrainState, _) -> tuple[TrainState, dict]:

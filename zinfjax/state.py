@@ -170,7 +170,7 @@ class TrainState:
           "checkpoint and read it whole: zinfjax.checkpoint.CheckpointParams(directory) "
           "(hf.save takes it; train_gpt.py --export does so with --checkpoint-dir).")
     pipeline, plan = self.engine.pipeline, self.engine.plan
-    if pipeline is not None and pipeline.held is not None and pipeline.tail:
+    if pipeline is not None and pipeline.holding is not None:
       warnings.warn(
           "zinfjax: these params miss the last step's update of the parts "
           f"ZeroConfig.delay_update={self.engine.config.delay_update!r} holds back (its grads "

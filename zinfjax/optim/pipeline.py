@@ -1,30 +1,25 @@
 """The engine's optimizer over the plan's segments in the swap store (NVMe, or host RAM).
 
-The plan's store-held optimizer segments are cut into parts (one rank's
-shard of one layer of one leaf) and packed into sub-groups (consecutive parts
-of one rank's layer, none larger than the largest part) for the one AdamW
-driver (`stream.StreamAdam`). Sub-groups go in the order backward writes
-their grads (`Timeline.grad_order`), so with the grads in the store the
-update of a layer runs while backward is still on the layers below it. Where
-a part's grads or compute params live (the store, or an array on another
-tier) is the plan's to say, per layer.
+The plan's store-held optimizer segments are cut into parts (one rank's shard of one layer of
+one leaf) and packed into sub-groups (consecutive parts of one rank's layer, none larger than
+the largest part) for the one AdamW driver (`stream.StreamAdam`). Sub-groups go in the order
+backward writes their grads (`Timeline.grad_order`), so with the grads in the store the update
+of a layer runs while backward is still on the layers below it. Where a part's grads or
+compute params live (the store, or an array on another tier) is the plan's to say, per layer.
 
-With `delay="tail"`, the parts backward reaches last (the leaves outside the
-stacks: the embedding, the final norm, an untied head) are updated one step
-late: their grads are held, and the next step updates them with those while
-its forward runs, instead of the step waiting for their update after
-backward. Their new params reach the store as soon as that step's backward
-has written the part's grads (the program reads its params no more), and
-reach a tier of arrays after the program. With `delay="all"` every part is:
-the whole update runs while the next step's program does (ZeRO-Offload's
-delayed parameter update).
+With `delay="tail"`, the parts backward reaches last (the leaves outside the stacks: the
+embedding, the final norm, an untied head) are updated one step late: their grads are held,
+and the next step updates them with those while its forward runs, instead of the step waiting
+for their update after backward. Their new params reach the store as soon as that step's
+backward has written the part's grads (the program reads its params no more), and reach a tier
+of arrays after the program. With `delay="all"` every part is: the whole update runs while the
+next step's program does (ZeRO-Offload's delayed parameter update).
 
-Under "all" in a RAM store outside transactions, the held grads and the new params
-stay in the store, double-buffered: each such key has a twin (`TWIN` + key). Backward
-writes a step's grads to the key while the held update reads the last step's from the
-twin and writes the new params to the params key's twin while the program reads the
-key; once the program is done the pairs trade places (`AioStore.exchange`), so nothing
-is copied.
+Under "all" in a RAM store outside transactions, the held grads and the new params stay in the
+store, double-buffered: each such key has a twin (`TWIN` + key). Backward writes a step's
+grads to the key while the held update reads the last step's from the twin and writes the new
+params to the params key's twin while the program reads the key; once the program is done the
+pairs trade places (`AioStore.exchange`), so nothing is copied.
 """
 
 from __future__ import annotations
@@ -194,7 +189,7 @@ class NvmePipeline(StreamAdam):
         known.append(grad_norm() if callable(grad_norm) else grad_norm)
       return known[0]
 
-    held = self.held if self.tail else None
+    held = self.holding
     twins = self.twins
     # new params in host arrays: those the store does not keep, and the tail's (written to the
     # store once the program is past them, `_grads_of`; or to their twins)
@@ -242,7 +237,7 @@ class NvmePipeline(StreamAdam):
   def flush(self) -> dict[PartKey, np.ndarray]:
     """Apply the held grads now, with no step beside (before the model is taken out); nothing
     is held after. Returns the new compute params of the parts whose params are arrays."""
-    if self.held is None or not self.tail:
+    if self.holding is None:
       return {}
     parts = [p for u in self.tail for p in u.parts]
     stored = [p for p in parts if self.on_store("params", p)]
@@ -346,6 +341,11 @@ class NvmePipeline(StreamAdam):
       if spent is not None and spent is not self.held:
         self._spare.update((("grads", k), a) for k, a in spent.grads.items()
                            if a.base is None and a.flags.writeable)
+
+  @property
+  def holding(self) -> Held | None:
+    """The grads held for the delayed parts' update (by a next step or `flush`), if any."""
+    return self.held if self.tail else None
 
   @property
   def twins(self) -> bool:

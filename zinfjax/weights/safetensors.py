@@ -242,6 +242,7 @@ def _write_tensor(f, name: str, shape: tuple[int, ...], dtype: np.dtype, made: A
     raise FormatError(f"tensor {name!r} was announced with {shape[0]} rows but its slabs hold "
                       f"{rows}.")
 
+
 def write_sharded(folder: str, tensors: Iterable[tuple[str, Tensor]], max_bytes: int = 5 << 30,
                   metadata: dict[str, str] | None = None) -> list[str]:
   """Hugging Face layout: one `model.safetensors`, or shards of at most `max_bytes` with an
