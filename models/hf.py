@@ -7,7 +7,7 @@ a tree of `zinfjax.weights` Tensors in our model's layout (per-layer
 weights transposed), memory-mapped and read shard by shard when passed to
 `zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
 same format back, one tensor at a time, so `transformers` loads it with
-`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2
+`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma
 (`models/llama.py`) and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
 """
 

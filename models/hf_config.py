@@ -1,7 +1,7 @@
 """Hugging Face `config.json` and our model configs, both ways.
 
 `config_from_hf` reads a checkpoint's settings as a `LlamaConfig` (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, OLMo 2) or a `GPTConfig` (GPT-2), with `transformers`'
+Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma) or a `GPTConfig` (GPT-2), with `transformers`'
 defaults for what the file leaves out, and refuses by name what our models
 would compute otherwise; `config_to_hf` writes one back, keeping the fields of
 a source checkpoint's config.
@@ -17,16 +17,27 @@ from .llama import LlamaConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "gemma": "GemmaForCausalLM"}
 LLAMA_TYPES = tuple(ARCHITECTURES)
 # transformers' defaults for what a config.json leaves out, where they are not ours
 CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,  # positions
-           "phi3": 4096, "olmo2": 2048}
+           "phi3": 4096, "olmo2": 2048, "gemma": 8192}
 EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # rms_norm_eps (1e-6 for the others)
-# what sets a family's blocks apart (LlamaConfig's qk_norm and its span, qkv_bias, post_norm):
-# the one family that holds a model of each; the others, none of them
+HEAD_DIM = {"qwen3": 128, "gemma": 256}  # head_dim (hidden / heads for the others)
+ACT = {"gemma": "gelu_pytorch_tanh"}   # hidden_act (silu for the others)
+TIED = ("gemma",)   # tie_word_embeddings (false for the others)
+# hidden_act of config.json -> LlamaConfig.activation (transformers' ACT2FN: gelu_new and
+# gelu_pytorch_tanh are both the tanh approximation); back, the first of each
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh"}
+# what sets a family's blocks apart (LlamaConfig's qk_norm and its span, qkv_bias, post_norm,
+# norm_offset, embed_scale): the one family that holds a model of each; the others, none of them
 FEATURES = {"qwen3": dict(qk_norm=True, qk_norm_span="head"), "qwen2": dict(qkv_bias=True),
-            "olmo2": dict(qk_norm=True, qk_norm_span="all", post_norm=True)}
+            "olmo2": dict(qk_norm=True, qk_norm_span="all", post_norm=True),
+            "gemma": dict(norm_offset=True, embed_scale=True)}
+PLAIN = {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm", "norm_offset", "embed_scale"),
+                         False), "qk_norm_span": "head"}   # a Llama's
 # the families whose every layer takes config.json's sliding_window (transformers' default)
 WINDOWED = {"mistral": 4096, "phi3": None}
 
@@ -49,8 +60,15 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     if partial != 1.0:
       raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary positions on "
                        "every dimension of a head).")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (SwiGLU with silu).")
+    act = hf.get("hidden_act") or ACT.get(kind, "silu")
+    if kind == "gemma" and act == "gelu":  # the releases' legacy name for it (transformers')
+      act = "gelu_pytorch_tanh"
+    if act not in ACTIVATIONS:
+      raise ValueError(f"hidden_act {act!r} is not supported (the MLP's gate: "
+                       f"{', '.join(ACTIVATIONS)}).")
+    if hf.get("use_bidirectional_attention"):
+      raise ValueError("use_bidirectional_attention=true is not supported (causal attention "
+                       "only).")
     if hf.get("use_sliding_window"):
       raise ValueError("use_sliding_window=true is not supported (full causal attention only).")
     kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
@@ -59,7 +77,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
                        "only).")
     if kind == "llama" and hf.get("mlp_bias"):
       raise ValueError("mlp_bias=true is not supported.")
-    if kind in ("llama", "qwen3", "olmo2") and hf.get("attention_bias"):
+    if kind in ("llama", "qwen3", "olmo2", "gemma") and hf.get("attention_bias"):
       raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
                        "supported (Qwen2's q, k and v biases are).")
     heads = hf["num_attention_heads"]
@@ -67,15 +85,15 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         vocab_size=hf["vocab_size"], hidden=hf["hidden_size"],
         intermediate=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim", 128 if kind == "qwen3" else None),
+        head_dim=hf.get("head_dim", HEAD_DIM.get(kind)),
         rope_theta=float(theta),
         rope_scaling=_rope_scaling(rope_type, scaling, hf),
         rms_eps=float(hf.get("rms_norm_eps", EPS.get(kind, 1e-6))),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", kind in TIED)),
         **FEATURES.get(kind, {}),
         seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
         sliding_window=hf.get("sliding_window", WINDOWED[kind]) if kind in WINDOWED else None,
-        remat=remat)
+        activation=ACTIVATIONS[act], remat=remat)
   if kind == "gpt2":
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
       raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
@@ -129,8 +147,7 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
   """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
   out = dict(base or {})
   if isinstance(c, LlamaConfig):
-    features = lambda kind: {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm"), False),
-                             "qk_norm_span": "head", **FEATURES.get(kind, {})}
+    features = lambda kind: {**PLAIN, **FEATURES.get(kind, {})}
     has = {k: getattr(c, k) for k in features(None)}
     has["qk_norm_span"] = c.qk_norm_span if c.qk_norm else "head"  # no norm: no span
     held = [k for k in FEATURES if features(k) == has]
@@ -142,14 +159,16 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
       raise ValueError(f"a {kind} checkpoint cannot hold this model ({has}): Qwen3's alone "
                        "norms each head's queries and keys, Qwen2's alone has q, k and v biases "
                        "(and none on o), OLMo 2's alone norms after attention and the MLP and "
-                       "the whole q and k projections.")
+                       "the whole q and k projections, Gemma's alone scales its norms by 1 + "
+                       "weight and its embedding by sqrt(hidden).")
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
                hidden_size=c.hidden, intermediate_size=c.intermediate,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
-               max_position_embeddings=c.seq_len, hidden_act="silu")
-    if kind in ("llama", "qwen3", "olmo2"):
+               max_position_embeddings=c.seq_len,
+               hidden_act={v: k for k, v in reversed(ACTIVATIONS.items())}[c.activation])
+    if kind in ("llama", "qwen3", "olmo2", "gemma"):
       out["attention_bias"] = False
     if kind in WINDOWED:
       out["sliding_window"] = c.sliding_window
@@ -167,5 +186,5 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
 def family(hf: dict[str, Any]) -> str:
   """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
   kind = hf.get("model_type", "")
-  named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2"}
+  named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2", "gemma": "Gemma"}
   return named.get(kind) or ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")

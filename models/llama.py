@@ -2,8 +2,9 @@
 
 Covers Llama 2/3 (its rope scalings too: `models/rope.py`), Mistral (its
 sliding window), Qwen2 (q/k/v biases), Qwen3 (each head's queries and keys
-RMS-normed), Phi-3 and OLMo 2 checkpoints (norms after attention and the MLP, and
-on the whole q and k projections), with tied or untied embeddings. Blocks are a
+RMS-normed), Phi-3, OLMo 2 (norms after attention and the MLP, and on the whole
+q and k projections) and Gemma checkpoints (GeGLU, norms scaling by 1 + weight,
+embeddings scaled by sqrt(hidden)), with tied or untied embeddings. Blocks are a
 `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
 Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
 for the mapping); the math follows its forward: norms and softmax in fp32,
@@ -47,6 +48,12 @@ class LlamaConfig:
     seq_len: longest sequence (HF's max_position_embeddings).
     sliding_window: each position attends to this many latest positions, itself included
       (Mistral's sliding window); None attends to all before it.
+    activation: the MLP's gate, one of `ACTIVATIONS`: "silu" (SwiGLU), "gelu" (erf's) or
+      "gelu_tanh" (its tanh approximation: Gemma's GeGLU).
+    norm_offset: every RMSNorm scales by 1 + its weight, the weight starting at 0 (Gemma's: the
+      weight is stored as it is, so bf16 params keep its precision near a scale of 1).
+    embed_scale: the embedding's rows are multiplied by sqrt(hidden), rounded to their dtype
+      first (Gemma's); the tied output projection is not.
     lora_rank: > 0 makes every projection an `nnx.LoRALinear` of this rank (adapters
       `nnx.LoRAParam`, train them with `ZeroConfig(trainable=nnx.LoRAParam)`).
   """
@@ -68,6 +75,9 @@ class LlamaConfig:
   post_norm: bool = False
   seq_len: int = 2048
   sliding_window: int | None = None
+  activation: str = "silu"
+  norm_offset: bool = False
+  embed_scale: bool = False
   remat: bool = True
   lora_rank: int = 0
 
@@ -84,6 +94,9 @@ class LlamaConfig:
     if self.qk_norm_span not in ("head", "all"):
       raise ValueError(f"LlamaConfig.qk_norm_span must be 'head' or 'all', got "
                        f"{self.qk_norm_span!r}.")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"LlamaConfig.activation must be one of {', '.join(ACTIVATIONS)}, got "
+                       f"{self.activation!r}.")
     if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                             or self.sliding_window < 1):
       raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
@@ -109,20 +122,42 @@ class LlamaConfig:
     return dataclasses.replace(self, **changes)
 
 
-def _rms_norm(features: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
-  return nnx.RMSNorm(features, epsilon=eps, dtype=jnp.float32, rngs=rngs)
+# the MLP's gates: x -> act(x), in the compute dtype
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class OffsetRMSNorm(nnx.Module):
+  """x / rms(x) * (1 + scale) in fp32, the scale starting at 0 (Gemma's RMSNorm)."""
+
+  def __init__(self, features: int, epsilon: float):
+    self.scale = nnx.Param(jnp.zeros((features,), jnp.float32))
+    self.epsilon = epsilon
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+    return x * (1.0 + self.scale[...].astype(jnp.float32))
+
+
+def _rms_norm(features: int, config: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
+  """An RMSNorm in fp32 (its output too): nnx's, or Gemma's with `config.norm_offset`."""
+  if config.norm_offset:
+    return OffsetRMSNorm(features, config.rms_eps)
+  return nnx.RMSNorm(features, epsilon=config.rms_eps, dtype=jnp.float32, rngs=rngs)
 
 
 class Block(nnx.Module):
   """x + attn(norm1(x)); x + mlp(norm2(x)) (or, `post_norm`, x + norm1(attn(x)); x +
-  norm2(mlp(x))), with SwiGLU and grouped-query attention."""
+  norm2(mlp(x))), with a gated MLP (SwiGLU or GeGLU) and grouped-query attention."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     d, k = config.hidden, config.dim
     init = nnx.initializers.normal(0.02)
     make = linears(config.lora_rank, rngs)
     linear = lambda i, o, bias=False: make(i, o, bias, init)
-    self.ln1 = _rms_norm(d, config.rms_eps, rngs)
+    self.ln1 = _rms_norm(d, config, rngs)
     self.q = linear(d, config.num_heads * k, config.qkv_bias)
     self.k = linear(d, config.num_kv_heads * k, config.qkv_bias)
     self.v = linear(d, config.num_kv_heads * k, config.qkv_bias)
@@ -131,9 +166,9 @@ class Block(nnx.Module):
     self.qk_norm = config.qk_norm_span if config.qk_norm else None
     if config.qk_norm:
       whole = config.qk_norm_span == "all"
-      self.q_norm = _rms_norm(k * (config.num_heads if whole else 1), config.rms_eps, rngs)
-      self.k_norm = _rms_norm(k * (config.num_kv_heads if whole else 1), config.rms_eps, rngs)
-    self.ln2 = _rms_norm(d, config.rms_eps, rngs)
+      self.q_norm = _rms_norm(k * (config.num_heads if whole else 1), config, rngs)
+      self.k_norm = _rms_norm(k * (config.num_kv_heads if whole else 1), config, rngs)
+    self.ln2 = _rms_norm(d, config, rngs)
     self.gate = linear(d, config.intermediate)
     self.up = linear(d, config.intermediate)
     self.down = linear(config.intermediate, d)
@@ -141,6 +176,7 @@ class Block(nnx.Module):
     self.rope = (config.rope_theta, config.rope_scaling)
     self.window = config.sliding_window
     self.post_norm = config.post_norm
+    self.activation = config.activation
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:
     b, t, _ = x_BxTxD.shape
@@ -160,7 +196,7 @@ class Block(nnx.Module):
     return self.o(y_BxTxHxK.reshape(b, t, h * k))
 
   def mlp(self, x_BxTxD: jax.Array) -> jax.Array:
-    return self.down(jax.nn.silu(self.gate(x_BxTxD)) * self.up(x_BxTxD))
+    return self.down(ACTIVATIONS[self.activation](self.gate(x_BxTxD)) * self.up(x_BxTxD))
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
     dtype = x_BxTxD.dtype
@@ -180,7 +216,7 @@ class Llama(nnx.Module):
                            embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layers = Stack(lambda r: Block(config, rngs=r), config.num_layers, rngs=rngs,
                         remat=config.remat)
-    self.norm = _rms_norm(config.hidden, config.rms_eps, rngs)
+    self.norm = _rms_norm(config.hidden, config, rngs)
     if not config.tie_embeddings:
       self.lm_head = nnx.Linear(config.hidden, config.vocab_size, use_bias=False,
                                 kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
@@ -190,7 +226,10 @@ class Llama(nnx.Module):
     if tokens_BxT.shape[1] > self.config.seq_len:
       raise ValueError(f"sequence of {tokens_BxT.shape[1]} tokens is longer than "
                        f"seq_len={self.config.seq_len}.")
-    x_BxTxD = self.layers(lookup(self.embed, tokens_BxT))
+    x_BxTxD = lookup(self.embed, tokens_BxT)
+    if self.config.embed_scale:  # sqrt(hidden) rounded to the rows' dtype, as Gemma's
+      x_BxTxD = x_BxTxD * jnp.asarray(self.config.hidden ** 0.5, x_BxTxD.dtype)
+    x_BxTxD = self.layers(x_BxTxD)
     return self.norm(x_BxTxD).astype(x_BxTxD.dtype)
 
   def head(self) -> tuple[jax.Array, Callable]:

@@ -187,16 +187,21 @@ def measure(losses, params, want_losses, initial, want_params, init_rtol: float)
 
 
 def calibrated(tol: Tolerance, want, make_model, clip, data, nan_step, trainable=None,
-               draws: int = 2) -> tuple[Tolerance, dict]:
+               draws: int = 2, more: int = 4) -> tuple[Tolerance, dict]:
   """`tol` widened, measure by measure, to twice the farthest the reference `want` is from
-  itself started one unit in the last place away (`draws` times): a model whose fp32 training
-  amplifies rounding (OLMo 2's norms on the MLP's small outputs) differs that much from itself
-  whatever computes it. Returns that farthest distance too."""
-  floors = [measure(*reference(make_model, clip, data, nan_step, trainable, jitter=k)[::2],
-                    *want, tol.init_rtol) for k in range(draws)]
-  floor = {m: max(f[m] for f in floors) for m in ("loss", "leaf", "element")}
-  return tol._replace(loss=max(tol.loss, 2 * floor["loss"]), leaf=max(tol.leaf, 2 * floor["leaf"]),
-                      element=max(tol.element, 2 * floor["element"])), floor
+  itself started one unit in the last place away: a model whose fp32 training amplifies
+  rounding (OLMo 2's norms on the MLP's small outputs) differs that much from itself whatever
+  computes it. `draws` starts; where they move an element by a tenth of `tol` or more (a
+  model that amplifies), `more` besides: how far it moves varies tenfold from one start to
+  the next. Returns that farthest distance too."""
+  floor = lambda k: measure(*reference(make_model, clip, data, nan_step, trainable,
+                                       jitter=k)[::2], *want, tol.init_rtol)
+  floors = [floor(k) for k in range(draws)]
+  if max(f["element"] for f in floors) >= tol.element / 10:
+    floors += [floor(k) for k in range(draws, draws + more)]
+  worst = {m: max(f[m] for f in floors) for m in ("loss", "leaf", "element")}
+  return tol._replace(loss=max(tol.loss, 2 * worst["loss"]), leaf=max(tol.leaf, 2 * worst["leaf"]),
+                      element=max(tol.element, 2 * worst["element"])), worst
 
 
 def compare(losses, params, want_losses, initial, want_params, tol: Tolerance = FP32

@@ -128,8 +128,9 @@ def draw(rng, layers: int, devices: int, lora: bool = False) -> dict:
 def draw_model(rng, args) -> dict:
   """The model's shape: GPT's tiny one, or a Llama drawn with its kv heads, tied or separate
   output projection, q/k/v biases, a sliding window (Mistral's) or none, Qwen3's
-  query/key norms (or OLMo 2's, over the whole projections) or none, and norms before or (OLMo
-  2's) after attention and the MLP."""
+  query/key norms (or OLMo 2's, over the whole projections) or none, norms before or (OLMo
+  2's) after attention and the MLP, and Gemma's features or not (the MLP's gate, norms scaling
+  by 1 + weight, the embedding scaled by sqrt(hidden))."""
   shape = dict(num_layers=args.layers, vocab_size=65, lora_rank=2 if args.lora else 0)
   if args.model == "llama":
     pick = lambda *xs: xs[int(rng.integers(len(xs)))]
@@ -138,6 +139,8 @@ def draw_model(rng, args) -> dict:
     shape.update(sliding_window=pick(None, None, SEQ // 4))  # drawn later: older seeds keep theirs
     shape.update(qk_norm=pick(False, True))
     shape.update(qk_norm_span=pick("head", "all"), post_norm=pick(False, True))  # OLMo 2's
+    shape.update(activation=pick("silu", "gelu", "gelu_tanh"), norm_offset=pick(False, True),
+                 embed_scale=pick(False, True))  # Gemma's
   return shape
 
 

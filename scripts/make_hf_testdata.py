@@ -19,6 +19,8 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           window (6), grouped-query attention
   olmo2   OLMo 2, norms after attention and the MLP (not before), the whole q and k
           projections RMS-normed
+  gemma   Gemma, GeGLU (gelu's tanh approximation), norms scaling by 1 + weight, the
+          embedding scaled by sqrt(hidden), tied embeddings, head_dim 16 (not hidden / heads)
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward. Besides, `rope.json`: for each
@@ -75,6 +77,10 @@ def models():
       "olmo2": (T.Olmo2ForCausalLM, T.Olmo2Config(**common, num_key_value_heads=2, pad_token_id=0,
                                                    eos_token_id=2, tie_word_embeddings=False),
                 None),
+      "gemma": (T.GemmaForCausalLM, T.GemmaConfig(**common, num_key_value_heads=2, head_dim=16,
+                                                   hidden_act="gelu_pytorch_tanh", pad_token_id=0,
+                                                   eos_token_id=1, bos_token_id=2,
+                                                   tie_word_embeddings=True), None),
   }
 
 

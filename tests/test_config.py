@@ -41,6 +41,13 @@ def test_lora_rank_is_an_int_of_at_least_zero():
     assert make(3).lora_rank == 3
 
 
+def test_a_llama_gates_with_silu_or_gelu_alone():
+  from zinfjax.models import LlamaConfig
+  with pytest.raises(ValueError, match="activation must be one of silu, gelu, gelu_tanh, got "
+                                       "'relu'"):
+    LlamaConfig(activation="relu")
+
+
 def test_batch_not_divisible_by_devices(mesh):
   config = get_config("tiny")
   state = zinfjax.init(lambda r: GPT(config, rngs=r), optax.sgd(0.1), zinfjax.ZeroConfig(), mesh)

@@ -227,13 +227,14 @@ def dot_operands(jaxpr) -> list[tuple]:
   return found
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "gemma"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_matrix_products_run_in_the_params_dtype(model, dtype):
   """With its params cast to bf16 (as zinfjax hands them to the model under mixed precision),
   every matrix product of forward and backward takes bf16 operands, the blocks' and the loss's,
   and the logits come out in fp32; in fp32 everything stays fp32. (`nnx.Embed` alone would
-  promote the first activation to fp32.) The one exception is the explicit attention's backward
+  promote the first activation to fp32, and so would Gemma's embedding scale or its norms if they
+  kept fp32.) The one exception is the explicit attention's backward
   (the CPU's and cuDNN's fallback): its fp32 logits' gradient, [.., T, .., T, ..], meets bf16
   q or k."""
   from zinfjax.models import Llama, LlamaConfig, lm_loss
@@ -241,8 +242,10 @@ def test_matrix_products_run_in_the_params_dtype(model, dtype):
   if model == "gpt":
     net = GPT(get_config("tiny", num_layers=2), rngs=rngs)
   else:
+    gemma = dict(activation="gelu_tanh", norm_offset=True, embed_scale=True, tie_embeddings=True)
     net = Llama(LlamaConfig(vocab_size=97, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate=64, seq_len=16), rngs=rngs)
+                            intermediate=64, seq_len=16, **(gemma if model == "gemma" else {})),
+                rngs=rngs)
   graph, params = nnx.split(net)
   params = jax.tree.map(lambda a: a.astype(dtype), params)
   # 12 tokens: no other dim of these models is 12, so [.., T, .., T, ..] names attention logits

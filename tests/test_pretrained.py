@@ -84,13 +84,14 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 # ------------------------------------------------------------------ Hugging Face
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3",
-                                    "yarn", "phi3", "olmo2"])
+                                    "yarn", "phi3", "olmo2", "gemma"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
   Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
   scaling moves its logits by 0.1 (the same model unscaled is that far off); the Qwen3 one
   norms each head's queries and keys, and the YaRN one scales its rope; the Phi-3 one fuses q, k
-  and v, and gate and up; the OLMo 2 one norms after attention and the MLP. The config counts
+  and v, and gate and up; the OLMo 2 one norms after attention and the MLP; the Gemma one gates
+  with gelu, scales its norms by 1 + weight and its embedding by sqrt(hidden). The config counts
   the checkpoint's params exactly."""
   config, make, weights = hf.load(os.path.join(HF, family))
   ckpt = safetensors.Checkpoint(os.path.join(HF, family))
@@ -113,7 +114,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
   for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn", "phi3",
-                 "olmo2"):
+                 "olmo2", "gemma"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
@@ -137,8 +138,9 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                            "layer_types"),
                           ({"rope_parameters": {"rope_type": "longrope"}}, "rope_scaling"),
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-                          ({"hidden_act": "gelu"}, "hidden_act"),
-                          ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
+                          ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
+                          ({"use_bidirectional_attention": True}, "causal attention only"),
+                          ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
                           ({"quantization_config": {"quant_method": "fp8"}},
                            "quantized \\(fp8\\): zinfjax trains float weights")]:
     with pytest.raises(ValueError, match=problem):
@@ -180,6 +182,20 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   assert hf.config_to_hf(olmo2.replace(qk_norm=False, post_norm=False))["model_type"] == "llama"
   with pytest.raises(ValueError, match="a qwen3 checkpoint cannot hold .* OLMo 2's alone"):
     hf.config_to_hf(olmo2, hf.read_config(os.path.join(HF, "qwen3")))
+  # Gemma: transformers' defaults (tied, head_dim 256, 8192 positions, GeGLU); its releases'
+  # legacy hidden_act "gelu" is the tanh approximation, as transformers reads it; a Llama's is not
+  gemma = {k: v for k, v in hf.read_config(os.path.join(HF, "gemma")).items()
+           if k not in ("tie_word_embeddings", "head_dim", "max_position_embeddings",
+                        "hidden_act")}
+  given = hf.config_from_hf(gemma)
+  assert (given.tie_embeddings, given.dim, given.seq_len, given.activation) == (
+      True, 256, 8192, "gelu_tanh")
+  assert given.norm_offset and given.embed_scale and hf.config_to_hf(given)["model_type"] == "gemma"
+  assert hf.config_from_hf({**gemma, "hidden_act": "gelu"}).activation == "gelu_tanh"
+  assert hf.config_from_hf({**llama, "hidden_act": "gelu"}).activation == "gelu"
+  assert hf.config_to_hf(given.replace(activation="gelu"))["hidden_act"] == "gelu"
+  with pytest.raises(ValueError, match="a llama checkpoint cannot hold .* Gemma's alone"):
+    hf.config_to_hf(given, llama)
   wrong = hf.config_from_hf({**phi3, "num_key_value_heads": 4})
   with pytest.raises(ValueError, match="qkv_proj.weight' .* has 64 rows where config.json's "
                                        "heads and sizes make 96"):
@@ -189,7 +205,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
                                               ("gpt2", "split"), ("llama", "pipeline"),
                                               ("qwen3", "pipeline"), ("phi3", "split"),
-                                              ("olmo2", "nvme")],
+                                              ("olmo2", "nvme"), ("gemma", "pinned")],
                          indirect=["placement"])
 def test_checkpoint_streams_into_zero3(family, placement, mesh):
   """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
@@ -208,7 +224,7 @@ def test_checkpoint_streams_into_zero3(family, placement, mesh):
   _close(state)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3", "olmo2", "gemma"])
 def test_export_round_trip(family, mesh, tmp_path):
   """`hf.save` from a training state (NVMe included) writes the checkpoint's names, shapes and
   values back: reading it again is bit-exact, sharded with an index as well."""
@@ -285,7 +301,7 @@ def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
                                                                    "model.safetensors"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2", "gemma"])
 def test_export_loads_in_transformers(family, mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")
