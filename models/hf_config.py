@@ -111,7 +111,9 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                      num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
                      remat=remat)
-  raise ValueError(f"model_type {kind!r} is not supported; zinfjax reads "
+  why = (" (its sliding-window and global layers alternate, with a rope each: every layer of a "
+         "stack runs the same attention)" if kind in ("gemma2", "gemma3", "gemma3_text") else "")
+  raise ValueError(f"model_type {kind!r} is not supported{why}; zinfjax reads "
                    f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
 
 

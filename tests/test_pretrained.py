@@ -140,7 +140,10 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
                           ({"use_bidirectional_attention": True}, "causal attention only"),
-                          ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
+                          ({"model_type": "gemma3_text"}, "model_type 'gemma3_text' is not "
+                                                          "supported \\(its sliding-window and "
+                                                          "global layers alternate"),
+                          ({"model_type": "gemma5"}, "model_type 'gemma5' is not supported; "),
                           ({"quantization_config": {"quant_method": "fp8"}},
                            "quantized \\(fp8\\): zinfjax trains float weights")]:
     with pytest.raises(ValueError, match=problem):
