@@ -7,8 +7,8 @@ a tree of `zinfjax.weights` Tensors in our model's layout (per-layer
 weights transposed), memory-mapped and read shard by shard when passed to
 `zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
 same format back, one tensor at a time, so `transformers` loads it with
-`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma
-(`models/llama.py`) and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
+`from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma,
+Gemma 3 (`models/llama.py`) and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
 """
 
 from __future__ import annotations
@@ -60,11 +60,15 @@ def llama_rules(c: LlamaConfig, fused: bool = False) -> list[Rule]:
   up in one `gate_up_proj`, their rows in that order."""
   layer = "model.layers.{i}."
   norms = (("post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm
+           else ("input_layernorm", "pre_feedforward_layernorm") if c.sandwich_norm
            else ("input_layernorm", "post_attention_layernorm"))  # OLMo 2's follow, or precede
   rules = [Rule("embed/embedding", "model.embed_tokens.weight"),
            Rule("layers/block/ln1/scale", layer + norms[0] + ".weight"),
            Rule("layers/block/ln2/scale", layer + norms[1] + ".weight"),
            Rule("norm/scale", "model.norm.weight")]
+  if c.sandwich_norm:  # Gemma 3's, after attention and the MLP
+    rules += [Rule("layers/block/post_attn_norm/scale", layer + "post_attention_layernorm.weight"),
+              Rule("layers/block/post_mlp_norm/scale", layer + "post_feedforward_layernorm.weight")]
   q, kv = c.num_heads * c.dim, c.num_kv_heads * c.dim
   rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
           "gate": (0, c.intermediate), "up": (c.intermediate, 2 * c.intermediate)}

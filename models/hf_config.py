@@ -1,7 +1,8 @@
 """Hugging Face `config.json` and our model configs, both ways.
 
 `config_from_hf` reads a checkpoint's settings as a `LlamaConfig` (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma) or a `GPTConfig` (GPT-2), with `transformers`'
+Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma, Gemma 3's text model) or a `GPTConfig`
+(GPT-2), with `transformers`'
 defaults for what the file leaves out, and refuses by name what our models
 would compute otherwise; `config_to_hf` writes one back, keeping the fields of
 a source checkpoint's config.
@@ -18,15 +19,17 @@ from .llama import LlamaConfig
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "gemma": "GemmaForCausalLM"}
+                 "gemma": "GemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 LLAMA_TYPES = tuple(ARCHITECTURES)
 # transformers' defaults for what a config.json leaves out, where they are not ours
 CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,  # positions
-           "phi3": 4096, "olmo2": 2048, "gemma": 8192}
+           "phi3": 4096, "olmo2": 2048, "gemma": 8192, "gemma3_text": 131072}
 EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # rms_norm_eps (1e-6 for the others)
-HEAD_DIM = {"qwen3": 128, "gemma": 256}  # head_dim (hidden / heads for the others)
-ACT = {"gemma": "gelu_pytorch_tanh"}   # hidden_act (silu for the others)
-TIED = ("gemma",)   # tie_word_embeddings (false for the others)
+HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma3_text": 256}  # (hidden / heads for the others)
+ACT = {"gemma": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}  # (silu for the others)
+TIED = ("gemma", "gemma3_text")   # tie_word_embeddings (false for the others)
+GEMMA3 = "gemma3_text"   # sliding-window and global layers, each with its rope
+LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}  # config.json's: ours
 # hidden_act of config.json -> LlamaConfig.activation (transformers' ACT2FN: gelu_new and
 # gelu_pytorch_tanh are both the tanh approximation); back, the first of each
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -35,11 +38,14 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
 # norm_offset, embed_scale): the one family that holds a model of each; the others, none of them
 FEATURES = {"qwen3": dict(qk_norm=True, qk_norm_span="head"), "qwen2": dict(qkv_bias=True),
             "olmo2": dict(qk_norm=True, qk_norm_span="all", post_norm=True),
-            "gemma": dict(norm_offset=True, embed_scale=True)}
-PLAIN = {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm", "norm_offset", "embed_scale"),
-                         False), "qk_norm_span": "head"}   # a Llama's
-# the families whose every layer takes config.json's sliding_window (transformers' default)
-WINDOWED = {"mistral": 4096, "phi3": None}
+            "gemma": dict(norm_offset=True, embed_scale=True),
+            GEMMA3: dict(norm_offset=True, embed_scale=True, qk_norm=True, qk_norm_span="head",
+                         sandwich_norm=True)}
+PLAIN = {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm", "norm_offset", "embed_scale",
+                          "sandwich_norm"), False), "qk_norm_span": "head"}   # a Llama's
+# the families whose layers take config.json's sliding_window (Gemma 3's sliding ones alone),
+# with transformers' default
+WINDOWED = {"mistral": 4096, "phi3": None, GEMMA3: 4096}
 
 
 def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaConfig:
@@ -50,17 +56,18 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     raise ValueError(f"the checkpoint is quantized ({method}): zinfjax trains float weights; "
                      "use the model's bf16 or fp32 release.")
   if kind in LLAMA_TYPES:
-    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+    scaling, local = _ropes(kind, hf)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", None, *rope.KINDS):
       raise ValueError(f"rope_scaling of type {rope_type!r} is not supported (the default "
                        f"rotary embedding, or scaled: {', '.join(rope.KINDS)}).")
-    theta = hf.get("rope_theta", scaling.get("rope_theta", 10000.0))
+    theta = scaling["rope_theta"] if local else hf.get("rope_theta",
+                                                       scaling.get("rope_theta", 10000.0))
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
       raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary positions on "
                        "every dimension of a head).")
-    act = hf.get("hidden_act") or ACT.get(kind, "silu")
+    act = hf.get("hidden_activation" if kind == GEMMA3 else "hidden_act") or ACT.get(kind, "silu")
     if kind == "gemma" and act == "gelu":  # the releases' legacy name for it (transformers')
       act = "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
@@ -72,12 +79,12 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     if hf.get("use_sliding_window"):
       raise ValueError("use_sliding_window=true is not supported (full causal attention only).")
     kinds = set(hf.get("layer_types") or ()) - {"full_attention"}
-    if kinds and kind not in WINDOWED:  # Mistral's layers all take its sliding_window
+    if kinds and kind not in WINDOWED:  # Mistral's layers all take its window
       raise ValueError(f"layer_types {sorted(kinds)} are not supported (full causal attention "
                        "only).")
     if kind == "llama" and hf.get("mlp_bias"):
       raise ValueError("mlp_bias=true is not supported.")
-    if kind in ("llama", "qwen3", "olmo2", "gemma") and hf.get("attention_bias"):
+    if kind in ("llama", "qwen3", "olmo2", "gemma", GEMMA3) and hf.get("attention_bias"):
       raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
                        "supported (Qwen2's q, k and v biases are).")
     heads = hf["num_attention_heads"]
@@ -93,7 +100,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         **FEATURES.get(kind, {}),
         seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
         sliding_window=hf.get("sliding_window", WINDOWED[kind]) if kind in WINDOWED else None,
-        activation=ACTIVATIONS[act], remat=remat)
+        activation=ACTIVATIONS[act], remat=remat, **(_gemma3(hf, local) if local else {}))
   if kind == "gpt2":
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
       raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
@@ -111,10 +118,42 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                      num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
                      remat=remat)
-  why = (" (its sliding-window and global layers alternate, with a rope each: every layer of a "
-         "stack runs the same attention)" if kind in ("gemma2", "gemma3", "gemma3_text") else "")
+  why = {"gemma2": " (its attention logits are soft-capped)", "gemma3": " (the multimodal "
+         "checkpoint: zinfjax reads Gemma 3's text model, gemma3_text)"}.get(kind, "")
   raise ValueError(f"model_type {kind!r} is not supported{why}; zinfjax reads "
                    f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
+
+
+def _ropes(kind: str, hf: dict) -> tuple[dict, dict | None]:
+  """config.json's rope parameters: every layer's (Gemma 3's global layers'), with their
+  rope_theta, and Gemma 3's sliding layers' (None for the others), with transformers' defaults
+  and its reading of the older fields (rope_scaling, rope_local_base_freq)."""
+  given = hf.get("rope_parameters") or {}
+  if kind != GEMMA3:
+    return hf.get("rope_scaling") or given, None
+  full = {"rope_theta": hf.get("rope_theta", 1e6), **(given.get("full_attention") or {}),
+          **(hf.get("rope_scaling") or {})}
+  return full, {"rope_theta": hf.get("rope_local_base_freq", 1e4),
+                **(given.get("sliding_attention") or {})}
+
+
+def _gemma3(hf: dict, local: dict) -> dict[str, Any]:
+  """Gemma 3's LlamaConfig fields: its layers' kinds, their window and rope, the logits' scale."""
+  for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if hf.get(cap) is not None:
+      raise ValueError(f"{cap}={hf[cap]} is not supported (logits are not soft-capped).")
+  if local.get("rope_type", "default") != "default":
+    raise ValueError(f"the sliding layers' rope of type {local['rope_type']!r} is not supported "
+                     "(theirs is the default rotary embedding, unscaled).")
+  n, every = hf["num_hidden_layers"], hf.get("sliding_window_pattern", 6)
+  types = hf.get("layer_types") or [
+      "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+  if set(types) - set(LAYER_TYPES):
+    raise ValueError(f"layer_types {sorted(set(types) - set(LAYER_TYPES))} are not supported "
+                     f"(Gemma 3's layers are {' or '.join(LAYER_TYPES)}).")
+  return dict(layer_types=tuple(LAYER_TYPES[t] for t in types),
+              local_rope_theta=float(local["rope_theta"]),
+              query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)))
 
 
 def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling | None:
@@ -162,19 +201,27 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
                        "norms each head's queries and keys, Qwen2's alone has q, k and v biases "
                        "(and none on o), OLMo 2's alone norms after attention and the MLP and "
                        "the whole q and k projections, Gemma's alone scales its norms by 1 + "
-                       "weight and its embedding by sqrt(hidden).")
+                       "weight and its embedding by sqrt(hidden) (Gemma 3's norms besides the "
+                       "q and k heads', before and after attention and the MLP).")
+    if kind != GEMMA3 and (c.layer_types, c.local_rope_theta, c.query_pre_attn_scalar) != (
+        None, None, None):
+      raise ValueError(f"a {kind} checkpoint cannot hold this model: Gemma 3's alone gives its "
+                       "layers' kinds (layer_types), a local rope and query_pre_attn_scalar.")
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
                hidden_size=c.hidden, intermediate_size=c.intermediate,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
-               max_position_embeddings=c.seq_len,
-               hidden_act={v: k for k, v in reversed(ACTIVATIONS.items())}[c.activation])
-    if kind in ("llama", "qwen3", "olmo2", "gemma"):
+               max_position_embeddings=c.seq_len)
+    act = {v: k for k, v in reversed(ACTIVATIONS.items())}[c.activation]
+    out["hidden_activation" if kind == GEMMA3 else "hidden_act"] = act
+    if kind in ("llama", "qwen3", "olmo2", "gemma", GEMMA3):
       out["attention_bias"] = False
     if kind in WINDOWED:
       out["sliding_window"] = c.sliding_window
-    if c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
+    if kind == GEMMA3:
+      out.update(_gemma3_to_hf(c))
+    elif c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
       rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
       out["rope_scaling"] = rope_hf if c.rope_scaling else None
       out["rope_parameters"] = {**rope_hf, "rope_theta": c.rope_theta}
@@ -185,8 +232,24 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
   return out
 
 
+def _gemma3_to_hf(c: LlamaConfig) -> dict[str, Any]:
+  """Gemma 3's config.json fields for `c`: its layers' kinds, their ropes, the logits' scale."""
+  types = c.layer_types or (("sliding" if c.sliding_window else "full"),) * c.num_layers
+  if c.local_rope_theta is None and c.rope_scaling is not None and "sliding" in types:
+    raise ValueError("Gemma 3's sliding layers take an unscaled rope: this model scales its "
+                     "sliding layers' rope too; give local_rope_theta.")
+  full = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {}),
+          "rope_theta": c.rope_theta}
+  local = {"rope_type": "default", "rope_theta": c.local_rope_theta or c.rope_theta}
+  names = {ours: theirs for theirs, ours in LAYER_TYPES.items()}
+  return dict(layer_types=[names[t] for t in types], rope_scaling=None,
+              rope_parameters={"full_attention": full, "sliding_attention": local},
+              query_pre_attn_scalar=c.query_pre_attn_scalar or c.dim)
+
+
 def family(hf: dict[str, Any]) -> str:
   """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
   kind = hf.get("model_type", "")
-  named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2", "gemma": "Gemma"}
+  named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2", "gemma": "Gemma",
+           GEMMA3: "Gemma 3"}
   return named.get(kind) or ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")

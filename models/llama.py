@@ -3,8 +3,10 @@
 Covers Llama 2/3 (its rope scalings too: `models/rope.py`), Mistral (its
 sliding window), Qwen2 (q/k/v biases), Qwen3 (each head's queries and keys
 RMS-normed), Phi-3, OLMo 2 (norms after attention and the MLP, and on the whole
-q and k projections) and Gemma checkpoints (GeGLU, norms scaling by 1 + weight,
-embeddings scaled by sqrt(hidden)), with tied or untied embeddings. Blocks are a
+q and k projections), Gemma and Gemma 3 checkpoints (GeGLU, norms scaling by 1 +
+weight, embeddings scaled by sqrt(hidden); Gemma 3's norms before and after
+attention and the MLP, and its sliding-window and global layers, each with a
+rope of its own), with tied or untied embeddings. Blocks are a
 `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
 Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
 for the mapping); the math follows its forward: norms and softmax in fp32,
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zinfjax.layers import Stack
+from zinfjax.layers import Stack, layer_index
 from .attention import causal_attention
 from .config import check_lora_rank
 from .embedding import lookup
@@ -54,6 +56,14 @@ class LlamaConfig:
       weight is stored as it is, so bf16 params keep its precision near a scale of 1).
     embed_scale: the embedding's rows are multiplied by sqrt(hidden), rounded to their dtype
       first (Gemma's); the tied output projection is not.
+    sandwich_norm: norms both before and after attention and the MLP (x + norm(attn(norm(x))),
+      Gemma 3's); exclusive with post_norm.
+    layer_types: each layer's attention, "full" or "sliding" (Gemma 3's: `sliding_window`
+      applies to the sliding layers alone); None: every layer takes `sliding_window`.
+    local_rope_theta: the sliding layers' rotary base, unscaled (Gemma 3's local rope); None:
+      theirs is `rope_theta` with `rope_scaling`, as every layer's.
+    query_pre_attn_scalar: attention logits are scaled by this ** -0.5 (Gemma 3's) instead of
+      head_dim ** -0.5.
     lora_rank: > 0 makes every projection an `nnx.LoRALinear` of this rank (adapters
       `nnx.LoRAParam`, train them with `ZeroConfig(trainable=nnx.LoRAParam)`).
   """
@@ -78,6 +88,10 @@ class LlamaConfig:
   activation: str = "silu"
   norm_offset: bool = False
   embed_scale: bool = False
+  sandwich_norm: bool = False
+  layer_types: tuple[str, ...] | None = None
+  local_rope_theta: float | None = None
+  query_pre_attn_scalar: int | None = None
   remat: bool = True
   lora_rank: int = 0
 
@@ -97,6 +111,16 @@ class LlamaConfig:
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"LlamaConfig.activation must be one of {', '.join(ACTIVATIONS)}, got "
                        f"{self.activation!r}.")
+    if self.sandwich_norm and self.post_norm:
+      raise ValueError("LlamaConfig.sandwich_norm and post_norm exclude each other: sandwich "
+                       "norms already follow attention and the MLP.")
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers or set(self.layer_types) - {"full", "sliding"}:
+        raise ValueError(f"LlamaConfig.layer_types must give 'full' or 'sliding' for each of the "
+                         f"{self.num_layers} layers, got {self.layer_types!r}.")
+      if "sliding" in self.layer_types and self.sliding_window is None:
+        raise ValueError("LlamaConfig.layer_types names sliding layers: give their "
+                         "sliding_window.")
     if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                             or self.sliding_window < 1):
       raise ValueError(f"LlamaConfig.sliding_window must be a positive int or None, got "
@@ -115,6 +139,7 @@ class LlamaConfig:
     d, h, kv, f = self.hidden, self.num_heads * self.dim, self.num_kv_heads * self.dim, self.intermediate
     block = d * h + 2 * d * kv + h * d + 3 * d * f + 2 * d + (h + 2 * kv if self.qkv_bias else 0)
     block += (2 * self.dim if self.qk_norm_span == "head" else h + kv) if self.qk_norm else 0
+    block += 2 * d if self.sandwich_norm else 0
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_layers * block + d + head
 
@@ -169,13 +194,22 @@ class Block(nnx.Module):
       self.q_norm = _rms_norm(k * (config.num_heads if whole else 1), config, rngs)
       self.k_norm = _rms_norm(k * (config.num_kv_heads if whole else 1), config, rngs)
     self.ln2 = _rms_norm(d, config, rngs)
+    if config.sandwich_norm:  # Gemma 3's, after attention and after the MLP
+      self.post_attn_norm = _rms_norm(d, config, rngs)
+      self.post_mlp_norm = _rms_norm(d, config, rngs)
     self.gate = linear(d, config.intermediate)
     self.up = linear(d, config.intermediate)
     self.down = linear(config.intermediate, d)
     self.num_heads, self.num_kv_heads, self.dim = config.num_heads, config.num_kv_heads, k
     self.rope = (config.rope_theta, config.rope_scaling)
+    self.local_rope = self.rope if config.local_rope_theta is None else (
+        config.local_rope_theta, None)
     self.window = config.sliding_window
-    self.post_norm = config.post_norm
+    # None: every layer takes `window`; else each layer's: windowed (True) or global
+    self.sliding = None if config.layer_types is None else tuple(
+        kind == "sliding" for kind in config.layer_types)
+    self.scale_dim = config.query_pre_attn_scalar
+    self.post_norm, self.sandwich_norm = config.post_norm, config.sandwich_norm
     self.activation = config.activation
 
   def attention(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -189,10 +223,20 @@ class Block(nnx.Module):
     if self.qk_norm == "head":  # normed in fp32, back in the compute dtype, as Qwen3's
       q_BxTxHxK = self.q_norm(q_BxTxHxK).astype(x_BxTxD.dtype)
       k_BxTxGxK = self.k_norm(k_BxTxGxK).astype(x_BxTxD.dtype)
-    q_BxTxHxK, k_BxTxGxK = rotary(q_BxTxHxK, *self.rope), rotary(k_BxTxGxK, *self.rope)
     v_BxTxGxK = self.v(x_BxTxD).reshape(b, t, g, k)
-    # head j: kv head j // (h // g)
-    y_BxTxHxK = causal_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.window)
+
+    def attend(window: int | None, rope: tuple) -> jax.Array:  # head j: kv head j // (h // g)
+      return causal_attention(rotary(q_BxTxHxK, *rope), rotary(k_BxTxGxK, *rope), v_BxTxGxK,
+                              window, self.scale_dim)
+    if self.sliding is None:
+      y_BxTxHxK = attend(self.window, self.rope)
+    elif len(set(self.sliding)) == 1:  # every layer the same
+      y_BxTxHxK = (attend(self.window, self.local_rope) if self.sliding[0]
+                   else attend(None, self.rope))
+    else:  # this layer's, one compiled block for both kinds
+      y_BxTxHxK = jax.lax.cond(jnp.asarray(self.sliding)[layer_index()],
+                               lambda: attend(self.window, self.local_rope),
+                               lambda: attend(None, self.rope))
     return self.o(y_BxTxHxK.reshape(b, t, h * k))
 
   def mlp(self, x_BxTxD: jax.Array) -> jax.Array:
@@ -200,6 +244,10 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
     dtype = x_BxTxD.dtype
+    if self.sandwich_norm:  # Gemma 3's: normed in, and out before the residual add
+      x_BxTxD = x_BxTxD + self.post_attn_norm(
+          self.attention(self.ln1(x_BxTxD).astype(dtype))).astype(dtype)
+      return x_BxTxD + self.post_mlp_norm(self.mlp(self.ln2(x_BxTxD).astype(dtype))).astype(dtype)
     if self.post_norm:  # OLMo 2's: the outputs normed, then added
       x_BxTxD = x_BxTxD + self.ln1(self.attention(x_BxTxD)).astype(dtype)
       return x_BxTxD + self.ln2(self.mlp(x_BxTxD)).astype(dtype)

@@ -21,6 +21,10 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           projections RMS-normed
   gemma   Gemma, GeGLU (gelu's tanh approximation), norms scaling by 1 + weight, the
           embedding scaled by sqrt(hidden), tied embeddings, head_dim 16 (not hidden / heads)
+  gemma3  Gemma 3 (text): Gemma's and besides norms before and after attention and the MLP,
+          each head's queries and keys normed, 3 layers (sliding, global, sliding: a window of
+          5 < 12 tokens, the local rope's base 1e4 unscaled, the global's 1e6 with a linear
+          scaling of 2), logits scaled by 24 ** -0.5 (not head_dim's)
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward. Besides, `rope.json`: for each
@@ -81,6 +85,14 @@ def models():
                                                    hidden_act="gelu_pytorch_tanh", pad_token_id=0,
                                                    eos_token_id=1, bos_token_id=2,
                                                    tie_word_embeddings=True), None),
+      "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig(
+          **{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16,
+          hidden_activation="gelu_pytorch_tanh", sliding_window=5, query_pre_attn_scalar=24,
+          layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+          rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                              "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+          pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True), None),
   }
 
 

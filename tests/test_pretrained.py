@@ -84,15 +84,16 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 # ------------------------------------------------------------------ Hugging Face
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3",
-                                    "yarn", "phi3", "olmo2", "gemma"])
+                                    "yarn", "phi3", "olmo2", "gemma", "gemma3"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
   Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
   scaling moves its logits by 0.1 (the same model unscaled is that far off); the Qwen3 one
   norms each head's queries and keys, and the YaRN one scales its rope; the Phi-3 one fuses q, k
   and v, and gate and up; the OLMo 2 one norms after attention and the MLP; the Gemma one gates
-  with gelu, scales its norms by 1 + weight and its embedding by sqrt(hidden). The config counts
-  the checkpoint's params exactly."""
+  with gelu, scales its norms by 1 + weight and its embedding by sqrt(hidden); the Gemma 3 one's
+  sliding (5 < 12 tokens) and global layers alternate, each with its rope, and it norms before and
+  after attention and the MLP. The config counts the checkpoint's params exactly."""
   config, make, weights = hf.load(os.path.join(HF, family))
   ckpt = safetensors.Checkpoint(os.path.join(HF, family))
   assert config.num_params == sum(int(np.prod(ckpt[n].shape)) for n in ckpt)
@@ -114,7 +115,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
   for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn", "phi3",
-                 "olmo2", "gemma"):
+                 "olmo2", "gemma", "gemma3"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
@@ -140,9 +141,10 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
                           ({"use_bidirectional_attention": True}, "causal attention only"),
-                          ({"model_type": "gemma3_text"}, "model_type 'gemma3_text' is not "
-                                                          "supported \\(its sliding-window and "
-                                                          "global layers alternate"),
+                          ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported \\("
+                                                     "its attention logits are soft-capped"),
+                          ({"model_type": "gemma3"}, "the multimodal checkpoint: zinfjax reads "
+                                                     "Gemma 3's text model, gemma3_text"),
                           ({"model_type": "gemma5"}, "model_type 'gemma5' is not supported; "),
                           ({"quantization_config": {"quant_method": "fp8"}},
                            "quantized \\(fp8\\): zinfjax trains float weights")]:
@@ -199,6 +201,26 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
   assert hf.config_to_hf(given.replace(activation="gelu"))["hidden_act"] == "gelu"
   with pytest.raises(ValueError, match="a llama checkpoint cannot hold .* Gemma's alone"):
     hf.config_to_hf(given, llama)
+  # Gemma 3: its older fields read as transformers reads them (its layer_types and
+  # rope_parameters from sliding_window_pattern, rope_local_base_freq and rope_scaling)
+  gemma3 = hf.read_config(os.path.join(HF, "gemma3"))
+  legacy = {**{k: v for k, v in gemma3.items() if k not in ("layer_types", "rope_parameters")},
+            "rope_theta": 5e5, "rope_local_base_freq": 2e4, "sliding_window_pattern": 2,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "num_hidden_layers": 4}
+  given = hf.config_from_hf(legacy)
+  assert (given.layer_types, given.rope_theta, given.local_rope_theta, given.rope_scaling) == (
+      ("sliding", "full") * 2, 5e5, 2e4, rope.RopeScaling("linear", 8.0))
+  assert hf.config_from_hf(hf.config_to_hf(given)) == given
+  assert hf.family(gemma3) == "Gemma 3"
+  for change, problem in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+                          ({"layer_types": ["chunked_attention"] * 3}, "chunked_attention"),
+                          ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}},
+                           "sliding layers' rope of type 'yarn'")]:
+    with pytest.raises(ValueError, match=problem):
+      hf.config_from_hf({**gemma3, **change})
+  mistral = hf.config_from_hf(hf.read_config(os.path.join(HF, "mistral")))
+  with pytest.raises(ValueError, match="Gemma 3's alone gives its layers' kinds"):
+    hf.config_to_hf(mistral.replace(layer_types=("sliding", "full")))
   wrong = hf.config_from_hf({**phi3, "num_key_value_heads": 4})
   with pytest.raises(ValueError, match="qkv_proj.weight' .* has 64 rows where config.json's "
                                        "heads and sizes make 96"):
@@ -208,7 +230,8 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
 @pytest.mark.parametrize("family,placement", [("llama", "nvme"), ("qwen2", "pinned"),
                                               ("gpt2", "split"), ("llama", "pipeline"),
                                               ("qwen3", "pipeline"), ("phi3", "split"),
-                                              ("olmo2", "nvme"), ("gemma", "pinned")],
+                                              ("olmo2", "nvme"), ("gemma", "pinned"),
+                                              ("gemma3", "split")],
                          indirect=["placement"])
 def test_checkpoint_streams_into_zero3(family, placement, mesh):
   """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
@@ -227,7 +250,8 @@ def test_checkpoint_streams_into_zero3(family, placement, mesh):
   _close(state)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3", "olmo2", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3", "olmo2", "gemma",
+                                    "gemma3"])
 def test_export_round_trip(family, mesh, tmp_path):
   """`hf.save` from a training state (NVMe included) writes the checkpoint's names, shapes and
   values back: reading it again is bit-exact, sharded with an index as well."""
@@ -304,7 +328,8 @@ def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
                                                                    "model.safetensors"]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2", "gemma"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2", "gemma",
+                                    "gemma3"])
 def test_export_loads_in_transformers(family, mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")

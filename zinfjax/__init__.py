@@ -13,7 +13,7 @@ from . import hostlimit as _hostlimit
 _hostlimit.raise_default()  # before jax starts a GPU client: host tiers may use the machine's RAM
 from . import _ffi, optim  # noqa: F401  (_ffi registers the XLA handlers)
 from .config import ZeroConfig
-from .layers import Stack
+from .layers import Stack, layer_index
 from .mesh import make_mesh
 from .tiling import TiledLinear, tile_matmuls
 from .placement import Plan
@@ -25,4 +25,5 @@ from . import weights  # noqa: F401
 
 __all__ = ["ZeroConfig", "HeldUpdateWarning", "Plan", "Stack", "TiledLinear", "tile_matmuls",
            "TrainState", "UnusableStateError", "abstract_init", "eval_step", "flush_updates",
-           "init", "make_eval_step", "make_mesh", "make_train_step", "train_step", "weights"]
+           "init", "layer_index", "make_eval_step", "make_mesh", "make_train_step", "train_step",
+           "weights"]

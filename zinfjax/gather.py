@@ -35,6 +35,7 @@ from . import micro
 from . import residuals as R
 from .offload import swap, tiers
 from .offload.tiers import Source
+from .layers import at_layer
 from .partition import LeafLayout, is_layout
 from .placement import Tier
 from .schedule import LayerSchedule, layer_schedule
@@ -236,6 +237,10 @@ def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
   d = R.Layer.of(plan, args)
 
   def body(carry, i):
+    with at_layer(plan.first_layer + i):  # the block's layer_index()
+      return run_layer(carry, i)
+
+  def run_layer(carry, i):
     h, state = carry
     full, state = fetcher.next(state, i)
     if keep and plan.can_save_residuals:
@@ -283,6 +288,10 @@ def _layer_scan_bwd(plan, residuals, g_y):
   src, rank = plan.source, tiers.rank(plan.axis_name)
 
   def body(carry, i):
+    with at_layer(plan.first_layer + i):  # the block's layer_index()
+      return run_layer(carry, i)
+
+  def run_layer(carry, i):
     g, state, sums, g_args = carry
     full, state = fetcher.next(state, i)
     full = jax.tree.leaves(full)

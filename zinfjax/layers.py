@@ -14,12 +14,14 @@ import contextvars
 from typing import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from . import micro
 
 _ONE_LAYER: contextvars.ContextVar = contextvars.ContextVar("zinfjax_one_layer", default=None)
 _MICRO_BATCHES: contextvars.ContextVar = contextvars.ContextVar("zinfjax_micro", default=1)
+_LAYER: contextvars.ContextVar = contextvars.ContextVar("zinfjax_layer", default=None)
 
 
 @contextlib.contextmanager
@@ -42,6 +44,28 @@ def one_layer(layer: int | jax.Array) -> Iterator[None]:
     yield
   finally:
     _ONE_LAYER.reset(token)
+
+
+@contextlib.contextmanager
+def at_layer(index: jax.Array) -> Iterator[None]:
+  """Inside, `layer_index()` is `index`: the scans that run a `Stack`'s blocks (its own and
+  zinfjax's layer by layer ones) trace each block inside this."""
+  token = _LAYER.set(index)
+  try:
+    yield
+  finally:
+    _LAYER.reset(token)
+
+
+def layer_index() -> jax.Array:
+  """The index in its `Stack` of the block being traced (an int32 scalar, traced): for blocks
+  whose layers differ by more than their params, such as Gemma 3's sliding-window and global
+  layers, which choose with it (`lax.cond`) while every layer stays one compiled block."""
+  index = _LAYER.get()
+  if index is None:
+    raise RuntimeError("layer_index() was asked outside a Stack's layers: only a block that a "
+                       "Stack runs (or zinfjax's layer scans in its place) knows its index.")
+  return index
 
 
 class Stack(nnx.Module):
@@ -89,15 +113,16 @@ class Stack(nnx.Module):
 
     n = _MICRO_BATCHES.get()
 
-    @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
-    def run(block: nnx.Module, x: jax.Array, args: tuple) -> jax.Array:
-      if n == 1:
-        return step(block, x, args)
-      # micro-batches in a plain scan over the layer's (pure) state, each recomputed on its own
-      graphdef, state = nnx.split(block)
-      call = lambda state, x, args: nnx.merge(graphdef, state)(x, *args)
-      if self.remat:
-        call = jax.checkpoint(call)
-      return micro.apply(lambda xm, am: call(state, xm, am), n, x, args)
+    @nnx.scan(in_axes=(0, nnx.Carry, None, 0), out_axes=nnx.Carry)
+    def run(block: nnx.Module, x: jax.Array, args: tuple, index: jax.Array) -> jax.Array:
+      with at_layer(index):
+        if n == 1:
+          return step(block, x, args)
+        # micro-batches in a plain scan over the layer's (pure) state, each recomputed alone
+        graphdef, state = nnx.split(block)
+        call = lambda state, x, args: nnx.merge(graphdef, state)(x, *args)
+        if self.remat:
+          call = jax.checkpoint(call)
+        return micro.apply(lambda xm, am: call(state, xm, am), n, x, args)
 
-    return run(self.block, x, args)
+    return run(self.block, x, args, jnp.arange(self.num_layers, dtype=jnp.int32))
