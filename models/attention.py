@@ -31,8 +31,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-# head dims cuDNN's fused attention takes (the ones these models use)
-CUDNN_HEAD_DIMS = (64, 128)
+# head dims cuDNN's fused attention takes (the ones these models use; 256, Gemma's, from Hopper
+# on: an older GPU's refusal is caught by `cudnn_compiles`)
+CUDNN_HEAD_DIMS = (64, 128, 256)
 
 
 def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, window: int | None = None) -> bool:

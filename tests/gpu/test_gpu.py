@@ -35,21 +35,23 @@ def test_cuda_handlers_are_registered():
 
 
 @pytest.mark.parametrize("window", [None, 100])
-def test_cudnn_attention_equals_the_explicit_form(window):
-  """cuDNN's fused attention is what a GPU runs for bf16, head dim 64 and grouped-query heads,
-  with Mistral's sliding window or none; it and its gradients equal the explicit form's (fp32
-  logits) to bf16 rounding: 2% of each output's norm."""
+@pytest.mark.parametrize("dim,scale_dim", [(64, None), (256, 24)])
+def test_cudnn_attention_equals_the_explicit_form(window, dim, scale_dim):
+  """cuDNN's fused attention is what a GPU runs for bf16, head dims 64 and (Hopper on) 256 and
+  grouped-query heads, with Mistral's sliding window or none, and Gemma 3's logits' scale; it
+  and its gradients equal the explicit form's (fp32 logits) to bf16 rounding: 2% of each
+  output's norm."""
   from zinfjax.models import attention
   keys = jax.random.split(jax.random.key(5), 4)
-  q = jax.random.normal(keys[0], (2, 256, 8, 64), jnp.bfloat16)
-  k, v = (jax.random.normal(key, (2, 256, 2, 64), jnp.bfloat16) for key in keys[1:3])
+  q = jax.random.normal(keys[0], (2, 256, 8, dim), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (2, 256, 2, dim), jnp.bfloat16) for key in keys[1:3])
   weights = jax.random.normal(keys[3], q.shape, jnp.float32)
   if jax.default_backend() == "gpu":
     assert attention.use_cudnn(q, k, window)
 
   def run(f):
-    out = jax.jit(lambda *a: f(*a, window))(q, k, v)
-    loss = lambda *a: jnp.sum(f(*a, window).astype(jnp.float32) * weights)
+    out = jax.jit(lambda *a: f(*a, window, scale_dim))(q, k, v)
+    loss = lambda *a: jnp.sum(f(*a, window, scale_dim).astype(jnp.float32) * weights)
     return [out, *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)]
 
   for name, got, want in zip(("out", "dq", "dk", "dv"), run(attention.causal_attention),
