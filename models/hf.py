@@ -8,7 +8,8 @@ weights transposed), memory-mapped and read shard by shard when passed to
 `zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
 same format back, one tensor at a time, so `transformers` loads it with
 `from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma,
-Gemma 3 (`models/llama.py`) and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
+Gemma 3 (its text model, a multimodal checkpoint's too: `TEXT_PREFIXES`)
+(`models/llama.py`) and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
 """
 
 from __future__ import annotations
@@ -55,17 +56,30 @@ class Rule:
   rows: tuple[int, int] | None = None
 
 
-def llama_rules(c: LlamaConfig, fused: bool = False) -> list[Rule]:
+# the text model's names in a checkpoint: its own (`model.layers...`), or a multimodal one's
+# (Gemma 3's, as saved and as transformers names it in memory) -> (its output head, the
+# checkpoint's tensors that are the text model's; those outside, other towers', are left out)
+TEXT_PREFIXES = {"model.": ("lm_head.weight", ""),
+                 "language_model.model.": ("language_model.lm_head.weight", "language_model."),
+                 "model.language_model.": ("lm_head.weight", "model.language_model.")}
+
+
+def text_prefix(names) -> str:
+  """Which of `TEXT_PREFIXES` a checkpoint's tensor `names` use (`model.` where none)."""
+  return next((p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in names), "model.")
+
+
+def llama_rules(c: LlamaConfig, fused: bool = False, prefix: str = "model.") -> list[Rule]:
   """The Llama family's tensors; `fused`: Phi-3's, q, k and v in one `qkv_proj` and gate and
-  up in one `gate_up_proj`, their rows in that order."""
-  layer = "model.layers.{i}."
+  up in one `gate_up_proj`, their rows in that order; `prefix`: one of `TEXT_PREFIXES`."""
+  layer = prefix + "layers.{i}."
   norms = (("post_attention_layernorm", "post_feedforward_layernorm") if c.post_norm
            else ("input_layernorm", "pre_feedforward_layernorm") if c.sandwich_norm
            else ("input_layernorm", "post_attention_layernorm"))  # OLMo 2's follow, or precede
-  rules = [Rule("embed/embedding", "model.embed_tokens.weight"),
+  rules = [Rule("embed/embedding", prefix + "embed_tokens.weight"),
            Rule("layers/block/ln1/scale", layer + norms[0] + ".weight"),
            Rule("layers/block/ln2/scale", layer + norms[1] + ".weight"),
-           Rule("norm/scale", "model.norm.weight")]
+           Rule("norm/scale", prefix + "norm.weight")]
   if c.sandwich_norm:  # Gemma 3's, after attention and the MLP
     rules += [Rule("layers/block/post_attn_norm/scale", layer + "post_attention_layernorm.weight"),
               Rule("layers/block/post_mlp_norm/scale", layer + "post_feedforward_layernorm.weight")]
@@ -86,7 +100,7 @@ def llama_rules(c: LlamaConfig, fused: bool = False) -> list[Rule]:
     rules += [Rule(f"layers/block/{x}_norm/scale", layer + f"self_attn.{x}_norm.weight")
               for x in "qk"]
   if not c.tie_embeddings:
-    rules.append(Rule("lm_head/kernel", "lm_head.weight", True))
+    rules.append(Rule("lm_head/kernel", TEXT_PREFIXES[prefix][0], True))
   return rules
 
 
@@ -114,7 +128,8 @@ def rules_for(c: GPTConfig | LlamaConfig, names=(), kind: str | None = None) -> 
   """The rules of `c` in the layout of the checkpoint whose tensor `names` are given, or of
   config.json's `kind` (model_type)."""
   if isinstance(c, LlamaConfig):
-    return llama_rules(c, kind == "phi3" or any(".qkv_proj." in n for n in names))
+    return llama_rules(c, kind == "phi3" or any(".qkv_proj." in n for n in names),
+                       text_prefix(names))
   prefix = "transformer." if any(n.startswith("transformer.") for n in names) or not names else ""
   return gpt2_rules(c, prefix)
 
@@ -134,7 +149,8 @@ def _nest(flat: dict[str, Any]) -> dict:
 def load_weights(path: str, config: GPTConfig | LlamaConfig) -> dict:
   """The checkpoint's tensors at `path` as our model's tree of lazily read Tensors."""
   ckpt = safetensors.Checkpoint(path)
-  rules = rules_for(config, list(ckpt))
+  stored = set(ckpt)
+  rules = rules_for(config, stored)
   used, flat = set(), {}
   for rule in rules:
     names = ([rule.name.format(i=i) for i in range(config.num_layers)] if "{i}" in rule.name
@@ -155,8 +171,10 @@ def load_weights(path: str, config: GPTConfig | LlamaConfig) -> dict:
       tensors = [Transposed(t) for t in tensors]
     flat[rule.path] = Stacked(tensors) if "{i}" in rule.name else tensors[0]
   tied = getattr(config, "tie_embeddings", True)
+  head, tower = TEXT_PREFIXES[text_prefix(stored)] if isinstance(config, LlamaConfig) else (
+      "lm_head.weight", "")
   extra = [n for n in ckpt if n not in used and not IGNORED.search(n)
-           and not (tied and n == "lm_head.weight")]
+           and not (tied and n == head) and n.startswith(tower)]
   if extra:
     raise ValueError(f"the checkpoint at {ckpt.path} has tensors the model does not use: "
                      f"{', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}.")
@@ -219,7 +237,8 @@ def save(folder: str, config: GPTConfig | LlamaConfig, params: Any, dtype=np.flo
   Hugging Face checkpoint folder that `transformers` loads with `from_pretrained` (LoRA
   adapters merged into the weights they adapt: `config` may be the base model's or the
   adapted one's). `copy_from`, the checkpoint folder the model came from, gives the
-  tokenizer and generation files it holds (`COMPANION_FILES`), copied along."""
+  tokenizer and generation files it holds (`COMPANION_FILES`), copied along. From a
+  multimodal Gemma 3 `base_config`, the text model is written (Gemma3ForCausalLM)."""
   if hasattr(params, "full_leaf"):  # read a layer at a time: `full_leaf(path, layer=i)`
     read = lambda path, i: params.full_leaf(path) if i is None else params.full_leaf(path, layer=i)
   else:

@@ -29,6 +29,10 @@ HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma3_text": 256}  # (hidden / heads f
 ACT = {"gemma": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}  # (silu for the others)
 TIED = ("gemma", "gemma3_text")   # tie_word_embeddings (false for the others)
 GEMMA3 = "gemma3_text"   # sliding-window and global layers, each with its rope
+# transformers' Gemma3TextConfig defaults for the sizes a config.json may leave out (the
+# text_config of a multimodal Gemma 3 checkpoint often does)
+GEMMA3_SIZES = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4}
 LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}  # config.json's: ours
 # hidden_act of config.json -> LlamaConfig.activation (transformers' ACT2FN: gelu_new and
 # gelu_pytorch_tanh are both the tanh approximation); back, the first of each
@@ -55,6 +59,10 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     method = (hf["quantization_config"] or {}).get("quant_method", "unnamed")
     raise ValueError(f"the checkpoint is quantized ({method}): zinfjax trains float weights; "
                      "use the model's bf16 or fp32 release.")
+  if kind == "gemma3":  # a multimodal checkpoint: its text model
+    return config_from_hf(text_config(hf), remat)
+  if kind == GEMMA3:
+    hf = {**GEMMA3_SIZES, **hf}
   if kind in LLAMA_TYPES:
     scaling, local = _ropes(kind, hf)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -118,10 +126,18 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                      num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
                      remat=remat)
-  why = {"gemma2": " (its attention logits are soft-capped)", "gemma3": " (the multimodal "
-         "checkpoint: zinfjax reads Gemma 3's text model, gemma3_text)"}.get(kind, "")
+  why = {"gemma2": " (its attention logits are soft-capped)"}.get(kind, "")
   raise ValueError(f"model_type {kind!r} is not supported{why}; zinfjax reads "
                    f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+  """The text model's config.json of a multimodal Gemma 3 checkpoint's (its `text_config`, with
+  the checkpoint's tied embeddings and token ids)."""
+  ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf}
+  tied = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}   # the checkpoint's head
+  return {**ids, **(hf.get("text_config") or {}), **tied, "model_type": GEMMA3,
+          "architectures": [ARCHITECTURES[GEMMA3]]}
 
 
 def _ropes(kind: str, hf: dict) -> tuple[dict, dict | None]:
@@ -185,8 +201,9 @@ def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling
 
 
 def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
-  """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept)."""
-  out = dict(base or {})
+  """A `config.json` dict for `c` (fields of `base`, e.g. the source checkpoint's, kept; of a
+  multimodal Gemma 3 checkpoint, its text model's: the export is that text model alone)."""
+  out = dict(text_config(base) if (base or {}).get("model_type") == "gemma3" else base or {})
   if isinstance(c, LlamaConfig):
     features = lambda kind: {**PLAIN, **FEATURES.get(kind, {})}
     has = {k: getattr(c, k) for k in features(None)}
@@ -251,5 +268,5 @@ def family(hf: dict[str, Any]) -> str:
   """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
   kind = hf.get("model_type", "")
   named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2", "gemma": "Gemma",
-           GEMMA3: "Gemma 3"}
+           GEMMA3: "Gemma 3", "gemma3": "Gemma 3"}
   return named.get(kind) or ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")

@@ -25,6 +25,8 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           each head's queries and keys normed, 3 layers (sliding, global, sliding: a window of
           5 < 12 tokens, the local rope's base 1e4 unscaled, the global's 1e6 with a linear
           scaling of 2), logits scaled by 24 ** -0.5 (not head_dim's)
+  gemma3mm  a multimodal Gemma 3 (Gemma3ForConditionalGeneration, a tiny vision tower): its
+          text model is what zinfjax reads; the reference is its logits of text tokens
 
 For each: `config.json`, safetensors, and `reference.npz` with `tokens` [2, 12]
 and the fp32 `logits` of `transformers`' forward. Besides, `rope.json`: for each
@@ -93,6 +95,16 @@ def models():
                                               "rope_theta": 1e6},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
           pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True), None),
+      "gemma3mm": (T.Gemma3ForConditionalGeneration, T.Gemma3Config(
+          text_config=T.Gemma3TextConfig(
+              **common, num_key_value_heads=2, head_dim=16, sliding_window=5,
+              query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
+              pad_token_id=0, eos_token_id=1, bos_token_id=2).to_dict(),
+          vision_config=T.SiglipVisionConfig(
+              hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14).to_dict(),
+          mm_tokens_per_image=4, boi_token_index=125, eoi_token_index=126,
+          image_token_index=127), None),
   }
 
 
@@ -161,7 +173,10 @@ def main() -> None:
     shutil.rmtree(folder, ignore_errors=True)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
-    tokens = np.random.RandomState(k).randint(0, config.vocab_size, (2, 12))
+    # text tokens alone (a multimodal model's image tokens, the vocabulary's last 3, left out)
+    vocab = (config.text_config.vocab_size - 3 if hasattr(config, "text_config")
+             else config.vocab_size)
+    tokens = np.random.RandomState(k).randint(0, vocab, (2, 12))
     with torch.no_grad():
       logits = model(torch.tensor(tokens)).logits.float().numpy()
     np.savez(os.path.join(folder, "reference.npz"), tokens=tokens, logits=logits)

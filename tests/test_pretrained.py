@@ -84,7 +84,7 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 # ------------------------------------------------------------------ Hugging Face
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3",
-                                    "yarn", "phi3", "olmo2", "gemma", "gemma3"])
+                                    "yarn", "phi3", "olmo2", "gemma", "gemma3", "gemma3mm"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
   Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
@@ -93,10 +93,12 @@ def test_logits_equal_transformers(family):
   and v, and gate and up; the OLMo 2 one norms after attention and the MLP; the Gemma one gates
   with gelu, scales its norms by 1 + weight and its embedding by sqrt(hidden); the Gemma 3 one's
   sliding (5 < 12 tokens) and global layers alternate, each with its rope, and it norms before and
-  after attention and the MLP. The config counts the checkpoint's params exactly."""
+  after attention and the MLP; the multimodal Gemma 3's text model gives its logits of text. The
+  config counts the checkpoint's (text model's) params exactly."""
   config, make, weights = hf.load(os.path.join(HF, family))
   ckpt = safetensors.Checkpoint(os.path.join(HF, family))
-  assert config.num_params == sum(int(np.prod(ckpt[n].shape)) for n in ckpt)
+  tower = hf.TEXT_PREFIXES[hf.text_prefix(set(ckpt))][1]
+  assert config.num_params == sum(int(np.prod(ckpt[n].shape)) for n in ckpt if n.startswith(tower))
   ref = np.load(os.path.join(HF, family, "reference.npz"))
   model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
   nnx.update(model, jax.tree.map(lambda t: jnp.asarray(t.read(())), weights,
@@ -115,7 +117,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
   for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn", "phi3",
-                 "olmo2", "gemma", "gemma3"):
+                 "olmo2", "gemma", "gemma3", "gemma3mm"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
@@ -143,8 +145,6 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                           ({"use_bidirectional_attention": True}, "causal attention only"),
                           ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported \\("
                                                      "its attention logits are soft-capped"),
-                          ({"model_type": "gemma3"}, "the multimodal checkpoint: zinfjax reads "
-                                                     "Gemma 3's text model, gemma3_text"),
                           ({"model_type": "gemma5"}, "model_type 'gemma5' is not supported; "),
                           ({"quantization_config": {"quant_method": "fp8"}},
                            "quantized \\(fp8\\): zinfjax trains float weights")]:
@@ -285,6 +285,40 @@ def test_export_round_trip(family, mesh, tmp_path):
   _close(state)
 
 
+def test_a_multimodal_gemma3_trains_and_exports_its_text_model(tmp_path):
+  """A multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration) is read for its text
+  model: the vision tower and projector are left out, a stray tensor of the text model is still
+  refused; the export is that text model alone, a Gemma3ForCausalLM checkpoint whose tensors are
+  the source's text tensors, bit for bit."""
+  folder = os.path.join(HF, "gemma3mm")
+  config, make, weights = hf.load(folder)
+  assert hf.family(hf.read_config(folder)) == "Gemma 3" and config.layer_types == ("sliding",
+                                                                                   "full")
+  hf.save(str(tmp_path / "out"), config, weights_of(weights), base_config=hf.read_config(folder))
+  out = hf.read_config(str(tmp_path / "out"))
+  assert (out["model_type"], out["architectures"], "vision_config" in out) == (
+      "gemma3_text", ["Gemma3ForCausalLM"], False)
+  theirs, ours = safetensors.Checkpoint(folder), safetensors.Checkpoint(str(tmp_path / "out"))
+  text = {n: n.replace("language_model.model.", "model.") for n in theirs
+          if n.startswith("language_model.")}
+  assert set(ours) == set(text.values()) and len(set(theirs)) > len(text)   # towers left out
+  for n, m in text.items():
+    np.testing.assert_array_equal(ours[m], theirs[n], err_msg=n)
+  stray = tmp_path / "stray"
+  shutil.copytree(folder, stray)
+  tensors = {n: np.asarray(theirs[n]) for n in theirs}
+  safetensors.write(str(stray / "model.safetensors"), [
+      (n, (x.shape, x.dtype, lambda x=x: x)) for n, x in
+      {**tensors, "language_model.model.extra.weight": np.ones(3, np.float32)}.items()])
+  with pytest.raises(ValueError, match="does not use: language_model.model.extra.weight"):
+    hf.load(str(stray))
+
+
+def weights_of(tree):
+  """A tree of lazily read tensors as arrays."""
+  return jax.tree.map(lambda t: np.asarray(t.read(())), tree, is_leaf=source.is_tensor)
+
+
 def test_export_replaces_a_folder_whole_or_not_at_all(tmp_path):
   """`hf.save` into a folder of an earlier export: a failed one leaves it as it was; one that
   succeeds leaves none of the earlier export's other shards (an index naming old shards would
@@ -329,7 +363,7 @@ def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2", "gemma",
-                                    "gemma3"])
+                                    "gemma3", "gemma3mm"])
 def test_export_loads_in_transformers(family, mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")
