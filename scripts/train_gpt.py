@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -103,9 +104,11 @@ def finetune_tokens(data: str, folder: str, vocab: int, load_tokens):
 
 def same_model(saved: dict | None, config, directory: str) -> None:
   """Refuse a checkpoint whose run saved another model config than this one's (a field it does
-  not name, one newer than it, has its default there)."""
-  here = dataclasses.asdict(config)
-  defaults = {f.name: f.default for f in dataclasses.fields(config)}
+  not name, one newer than it, has its default there); compared as the checkpoint stores them,
+  in JSON (a tuple, Gemma 3's layer_types, is a list there)."""
+  plain = lambda x: json.loads(json.dumps(x))
+  here = plain(dataclasses.asdict(config))
+  defaults = plain({f.name: f.default for f in dataclasses.fields(config)})
   saved = None if saved is None else {**defaults, **saved}
   if saved is not None and saved != here:
     diff = ", ".join(f"{k} {saved.get(k)} there, {here.get(k)} here"

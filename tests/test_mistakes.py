@@ -420,6 +420,20 @@ def test_a_tokenizer_past_the_models_vocabulary_is_named(tmp_path, monkeypatch):
     finetune_tokens(str(data), str(tmp_path), 7, load_tokens)
 
 
+def test_a_resume_compares_the_model_as_the_checkpoint_stores_it():
+  """A Gemma 3 model's config (its layer_types a tuple, a list once in the checkpoint's JSON)
+  resumes its own checkpoint; another layer pattern is refused, naming the field."""
+  import dataclasses
+  from zinfjax.models import hf
+  same_model = load_script("train_gpt").same_model
+  config = hf.config_from_hf(hf.read_config(os.path.join(REPO, "tests", "data", "hf", "gemma3")))
+  saved = json.loads(json.dumps(dataclasses.asdict(config)))
+  same_model(saved, config, "ckpt")
+  with pytest.raises(SystemExit, match=r"layer_types \['sliding', 'full', 'sliding'\] there, "
+                                       r"\['full', 'full', 'sliding'\] here"):
+    same_model(saved, config.replace(layer_types=("full", "full", "sliding")), "ckpt")
+
+
 def test_weights_with_a_lying_shape_name_the_tensor_and_file(mesh, tmp_path):
   folder = tmp_path / "llama"
   shutil.copytree(os.path.join(REPO, "tests", "data", "hf", "llama"), folder)
