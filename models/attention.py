@@ -75,35 +75,40 @@ def cudnn_compiles(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
 
 
 def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-                     window: int | None = None, scale_dim: float | None = None) -> jax.Array:
+                     window: int | None = None, scale_dim: float | None = None,
+                     softcap: float | None = None) -> jax.Array:
   """softmax(q k^T / sqrt(H) + causal mask) v, per head (N query heads over K <= N kv heads;
   query head j uses kv head j // (N // K)); with `window`, query i sees keys i - window + 1
   to i alone (a window as long as the sequence or longer changes nothing, and is left out);
-  with `scale_dim`, the logits are divided by sqrt(scale_dim) instead (Gemma 3's)."""
+  with `scale_dim`, the logits are divided by sqrt(scale_dim) instead (Gemma 2's and 3's);
+  with `softcap`, they are soft-capped, softcap * tanh(logits / softcap) (Gemma 2's: the
+  explicit form alone, cuDNN's fused attention has no cap)."""
   if window is not None and window >= q_BxTxNxH.shape[1]:
     window = None
-  if use_cudnn(q_BxTxNxH, k_BxTxKxH, window):
+  if softcap is None and use_cudnn(q_BxTxNxH, k_BxTxKxH, window):
     return cudnn_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, window, scale_dim)
-  return explicit_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, window, scale_dim)
+  return explicit_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, window, scale_dim, softcap)
 
 
 def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-                       window: int | None = None, scale_dim: float | None = None) -> jax.Array:
+                       window: int | None = None, scale_dim: float | None = None,
+                       softcap: float | None = None) -> jax.Array:
   """The same attention written out: fp32 logits and softmax, a [T, T] causal mask (banded
   to `window` positions when given)."""
   b, t, n, h = q_BxTxNxH.shape
   g = k_BxTxKxH.shape[2]
   root = math.sqrt(h if scale_dim is None else scale_dim)
+  cap = (lambda x: x) if softcap is None else (lambda x: jnp.tanh(x / softcap) * softcap)
   causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
   if window is not None:
     causal_TxT &= ~jnp.tril(jnp.ones((t, t), dtype=bool), -window)
   if g == n:
-    logits = jnp.einsum("bqhk,bthk->bhqt", q_BxTxNxH, k_BxTxKxH,
-                        preferred_element_type=jnp.float32) / root
+    logits = cap(jnp.einsum("bqhk,bthk->bhqt", q_BxTxNxH, k_BxTxKxH,
+                            preferred_element_type=jnp.float32) / root)
     probs = jax.nn.softmax(jnp.where(causal_TxT, logits, -1e30), axis=-1).astype(v_BxTxKxH.dtype)
     return jnp.einsum("bhqt,bthk->bqhk", probs, v_BxTxKxH)
   q_BxTxGxRxH = q_BxTxNxH.reshape(b, t, g, n // g, h)
-  logits = jnp.einsum("bqgrk,btgk->bgrqt", q_BxTxGxRxH, k_BxTxKxH,
-                      preferred_element_type=jnp.float32) / root
+  logits = cap(jnp.einsum("bqgrk,btgk->bgrqt", q_BxTxGxRxH, k_BxTxKxH,
+                          preferred_element_type=jnp.float32) / root)
   probs = jax.nn.softmax(jnp.where(causal_TxT, logits, -1e30), axis=-1).astype(v_BxTxKxH.dtype)
   return jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxTxKxH).reshape(b, t, n, h)

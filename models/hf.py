@@ -8,7 +8,7 @@ weights transposed), memory-mapped and read shard by shard when passed to
 `zinfjax.init(..., params=weights)`. `save(folder, config, params)` writes the
 same format back, one tensor at a time, so `transformers` loads it with
 `from_pretrained`. Families: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma,
-Gemma 3 (its text model, a multimodal checkpoint's too: `TEXT_PREFIXES`)
+Gemma 2, Gemma 3 (its text model, a multimodal checkpoint's too: `TEXT_PREFIXES`)
 (`models/llama.py`) and GPT-2 (`models/gpt.py`); their config.json: `hf_config.py`.
 """
 

@@ -1,7 +1,7 @@
 """Hugging Face `config.json` and our model configs, both ways.
 
 `config_from_hf` reads a checkpoint's settings as a `LlamaConfig` (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma, Gemma 3's text model) or a `GPTConfig`
+Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma, Gemma 2, Gemma 3's text model) or a `GPTConfig`
 (GPT-2), with `transformers`'
 defaults for what the file leaves out, and refuses by name what our models
 would compute otherwise; `config_to_hf` writes one back, keeping the fields of
@@ -19,16 +19,22 @@ from .llama import LlamaConfig
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "gemma": "GemmaForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 LLAMA_TYPES = tuple(ARCHITECTURES)
 # transformers' defaults for what a config.json leaves out, where they are not ours
 CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768,  # positions
-           "phi3": 4096, "olmo2": 2048, "gemma": 8192, "gemma3_text": 131072}
+           "phi3": 4096, "olmo2": 2048, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072}
 EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # rms_norm_eps (1e-6 for the others)
-HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma3_text": 256}  # (hidden / heads for the others)
-ACT = {"gemma": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}  # (silu for the others)
-TIED = ("gemma", "gemma3_text")   # tie_word_embeddings (false for the others)
-GEMMA3 = "gemma3_text"   # sliding-window and global layers, each with its rope
+GEMMA2, GEMMA3 = "gemma2", "gemma3_text"
+HEAD_DIM = {"qwen3": 128, "gemma": 256, GEMMA2: 256, GEMMA3: 256}  # (others: hidden / heads)
+ACT = dict.fromkeys(("gemma", GEMMA2, GEMMA3), "gelu_pytorch_tanh")  # (silu for the others)
+TIED = ("gemma", GEMMA2, GEMMA3)   # tie_word_embeddings (false for the others)
+# the families of sliding-window and global layers (Gemma 3's each with its rope): every n-th
+# layer global where config.json gives no layer_types (its sliding_window_pattern, Gemma 3's),
+# and their logits' soft caps where it gives none (final, attention)
+LAYERED = {GEMMA2: 2, GEMMA3: 6}
+SOFTCAPS = {GEMMA2: (30.0, 50.0), GEMMA3: (None, None)}
 # transformers' Gemma3TextConfig defaults for the sizes a config.json may leave out (the
 # text_config of a multimodal Gemma 3 checkpoint often does)
 GEMMA3_SIZES = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -43,13 +49,14 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
 FEATURES = {"qwen3": dict(qk_norm=True, qk_norm_span="head"), "qwen2": dict(qkv_bias=True),
             "olmo2": dict(qk_norm=True, qk_norm_span="all", post_norm=True),
             "gemma": dict(norm_offset=True, embed_scale=True),
+            GEMMA2: dict(norm_offset=True, embed_scale=True, sandwich_norm=True),
             GEMMA3: dict(norm_offset=True, embed_scale=True, qk_norm=True, qk_norm_span="head",
                          sandwich_norm=True)}
 PLAIN = {**dict.fromkeys(("qk_norm", "qkv_bias", "post_norm", "norm_offset", "embed_scale",
                           "sandwich_norm"), False), "qk_norm_span": "head"}   # a Llama's
-# the families whose layers take config.json's sliding_window (Gemma 3's sliding ones alone),
+# the families whose layers take config.json's sliding_window (Gemma's sliding ones alone),
 # with transformers' default
-WINDOWED = {"mistral": 4096, "phi3": None, GEMMA3: 4096}
+WINDOWED = {"mistral": 4096, "phi3": None, GEMMA2: 4096, GEMMA3: 4096}
 
 
 def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaConfig:
@@ -75,7 +82,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     if partial != 1.0:
       raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary positions on "
                        "every dimension of a head).")
-    act = hf.get("hidden_activation" if kind == GEMMA3 else "hidden_act") or ACT.get(kind, "silu")
+    act = hf.get("hidden_activation" if kind in LAYERED else "hidden_act") or ACT.get(kind, "silu")
     if kind == "gemma" and act == "gelu":  # the releases' legacy name for it (transformers')
       act = "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
@@ -108,7 +115,8 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
         **FEATURES.get(kind, {}),
         seq_len=hf.get("max_position_embeddings", CONTEXT[kind]),
         sliding_window=hf.get("sliding_window", WINDOWED[kind]) if kind in WINDOWED else None,
-        activation=ACTIVATIONS[act], remat=remat, **(_gemma3(hf, local) if local else {}))
+        activation=ACTIVATIONS[act], remat=remat,
+        **(_layered(kind, hf, local) if kind in LAYERED else {}))
   if kind == "gpt2":
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
       raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported.")
@@ -126,8 +134,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
     return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                      num_layers=hf["n_layer"], num_heads=hf["n_head"], hidden=hf["n_embd"],
                      remat=remat)
-  why = {"gemma2": " (its attention logits are soft-capped)"}.get(kind, "")
-  raise ValueError(f"model_type {kind!r} is not supported{why}; zinfjax reads "
+  raise ValueError(f"model_type {kind!r} is not supported; zinfjax reads "
                    f"{', '.join(LLAMA_TYPES + ('gpt2',))}.")
 
 
@@ -153,23 +160,25 @@ def _ropes(kind: str, hf: dict) -> tuple[dict, dict | None]:
                 **(given.get("sliding_attention") or {})}
 
 
-def _gemma3(hf: dict, local: dict) -> dict[str, Any]:
-  """Gemma 3's LlamaConfig fields: its layers' kinds, their window and rope, the logits' scale."""
-  for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
-    if hf.get(cap) is not None:
-      raise ValueError(f"{cap}={hf[cap]} is not supported (logits are not soft-capped).")
-  if local.get("rope_type", "default") != "default":
+def _layered(kind: str, hf: dict, local: dict | None) -> dict[str, Any]:
+  """Gemma 2's and 3's LlamaConfig fields: their layers' kinds, Gemma 3's sliding layers' rope,
+  the attention logits' scale, the soft caps."""
+  if local and local.get("rope_type", "default") != "default":
     raise ValueError(f"the sliding layers' rope of type {local['rope_type']!r} is not supported "
                      "(theirs is the default rotary embedding, unscaled).")
-  n, every = hf["num_hidden_layers"], hf.get("sliding_window_pattern", 6)
+  final, attn = (hf.get(f"{k}_logit_softcapping", default)
+                 for k, default in zip(("final", "attn"), SOFTCAPS[kind]))
+  n, every = hf["num_hidden_layers"], hf.get("sliding_window_pattern", LAYERED[kind])
   types = hf.get("layer_types") or [
       "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
   if set(types) - set(LAYER_TYPES):
     raise ValueError(f"layer_types {sorted(set(types) - set(LAYER_TYPES))} are not supported "
-                     f"(Gemma 3's layers are {' or '.join(LAYER_TYPES)}).")
+                     f"(Gemma's layers are {' or '.join(LAYER_TYPES)}).")
   return dict(layer_types=tuple(LAYER_TYPES[t] for t in types),
-              local_rope_theta=float(local["rope_theta"]),
-              query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)))
+              local_rope_theta=float(local["rope_theta"]) if local else None,
+              query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)),
+              final_softcap=None if final is None else float(final),
+              attn_softcap=None if attn is None else float(attn))
 
 
 def _rope_scaling(kind: str | None, scaling: dict, hf: dict) -> rope.RopeScaling | None:
@@ -220,10 +229,12 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
                        "the whole q and k projections, Gemma's alone scales its norms by 1 + "
                        "weight and its embedding by sqrt(hidden) (Gemma 3's norms besides the "
                        "q and k heads', before and after attention and the MLP).")
-    if kind != GEMMA3 and (c.layer_types, c.local_rope_theta, c.query_pre_attn_scalar) != (
-        None, None, None):
-      raise ValueError(f"a {kind} checkpoint cannot hold this model: Gemma 3's alone gives its "
-                       "layers' kinds (layer_types), a local rope and query_pre_attn_scalar.")
+    layered = (c.layer_types, c.query_pre_attn_scalar, c.attn_softcap, c.final_softcap)
+    if (kind not in LAYERED and layered != (None,) * 4) or (
+        c.local_rope_theta is not None and kind != GEMMA3):
+      raise ValueError(f"a {kind} checkpoint cannot hold this model: Gemma 2's and 3's alone "
+                       "give their layers' kinds (layer_types), query_pre_attn_scalar and soft "
+                       "caps, and Gemma 3's alone a local rope.")
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=c.vocab_size,
                hidden_size=c.hidden, intermediate_size=c.intermediate,
                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
@@ -231,13 +242,15 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
                max_position_embeddings=c.seq_len)
     act = {v: k for k, v in reversed(ACTIVATIONS.items())}[c.activation]
-    out["hidden_activation" if kind == GEMMA3 else "hidden_act"] = act
-    if kind in ("llama", "qwen3", "olmo2", "gemma", GEMMA3):
+    out["hidden_activation" if kind in LAYERED else "hidden_act"] = act
+    if kind in ("llama", "qwen3", "olmo2", "gemma", GEMMA2, GEMMA3):
       out["attention_bias"] = False
     if kind in WINDOWED:
       out["sliding_window"] = c.sliding_window
+    if kind in LAYERED:
+      out.update(_layered_to_hf(c))
     if kind == GEMMA3:
-      out.update(_gemma3_to_hf(c))
+      out.update(_gemma3_ropes(c))
     elif c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
       rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
       out["rope_scaling"] = rope_hf if c.rope_scaling else None
@@ -249,24 +262,30 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
   return out
 
 
-def _gemma3_to_hf(c: LlamaConfig) -> dict[str, Any]:
-  """Gemma 3's config.json fields for `c`: its layers' kinds, their ropes, the logits' scale."""
+def _layered_to_hf(c: LlamaConfig) -> dict[str, Any]:
+  """Gemma 2's and 3's config.json fields for `c`: its layers' kinds, logits' scale, caps."""
   types = c.layer_types or (("sliding" if c.sliding_window else "full"),) * c.num_layers
-  if c.local_rope_theta is None and c.rope_scaling is not None and "sliding" in types:
+  names = {ours: theirs for theirs, ours in LAYER_TYPES.items()}
+  return dict(layer_types=[names[t] for t in types],
+              query_pre_attn_scalar=c.query_pre_attn_scalar or c.dim,
+              final_logit_softcapping=c.final_softcap, attn_logit_softcapping=c.attn_softcap)
+
+
+def _gemma3_ropes(c: LlamaConfig) -> dict[str, Any]:
+  """Gemma 3's config.json ropes for `c`: its global layers' and its sliding layers'."""
+  if (c.local_rope_theta is None and c.rope_scaling is not None
+      and "sliding" in (c.layer_types or ("sliding" if c.sliding_window else "full",))):
     raise ValueError("Gemma 3's sliding layers take an unscaled rope: this model scales its "
                      "sliding layers' rope too; give local_rope_theta.")
   full = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {}),
           "rope_theta": c.rope_theta}
   local = {"rope_type": "default", "rope_theta": c.local_rope_theta or c.rope_theta}
-  names = {ours: theirs for theirs, ours in LAYER_TYPES.items()}
-  return dict(layer_types=[names[t] for t in types], rope_scaling=None,
-              rope_parameters={"full_attention": full, "sliding_attention": local},
-              query_pre_attn_scalar=c.query_pre_attn_scalar or c.dim)
-
+  return dict(rope_scaling=None,
+              rope_parameters={"full_attention": full, "sliding_attention": local})
 
 def family(hf: dict[str, Any]) -> str:
   """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""
   kind = hf.get("model_type", "")
   named = {"gpt2": "GPT-2", "phi3": "Phi-3", "olmo2": "OLMo 2", "gemma": "Gemma",
-           GEMMA3: "Gemma 3", "gemma3": "Gemma 3"}
+           GEMMA2: "Gemma 2", GEMMA3: "Gemma 3", "gemma3": "Gemma 3"}
   return named.get(kind) or ARCHITECTURES.get(kind, kind).removesuffix("ForCausalLM")

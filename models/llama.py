@@ -3,10 +3,11 @@
 Covers Llama 2/3 (its rope scalings too: `models/rope.py`), Mistral (its
 sliding window), Qwen2 (q/k/v biases), Qwen3 (each head's queries and keys
 RMS-normed), Phi-3, OLMo 2 (norms after attention and the MLP, and on the whole
-q and k projections), Gemma and Gemma 3 checkpoints (GeGLU, norms scaling by 1 +
-weight, embeddings scaled by sqrt(hidden); Gemma 3's norms before and after
-attention and the MLP, and its sliding-window and global layers, each with a
-rope of its own), with tied or untied embeddings. Blocks are a
+q and k projections), Gemma, Gemma 2 and Gemma 3 checkpoints (GeGLU, norms
+scaling by 1 + weight, embeddings scaled by sqrt(hidden); Gemma 2's and 3's norms
+before and after attention and the MLP, and their sliding-window and global
+layers, Gemma 2's logits soft-capped, Gemma 3's layers each kind with a rope of
+its own), with tied or untied embeddings. Blocks are a
 `zinfjax.Stack`, so it trains on one device or layer by layer under ZeRO-3.
 Names and layouts follow Hugging Face's `LlamaForCausalLM` (see `models/hf.py`
 for the mapping); the math follows its forward: norms and softmax in fp32,
@@ -27,7 +28,7 @@ from .attention import causal_attention
 from .config import check_lora_rank
 from .embedding import lookup
 from .linear import linears
-from .loss import dense, tied
+from .loss import dense, softcapped, tied
 from .rope import RopeScaling, rotary
 
 
@@ -62,8 +63,11 @@ class LlamaConfig:
       applies to the sliding layers alone); None: every layer takes `sliding_window`.
     local_rope_theta: the sliding layers' rotary base, unscaled (Gemma 3's local rope); None:
       theirs is `rope_theta` with `rope_scaling`, as every layer's.
-    query_pre_attn_scalar: attention logits are scaled by this ** -0.5 (Gemma 3's) instead of
-      head_dim ** -0.5.
+    query_pre_attn_scalar: attention logits are scaled by this ** -0.5 (Gemma 2's and 3's)
+      instead of head_dim ** -0.5.
+    attn_softcap: attention logits are soft-capped, cap * tanh(logits / cap) (Gemma 2's); their
+      attention is then the explicit form's, not cuDNN's.
+    final_softcap: the output logits are soft-capped likewise (Gemma 2's), in their dtype.
     lora_rank: > 0 makes every projection an `nnx.LoRALinear` of this rank (adapters
       `nnx.LoRAParam`, train them with `ZeroConfig(trainable=nnx.LoRAParam)`).
   """
@@ -92,6 +96,8 @@ class LlamaConfig:
   layer_types: tuple[str, ...] | None = None
   local_rope_theta: float | None = None
   query_pre_attn_scalar: int | None = None
+  attn_softcap: float | None = None
+  final_softcap: float | None = None
   remat: bool = True
   lora_rank: int = 0
 
@@ -208,7 +214,7 @@ class Block(nnx.Module):
     # None: every layer takes `window`; else each layer's: windowed (True) or global
     self.sliding = None if config.layer_types is None else tuple(
         kind == "sliding" for kind in config.layer_types)
-    self.scale_dim = config.query_pre_attn_scalar
+    self.scale_dim, self.softcap = config.query_pre_attn_scalar, config.attn_softcap
     self.post_norm, self.sandwich_norm = config.post_norm, config.sandwich_norm
     self.activation = config.activation
 
@@ -227,7 +233,7 @@ class Block(nnx.Module):
 
     def attend(window: int | None, rope: tuple) -> jax.Array:  # head j: kv head j // (h // g)
       return causal_attention(rotary(q_BxTxHxK, *rope), rotary(k_BxTxGxK, *rope), v_BxTxGxK,
-                              window, self.scale_dim)
+                              window, self.scale_dim, self.softcap)
     if self.sliding is None:
       y_BxTxHxK = attend(self.window, self.rope)
     elif len(set(self.sliding)) == 1:  # every layer the same
@@ -281,10 +287,13 @@ class Llama(nnx.Module):
     return self.norm(x_BxTxD).astype(x_BxTxD.dtype)
 
   def head(self) -> tuple[jax.Array, Callable]:
-    """The output projection as (weight, project): the tied embedding or `lm_head`."""
-    if self.config.tie_embeddings:
-      return self.embed.embedding[...], tied
-    return self.lm_head.kernel[...], dense
+    """The output projection as (weight, project): the tied embedding or `lm_head` (its logits
+    soft-capped with `final_softcap`)."""
+    weight, project = ((self.embed.embedding[...], tied) if self.config.tie_embeddings
+                       else (self.lm_head.kernel[...], dense))
+    if self.config.final_softcap is not None:
+      project = softcapped(project, self.config.final_softcap)
+    return weight, project
 
   def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
     weight, project = self.head()

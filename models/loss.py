@@ -136,6 +136,17 @@ def dense(x: jax.Array, kernel_DxV: jax.Array) -> jax.Array:
   return jnp.dot(x.astype(dtype), kernel_DxV.astype(dtype))
 
 
+@functools.cache
+def softcapped(project: Callable[[jax.Array, jax.Array], jax.Array], cap: float
+               ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """`project` with its logits soft-capped, cap * tanh(logits / cap), in their dtype (Gemma 2's
+  final_logit_softcapping); one function per (project, cap), so a step traces it once."""
+  def capped(x: jax.Array, weight: jax.Array) -> jax.Array:
+    logits = project(x, weight)
+    return (jnp.tanh(logits / cap) * cap).astype(logits.dtype)
+  return capped
+
+
 def lm_loss(model, batch: dict[str, jax.Array], chunk: int | None = None) -> jax.Array:
   """Mean next-token cross entropy of `batch["inputs"]` against `batch["targets"]`.
 

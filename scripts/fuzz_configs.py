@@ -9,7 +9,7 @@ optimizer, all-or-nothing steps on NVMe and in RAM, prefetch depths, tiles, micr
 the layer scan's residual policy, which params train (all; the blocks alone; all but the
 layer norms), clipping (never, always) and the mesh size. It trains a
 tiny GPT (or, with --model llama, a tiny Llama of drawn kv heads, tied or separate output
-projection, q/k/v biases, sliding window, and the features of Qwen3, OLMo 2, Gemma and Gemma 3)
+projection, q/k/v biases, sliding window, and the features of Qwen3, OLMo 2 and Gemma 1 to 3)
 in fp32 on random tokens with that config and
 with optax's AdamW (clipping chained in front) on one device, and compares every step's loss
 and the final fp32 params, to fp32's tolerance, or where larger to twice the farthest the
@@ -131,8 +131,8 @@ def draw_model(rng, args) -> dict:
   output projection, q/k/v biases, a sliding window (Mistral's) or none, Qwen3's
   query/key norms (or OLMo 2's, over the whole projections) or none, norms before or (OLMo
   2's) after attention and the MLP, and Gemma's features or not (the MLP's gate, norms scaling
-  by 1 + weight, the embedding scaled by sqrt(hidden)), and Gemma 3's (norms before and after,
-  sliding and global layers in turn, a local rope, the logits' scale)."""
+  by 1 + weight, the embedding scaled by sqrt(hidden)), and Gemma 2's and 3's (norms before and
+  after, sliding and global layers in turn, a local rope, the logits' scale, soft caps)."""
   shape = dict(num_layers=args.layers, vocab_size=65, lora_rank=2 if args.lora else 0)
   if args.model == "llama":
     pick = lambda *xs: xs[int(rng.integers(len(xs)))]
@@ -148,6 +148,7 @@ def draw_model(rng, args) -> dict:
     shape.update(sandwich_norm=sandwich and not shape["post_norm"],
                  layer_types=kinds if alternate and shape["sliding_window"] else None,
                  local_rope_theta=pick(None, 100.0), query_pre_attn_scalar=pick(None, 24))
+    shape.update(attn_softcap=pick(None, 2.0), final_softcap=pick(None, 3.0))  # Gemma 2's
   return shape
 
 

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fuzz_configs import draw_split, trial_parser  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-PRETRAINED = ("gemma", "gemma3", "gemma3mm", "gpt2", "llama", "llama3", "mistral", "olmo2",
-              "phi3", "qwen2", "qwen3", "yarn")
+PRETRAINED = ("gemma", "gemma2", "gemma3", "gemma3mm", "gpt2", "llama", "llama3", "mistral",
+              "olmo2", "phi3", "qwen2", "qwen3", "yarn")
 STEPS, LOSS_RTOL = 4, 1e-5  # fp32 sums of 8 shards in another grouping: rounding only
 # --params: any one element to 1e-4 and a tensor's mean error to 1e-5. Adam's sign of a
 # near-zero grad may flip in another summation order (see _fuzz_reference.FP32): Qwen2's key

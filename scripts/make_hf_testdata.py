@@ -21,6 +21,9 @@ every weight perturbed so a wrong transpose, name or norm shows in the logits:
           projections RMS-normed
   gemma   Gemma, GeGLU (gelu's tanh approximation), norms scaling by 1 + weight, the
           embedding scaled by sqrt(hidden), tied embeddings, head_dim 16 (not hidden / heads)
+  gemma2  Gemma 2: Gemma's and besides norms before and after attention and the MLP, sliding
+          (window 5 < 12 tokens) and global layers in turn, logits scaled by 24 ** -0.5,
+          attention logits soft-capped at 2 and output logits at 3 (small, so the caps matter)
   gemma3  Gemma 3 (text): Gemma's and besides norms before and after attention and the MLP,
           each head's queries and keys normed, 3 layers (sliding, global, sliding: a window of
           5 < 12 tokens, the local rope's base 1e4 unscaled, the global's 1e6 with a linear
@@ -87,6 +90,11 @@ def models():
                                                    hidden_act="gelu_pytorch_tanh", pad_token_id=0,
                                                    eos_token_id=1, bos_token_id=2,
                                                    tie_word_embeddings=True), None),
+      "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config(
+          **{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16,
+          hidden_activation="gelu_pytorch_tanh", sliding_window=5, query_pre_attn_scalar=24,
+          attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0,
+          eos_token_id=1, bos_token_id=2, tie_word_embeddings=True), None),
       "gemma3": (T.Gemma3ForCausalLM, T.Gemma3TextConfig(
           **{**common, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=16,
           hidden_activation="gelu_pytorch_tanh", sliding_window=5, query_pre_attn_scalar=24,

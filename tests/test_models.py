@@ -227,14 +227,15 @@ def dot_operands(jaxpr) -> list[tuple]:
   return found
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "gemma", "gemma3"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "gemma", "gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_matrix_products_run_in_the_params_dtype(model, dtype):
   """With its params cast to bf16 (as zinfjax hands them to the model under mixed precision),
   every matrix product of forward and backward takes bf16 operands, the blocks' and the loss's,
   and the logits come out in fp32; in fp32 everything stays fp32. (`nnx.Embed` alone would
   promote the first activation to fp32, and so would Gemma's embedding scale or its norms if
-  they kept fp32; Gemma 3's layers choose their attention in a `lax.cond`.) The one exception
+  they kept fp32, or Gemma 2's soft caps; Gemma 3's layers choose their attention in a
+  `lax.cond`.) The one exception
   is the explicit attention's backward (the CPU's and cuDNN's fallback): its fp32 logits'
   gradient, [.., T, .., T, ..], meets bf16 q or k."""
   from zinfjax.models import Llama, LlamaConfig, lm_loss
@@ -245,9 +246,12 @@ def test_matrix_products_run_in_the_params_dtype(model, dtype):
     gemma = dict(activation="gelu_tanh", norm_offset=True, embed_scale=True, tie_embeddings=True)
     gemma3 = dict(gemma, sandwich_norm=True, qk_norm=True, sliding_window=4,
                   layer_types=("sliding", "full"), local_rope_theta=100.0, query_pre_attn_scalar=6)
+    gemma2 = dict(gemma, sandwich_norm=True, sliding_window=4, layer_types=("sliding", "full"),
+                  query_pre_attn_scalar=6, attn_softcap=2.0, final_softcap=3.0)
     net = Llama(LlamaConfig(vocab_size=97, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2,
                             intermediate=64, seq_len=16,
-                            **{"gemma": gemma, "gemma3": gemma3}.get(model, {})), rngs=rngs)
+                            **{"gemma": gemma, "gemma2": gemma2, "gemma3": gemma3}.get(model, {})),
+                rngs=rngs)
   graph, params = nnx.split(net)
   params = jax.tree.map(lambda a: a.astype(dtype), params)
   # 12 tokens: no other dim of these models is 12, so [.., T, .., T, ..] names attention logits

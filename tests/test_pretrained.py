@@ -84,14 +84,16 @@ def test_bad_weights_are_refused_before_anything_is_written(mesh, tmp_path):
 
 # ------------------------------------------------------------------ Hugging Face
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3",
-                                    "yarn", "phi3", "olmo2", "gemma", "gemma3", "gemma3mm"])
+                                    "yarn", "phi3", "olmo2", "gemma", "gemma2", "gemma3",
+                                    "gemma3mm"])
 def test_logits_equal_transformers(family):
   """Our model on the checkpoint's weights gives `transformers`' logits (fp32, abs 1e-5); the
   Mistral one's sliding window (5) is shorter than its 12 tokens; the Llama 3.1 one's rope
   scaling moves its logits by 0.1 (the same model unscaled is that far off); the Qwen3 one
   norms each head's queries and keys, and the YaRN one scales its rope; the Phi-3 one fuses q, k
   and v, and gate and up; the OLMo 2 one norms after attention and the MLP; the Gemma one gates
-  with gelu, scales its norms by 1 + weight and its embedding by sqrt(hidden); the Gemma 3 one's
+  with gelu, scales its norms by 1 + weight and its embedding by sqrt(hidden); the Gemma 2 one
+  soft-caps its attention and output logits (at 2 and 3, where the caps matter); the Gemma 3 one's
   sliding (5 < 12 tokens) and global layers alternate, each with its rope, and it norms before and
   after attention and the MLP; the multimodal Gemma 3's text model gives its logits of text. The
   config counts the checkpoint's (text model's) params exactly."""
@@ -117,7 +119,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
     return back.replace(head_dim=None) if getattr(config, "head_dim", 0) is None else back
 
   for family in ("llama", "qwen2", "gpt2", "mistral", "llama3", "qwen3", "yarn", "phi3",
-                 "olmo2", "gemma", "gemma3", "gemma3mm"):
+                 "olmo2", "gemma", "gemma2", "gemma3", "gemma3mm"):
     base = hf.read_config(os.path.join(HF, family))
     config = hf.config_from_hf(base)
     assert again(config, base) == config, family
@@ -143,8 +145,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
                           ({"use_bidirectional_attention": True}, "causal attention only"),
-                          ({"model_type": "gemma2"}, "model_type 'gemma2' is not supported \\("
-                                                     "its attention logits are soft-capped"),
+                          ({"model_type": "gemma3n"}, "model_type 'gemma3n' is not supported"),
                           ({"model_type": "gemma5"}, "model_type 'gemma5' is not supported; "),
                           ({"quantization_config": {"quant_method": "fp8"}},
                            "quantized \\(fp8\\): zinfjax trains float weights")]:
@@ -212,15 +213,25 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
       ("sliding", "full") * 2, 5e5, 2e4, rope.RopeScaling("linear", 8.0))
   assert hf.config_from_hf(hf.config_to_hf(given)) == given
   assert hf.family(gemma3) == "Gemma 3"
-  for change, problem in [({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
-                          ({"layer_types": ["chunked_attention"] * 3}, "chunked_attention"),
+  # Gemma 2: transformers' soft caps (30 and 50) where config.json names none, none where it
+  # gives null; every other layer global where it gives no layer_types
+  gemma2 = {k: v for k, v in hf.read_config(os.path.join(HF, "gemma2")).items()
+            if k not in ("final_logit_softcapping", "attn_logit_softcapping", "layer_types")}
+  given = hf.config_from_hf(gemma2)
+  assert (given.final_softcap, given.attn_softcap, given.layer_types) == (
+      30.0, 50.0, ("sliding", "full", "sliding"))
+  given = hf.config_from_hf({**gemma2, "final_logit_softcapping": None})
+  assert given.final_softcap is None and hf.config_from_hf(hf.config_to_hf(given)) == given
+  for change, problem in [({"layer_types": ["chunked_attention"] * 3}, "chunked_attention"),
                           ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}},
                            "sliding layers' rope of type 'yarn'")]:
     with pytest.raises(ValueError, match=problem):
       hf.config_from_hf({**gemma3, **change})
   mistral = hf.config_from_hf(hf.read_config(os.path.join(HF, "mistral")))
-  with pytest.raises(ValueError, match="Gemma 3's alone gives its layers' kinds"):
+  with pytest.raises(ValueError, match="Gemma 2's and 3's alone give their layers' kinds"):
     hf.config_to_hf(mistral.replace(layer_types=("sliding", "full")))
+  with pytest.raises(ValueError, match="Gemma 3's alone a local rope"):
+    hf.config_to_hf(given.replace(local_rope_theta=1e4))   # a Gemma 2: one rope
   wrong = hf.config_from_hf({**phi3, "num_key_value_heads": 4})
   with pytest.raises(ValueError, match="qkv_proj.weight' .* has 64 rows where config.json's "
                                        "heads and sizes make 96"):
@@ -231,7 +242,7 @@ def test_hf_configs_round_trip_and_what_we_cannot_run_is_refused():
                                               ("gpt2", "split"), ("llama", "pipeline"),
                                               ("qwen3", "pipeline"), ("phi3", "split"),
                                               ("olmo2", "nvme"), ("gemma", "pinned"),
-                                              ("gemma3", "split")],
+                                              ("gemma2", "pipeline"), ("gemma3", "split")],
                          indirect=["placement"])
 def test_checkpoint_streams_into_zero3(family, placement, mesh):
   """Each checkpoint streamed (memory-mapped safetensors, one shard at a time) into a placement:
@@ -251,7 +262,7 @@ def test_checkpoint_streams_into_zero3(family, placement, mesh):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "phi3", "olmo2", "gemma",
-                                    "gemma3"])
+                                    "gemma2", "gemma3"])
 def test_export_round_trip(family, mesh, tmp_path):
   """`hf.save` from a training state (NVMe included) writes the checkpoint's names, shapes and
   values back: reading it again is bit-exact, sharded with an index as well."""
@@ -363,7 +374,7 @@ def test_export_carries_the_tokenizer_and_generation_files(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "yarn", "phi3", "olmo2", "gemma",
-                                    "gemma3", "gemma3mm"])
+                                    "gemma2", "gemma3", "gemma3mm"])
 def test_export_loads_in_transformers(family, mesh, tmp_path):
   """A fine-tuned export loads with `from_pretrained` and gives our logits (needs transformers)."""
   torch = pytest.importorskip("torch")
