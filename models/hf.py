@@ -171,8 +171,7 @@ def load_weights(path: str, config: GPTConfig | LlamaConfig) -> dict:
       tensors = [Transposed(t) for t in tensors]
     flat[rule.path] = Stacked(tensors) if "{i}" in rule.name else tensors[0]
   tied = getattr(config, "tie_embeddings", True)
-  head, tower = TEXT_PREFIXES[text_prefix(stored)] if isinstance(config, LlamaConfig) else (
-      "lm_head.weight", "")
+  head, tower = TEXT_PREFIXES[text_prefix(stored)]   # GPT-2's: "model."'s, lm_head and all
   extra = [n for n in ckpt if n not in used and not IGNORED.search(n)
            and not (tied and n == head) and n.startswith(tower)]
   if extra:

@@ -44,6 +44,9 @@ LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}  # conf
 # gelu_pytorch_tanh are both the tanh approximation); back, the first of each
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_new": "gelu_tanh"}
+HF_ACTIVATIONS = {ours: theirs for theirs, ours in reversed(ACTIVATIONS.items())}
+# the families whose q, k, v and o projections have no bias (config.json's attention_bias)
+UNBIASED = ("llama", "qwen3", "olmo2", "gemma", GEMMA2, GEMMA3)
 # what sets a family's blocks apart (LlamaConfig's qk_norm and its span, qkv_bias, post_norm,
 # norm_offset, embed_scale): the one family that holds a model of each; the others, none of them
 FEATURES = {"qwen3": dict(qk_norm=True, qk_norm_span="head"), "qwen2": dict(qkv_bias=True),
@@ -99,7 +102,7 @@ def config_from_hf(hf: dict[str, Any], remat: bool = True) -> GPTConfig | LlamaC
                        "only).")
     if kind == "llama" and hf.get("mlp_bias"):
       raise ValueError("mlp_bias=true is not supported.")
-    if kind in ("llama", "qwen3", "olmo2", "gemma", GEMMA3) and hf.get("attention_bias"):
+    if kind in UNBIASED and hf.get("attention_bias"):
       raise ValueError("attention_bias=true (biases on the q, k, v and o projections) is not "
                        "supported (Qwen2's q, k and v biases are).")
     heads = hf["num_attention_heads"]
@@ -241,9 +244,8 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
                num_key_value_heads=c.num_kv_heads, head_dim=c.dim, rope_theta=c.rope_theta,
                rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
                max_position_embeddings=c.seq_len)
-    act = {v: k for k, v in reversed(ACTIVATIONS.items())}[c.activation]
-    out["hidden_activation" if kind in LAYERED else "hidden_act"] = act
-    if kind in ("llama", "qwen3", "olmo2", "gemma", GEMMA2, GEMMA3):
+    out["hidden_activation" if kind in LAYERED else "hidden_act"] = HF_ACTIVATIONS[c.activation]
+    if kind in UNBIASED:
       out["attention_bias"] = False
     if kind in WINDOWED:
       out["sliding_window"] = c.sliding_window
@@ -252,9 +254,8 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
     if kind == GEMMA3:
       out.update(_gemma3_ropes(c))
     elif c.rope_scaling is not None or base is None:  # the rope of `c`, in both of HF's forms
-      rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
-      out["rope_scaling"] = rope_hf if c.rope_scaling else None
-      out["rope_parameters"] = {**rope_hf, "rope_theta": c.rope_theta}
+      out["rope_scaling"] = _rope_hf(c, theta=False) if c.rope_scaling else None
+      out["rope_parameters"] = _rope_hf(c)
   else:
     out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=c.vocab_size,
                n_positions=c.seq_len, n_layer=c.num_layers, n_head=c.num_heads, n_embd=c.hidden,
@@ -264,24 +265,32 @@ def config_to_hf(c: GPTConfig | LlamaConfig, base: dict[str, Any] | None = None)
 
 def _layered_to_hf(c: LlamaConfig) -> dict[str, Any]:
   """Gemma 2's and 3's config.json fields for `c`: its layers' kinds, logits' scale, caps."""
-  types = c.layer_types or (("sliding" if c.sliding_window else "full"),) * c.num_layers
   names = {ours: theirs for theirs, ours in LAYER_TYPES.items()}
-  return dict(layer_types=[names[t] for t in types],
+  return dict(layer_types=[names[t] for t in _kinds(c)],
               query_pre_attn_scalar=c.query_pre_attn_scalar or c.dim,
               final_logit_softcapping=c.final_softcap, attn_logit_softcapping=c.attn_softcap)
 
 
 def _gemma3_ropes(c: LlamaConfig) -> dict[str, Any]:
   """Gemma 3's config.json ropes for `c`: its global layers' and its sliding layers'."""
-  if (c.local_rope_theta is None and c.rope_scaling is not None
-      and "sliding" in (c.layer_types or ("sliding" if c.sliding_window else "full",))):
+  if c.local_rope_theta is None and c.rope_scaling is not None and "sliding" in _kinds(c):
     raise ValueError("Gemma 3's sliding layers take an unscaled rope: this model scales its "
                      "sliding layers' rope too; give local_rope_theta.")
-  full = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {}),
-          "rope_theta": c.rope_theta}
   local = {"rope_type": "default", "rope_theta": c.local_rope_theta or c.rope_theta}
   return dict(rope_scaling=None,
-              rope_parameters={"full_attention": full, "sliding_attention": local})
+              rope_parameters={"full_attention": _rope_hf(c), "sliding_attention": local})
+
+
+def _kinds(c: LlamaConfig) -> tuple[str, ...]:
+  """Each layer's attention, "full" or "sliding" (every layer's window where none are given)."""
+  return c.layer_types or (("sliding" if c.sliding_window else "full"),) * c.num_layers
+
+
+def _rope_hf(c: LlamaConfig, theta: bool = True) -> dict[str, Any]:
+  """The rope of `c` (its global layers') as HF's `rope_parameters`: type, scaling and (with
+  `theta`) rope_theta; without it, as `rope_scaling`."""
+  rope_hf = {"rope_type": "default", **(c.rope_scaling.to_hf() if c.rope_scaling else {})}
+  return {**rope_hf, "rope_theta": c.rope_theta} if theta else rope_hf
 
 def family(hf: dict[str, Any]) -> str:
   """The model family a config.json names, as people write it ("Qwen3", "GPT-2")."""

@@ -229,6 +229,15 @@ class _Fetcher:
       self.src.wait(ticket, self._layer(layer), self.rank)
 
 
+def indexed(plan: ScanPlan, body: Callable) -> Callable:
+  """A scan body over this plan's layers that traces each layer's block inside `at_layer`: the
+  block's `layer_index()` is its index in the whole stack (`first_layer` on)."""
+  def run(carry, i):
+    with at_layer(plan.first_layer + i):
+      return body(carry, i)
+  return run
+
+
 def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
   """The scan over the layers: (output, each layer's input, each layer's kept residuals or
   None). With `keep`, the residuals are kept where the plan's policy says."""
@@ -237,10 +246,6 @@ def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
   d = R.Layer.of(plan, args)
 
   def body(carry, i):
-    with at_layer(plan.first_layer + i):  # the block's layer_index()
-      return run_layer(carry, i)
-
-  def run_layer(carry, i):
     h, state = carry
     full, state = fetcher.next(state, i)
     if keep and plan.can_save_residuals:
@@ -253,7 +258,8 @@ def _forward(plan: ScanPlan, shards, x, args, keep: bool = False):
     y = micro.apply(lambda x, a: plan.apply(full, x, a), plan.micro_batches, h, args)
     return (y, state), (plan.save_activation(h), None)
 
-  (y, state), (inputs, kept) = lax.scan(body, (x, fetcher.prologue()), jnp.arange(plan.num_layers))
+  (y, state), (inputs, kept) = lax.scan(indexed(plan, body), (x, fetcher.prologue()),
+                                        jnp.arange(plan.num_layers))
   fetcher.drain(state)
   return y, inputs, kept
 
@@ -288,10 +294,6 @@ def _layer_scan_bwd(plan, residuals, g_y):
   src, rank = plan.source, tiers.rank(plan.axis_name)
 
   def body(carry, i):
-    with at_layer(plan.first_layer + i):  # the block's layer_index()
-      return run_layer(carry, i)
-
-  def run_layer(carry, i):
     g, state, sums, g_args = carry
     full, state = fetcher.next(state, i)
     full = jax.tree.leaves(full)
@@ -313,7 +315,8 @@ def _layer_scan_bwd(plan, residuals, g_y):
   sums = [jnp.zeros((2,), jnp.float32) for _ in trained]
   zeros = [jnp.zeros_like(arg_leaves[k]) for k in diff]
   (g_x, state, sums, g_args), g_trained = lax.scan(
-      body, (g_y, fetcher.prologue(), sums, zeros), jnp.arange(plan.num_layers), reverse=True)
+      indexed(plan, body), (g_y, fetcher.prologue(), sums, zeros), jnp.arange(plan.num_layers),
+      reverse=True)
   fetcher.drain(state)
   anchors = jax.tree.leaves(shards)
   g_shards = [None] * len(layouts)
