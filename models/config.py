@@ -1,4 +1,5 @@
-"""`GPTConfig` and the named presets (GPT-2 sizes and the ZeRO-Infinity paper's models).
+"""`GPTConfig`, the named presets (GPT-2 sizes and the ZeRO-Infinity paper's models) and the
+standard count of a training step's FLOPs (the MFU numerator).
 
 Plain Python (no jax or flax): the torch peer (`scripts/peer_deepspeed.py`) loads it alone.
 """
@@ -6,12 +7,36 @@ Plain Python (no jax or flax): the torch peer (`scripts/peer_deepspeed.py`) load
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 
 def check_lora_rank(owner: str, rank: int) -> None:
   """A LoRA rank is an int >= 0 (0: no adapters)."""
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
     raise ValueError(f"{owner}.lora_rank must be an int >= 0 (0: no adapters), got {rank!r}.")
+
+
+def attention_flops(tokens: int, seq_len: int, width: int, windows: Sequence[int | None]) -> int:
+  """Causal attention's FLOPs over `tokens` tokens in sequences of `seq_len`, one layer per entry
+  of `windows` (None: full attention): q·k and p·v, 2 FLOPs per multiply-add, forward and
+  backward, so 12 · T · keys · width per layer, `width` being the queries' (heads x head dim).
+
+  `keys` is the keys a query sees on average: s/2 when full (the standard 12·L·T·s·d / 2); with
+  a window of w < s keys, w - w²/(2s) (the first w queries ramp up as in the full case, the
+  rest see w).
+  """
+  # 12 · T · (w - w²/2s) · width = 6 · T · width · (2sw - w²) / s, in ints: exact when full
+  seen = [seq_len if w is None else min(w, seq_len) for w in windows]
+  return sum(6 * tokens * width * (2 * seq_len * w - w * w) // seq_len for w in seen)
+
+
+def train_flops(matmul_params: int, tokens: int, seq_len: int, width: int,
+                windows: Sequence[int | None], frozen: bool = False) -> int:
+  """6 · `matmul_params` · T plus the causal attention of `attention_flops`; 4 · N · T when the
+  params are `frozen` (LoRA's base weights: backward carries grads through them to the
+  activations, but takes none for them; the adapters' few FLOPs are left out)."""
+  return (4 if frozen else 6) * matmul_params * tokens + attention_flops(tokens, seq_len, width,
+                                                                         windows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +80,12 @@ class GPTConfig:
     block = (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 4 * d
     return v * d + t * d + l * block + 2 * d
 
-  def train_flops(self, tokens: int) -> int:
-    """FLOPs of one training step over `tokens` tokens, counted the standard way: 6·N·T for
-    the products with params (forward 2, backward 4 per param and token) plus causal
-    attention's 12·L·T·s·d / 2 (q·k and p·v, forward and backward, half the positions)."""
-    attention = 12 * self.num_layers * tokens * self.seq_len * self.hidden // 2
-    return 6 * self.num_params * tokens + attention
+  def train_flops(self, tokens: int, seq_len: int | None = None, frozen: bool = False) -> int:
+    """FLOPs of one training step over `tokens` tokens in sequences of `seq_len` (default the
+    config's), counted the standard way (`train_flops`): 6·N·T plus causal attention's
+    12·L·T·s·d / 2 (4·N·T with `frozen` params: LoRA's)."""
+    s = self.seq_len if seq_len is None else seq_len
+    return train_flops(self.num_params, tokens, s, self.hidden, [None] * self.num_layers, frozen)
 
   def replace(self, **changes) -> "GPTConfig":
     return dataclasses.replace(self, **changes)

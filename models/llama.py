@@ -25,7 +25,7 @@ from flax import nnx
 
 from zinfjax.layers import Stack, layer_index
 from .attention import causal_attention
-from .config import check_lora_rank
+from .config import check_lora_rank, train_flops
 from .embedding import lookup
 from .linear import linears
 from .loss import dense, softcapped, tied
@@ -148,6 +148,18 @@ class LlamaConfig:
     block += 2 * d if self.sandwich_norm else 0
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_layers * block + d + head
+
+  def train_flops(self, tokens: int, seq_len: int | None = None, frozen: bool = False) -> int:
+    """FLOPs of one training step over `tokens` tokens in sequences of `seq_len` (default the
+    config's), the standard count (`config.train_flops`): 6·N·T, N the params that multiply
+    each token (all but an untied embedding table, a lookup), plus causal attention over the
+    queries' width, each sliding layer over its window (4·N·T with `frozen` params: LoRA's)."""
+    table = 0 if self.tie_embeddings else self.vocab_size * self.hidden
+    kinds = self.layer_types or ("sliding",) * self.num_layers
+    windows = [self.sliding_window if kind == "sliding" else None for kind in kinds]
+    s = self.seq_len if seq_len is None else seq_len
+    return train_flops(self.num_params - table, tokens, s, self.num_heads * self.dim, windows,
+                       frozen)
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)

@@ -140,6 +140,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                  help="write one JSON object per step here (a resumed run keeps the records up "
                       "to the step it resumes from)")
   p.add_argument("--log-every", type=int, default=10)
+  p.add_argument("--peak-tflops", type=float, default=None,
+                 help="a device's bf16 matmul peak, for the MFU the progress line shows (default: "
+                      "the datasheet's of a known GPU; none on a CPU)")
   return p.parse_args(argv)
 
 
@@ -152,6 +155,9 @@ def check_args(args) -> None:
       flag = "--" + name.replace("_", "-")
       raise SystemExit(f"error: {flag} {value}: give a positive number"
                        + (" (leave it out to use every device)" if name == "devices" else "") + ".")
+  if getattr(args, "peak_tflops", None) is not None and not args.peak_tflops > 0:
+    raise SystemExit(f"error: --peak-tflops {args.peak_tflops}: give the device's bf16 TFLOP/s, "
+                     "above 0 (leave it out for the datasheet's of a known GPU).")
   for name in ("save_every", "eval_every"):
     if getattr(args, name) < 0:
       flag = "--" + name.replace("_", "-")
@@ -261,3 +267,12 @@ def lr_schedule(args):
                                               decay_steps=max(total, warmup + 1),
                                               end_value=args.lr / 10)
   return optax.cosine_decay_schedule(args.lr, decay_steps=max(total, 1), alpha=0.1)
+
+
+def model_flops(args, config, seq_len: int, mesh) -> dict:
+  """`Progress`'s FLOP count of a step: the model's standard count (4·N·T for LoRA's frozen
+  weights) per device of `mesh`, and their bf16 peak (--peak-tflops, or their datasheet's)."""
+  from zinfjax.datasheet import bf16_tflops
+  flops = config.train_flops(args.batch_size * seq_len, seq_len, frozen=bool(args.lora_rank))
+  return {"flops_per_device": flops / mesh.devices.size,
+          "peak_tflops": args.peak_tflops or bf16_tflops(mesh.devices.flat[0].device_kind)}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _train_args import (check_args, check_metrics_file, check_no_resave, lr_schedule,  # noqa: E402
-                         parse_args)
+                         model_flops, parse_args)
 
 if TYPE_CHECKING:
   from zinfjax.progress import HostMemoryWatch
@@ -311,6 +311,7 @@ def train(args: argparse.Namespace, say: Callable[..., None], main_process: bool
   data = TokenDataset(tokens, seq_len, args.batch_size, seed=args.seed, step=start)
   progress = Progress(args.steps, metrics_jsonl=args.metrics_jsonl if main_process else None,
                       log_every=args.log_every, resumed_at=start,
+                      **model_flops(args, config, seq_len, mesh),
                       stream=sys.stdout if main_process else open(os.devnull, "w"))
   tokens_per_step = args.batch_size * seq_len
   first_loss = last_loss = None

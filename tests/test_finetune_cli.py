@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from helpers import DATA, REPO, script_env
 
@@ -81,13 +82,21 @@ def test_finetune_lora_exports_merged_weights(tmp_path):
   tokens = np.frombuffer(open(DATA, "rb").read()[:40000], np.uint8).astype(np.uint16) % 128
   data = tmp_path / "tokens.bin"
   tokens.tofile(data)
+  metrics = tmp_path / "m.jsonl"
   common = ["--init-from", LLAMA, "--data", str(data), "--devices", "2", "--batch-size", "4",
             "--seq-len", "32", "--lr", "1e-2", "--precision", "fp32", "--checkpoint-dir",
             str(tmp_path / "ckpt")]
   out = _run(common + ["--steps", "4", "--lora-rank", "2", "--offload-param", "nvme",
                        "--offload-optimizer", "pinned_host", "--nvme-path", str(tmp_path / "swap"),
-                       "--export", str(tmp_path / "out")]).stdout
+                       "--export", str(tmp_path / "out"), "--metrics-jsonl", str(metrics)]).stdout
   assert "training LoRA adapters of rank 2 only" in out and "exported" in out
+  from zinfjax.models import hf
+  config = hf.load(LLAMA)[0]  # the frozen weights take no grads: 4·N·T, not 6
+  frozen, full = config.train_flops(4 * 32, 32, frozen=True), config.train_flops(4 * 32, 32)
+  records = [json.loads(l) for l in metrics.read_text().splitlines()]
+  assert len(records) == 4 and frozen < full
+  for r in records:
+    assert r["tflops_per_device"] * r["step_time_s"] * 1e12 * 2 == pytest.approx(frozen)
   done = _run(common + ["--steps", "5", "--resume"], ok=False)   # without its adapters
   assert done.returncode != 0 and "Traceback" not in done.stderr
   assert "trained with another model (lora_rank 2 there, 0 here)" in done.stderr

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from helpers import REPO, SCRIPTS, script_env, run_script as run
 
@@ -30,6 +31,13 @@ def test_train_gpt_writes_metrics_and_learns(tmp_path):
   assert all(0 < r["least_ram_available"] < ram for r in records)
   assert "RAM free at least" in stdout
   assert records[-1]["loss"] < records[0]["loss"] - 0.5
+  # the model's standard FLOP count per device and second; no MFU without a known peak (a CPU)
+  from zinfjax.models import get_config
+  flops = get_config("tiny", seq_len=32).train_flops(8 * 32) / 4
+  for r in records:
+    assert r["tflops_per_device"] == pytest.approx(flops / r["step_time_s"] / 1e12, rel=1e-9)
+    assert "mfu" not in r
+  assert "TFLOP/s per device" in stdout and "MFU" not in stdout
 
 
 def test_host_memory_watch_tells_when_ram_runs_low():
@@ -310,6 +318,26 @@ def test_a_row_in_a_child_of_a_large_process_reports_its_own_peak_rss():
   own, carried = map(int, done.stdout.split())
   assert carried >= held.nbytes  # the parent's peak, as ru_maxrss tells it
   assert 0 < own < held.nbytes // 2
+
+
+def test_the_progress_line_shows_tflops_and_mfu_of_a_known_peak(tmp_path):
+  """The model FLOPs of a step per device over its time, as TFLOP/s and, given the device's
+  peak (a GPU's datasheet, or --peak-tflops), as MFU, on the line and in the metrics file."""
+  import io
+  from zinfjax.datasheet import bf16_tflops
+  from zinfjax.progress import Progress
+  out, metrics = io.StringIO(), str(tmp_path / "m.jsonl")
+  progress = Progress(1, stream=out, flops_per_device=2.0e14, peak_tflops=bf16_tflops(
+      "NVIDIA H100 80GB HBM3"), metrics_jsonl=metrics)
+  progress.update(1, {"loss": 1.0, "step_time_s": 0.5, "tokens_per_s": 10.0})
+  progress.close()
+  assert "| 400 TFLOP/s per device, MFU 40.4% (of 989)\n" in out.getvalue(), out.getvalue()
+  record = json.loads(open(metrics).read())
+  assert record["tflops_per_device"] == 400.0 and record["mfu"] == pytest.approx(400 / 989)
+  kinds = {"NVIDIA H100 PCIe": 756.0, "NVIDIA H200": 989.0, "NVIDIA GH200 480GB": 989.0,
+           "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L40": 181.0,
+           "NVIDIA L4": 121.0, "cpu": None, "TFRT_CPU_0": None}
+  assert {kind: bf16_tflops(kind) for kind in kinds} == kinds
 
 
 def test_the_progress_line_names_the_drive_only_where_it_moved_bytes():

@@ -209,16 +209,24 @@ class Progress:
   """Shows loss, tokens/s, step time and bytes per tier; writes one JSON object per step."""
 
   def __init__(self, total: int, *, metrics_jsonl: str | None = None, log_every: int = 1,
-               stream: IO[str] = sys.stdout, width: int = 24, resumed_at: int = 0):
+               stream: IO[str] = sys.stdout, width: int = 24, resumed_at: int = 0,
+               flops_per_device: float | None = None, peak_tflops: float | None = None):
     """`resumed_at`: the step a resumed run goes on from; the metrics file keeps its records
-    up to there (a fresh run, 0, starts it empty)."""
+    up to there (a fresh run, 0, starts it empty). `flops_per_device`: the model FLOPs of a step
+    on each device (the standard count, `GPTConfig.train_flops`), shown as TFLOP/s per device,
+    and as MFU, their share of `peak_tflops` (a device's dense bf16 peak), when given."""
     self.total, self.log_every, self.stream, self.width = total, max(1, log_every), stream, width
+    self.flops, self.peak = flops_per_device, peak_tflops
     self.tty = stream.isatty()
     self.jsonl = open_metrics(metrics_jsonl, resumed_at) if metrics_jsonl else None
     self.start = time.perf_counter()
 
   def update(self, step: int, record: dict[str, Any]) -> None:
     """`record` holds at least loss, step_time_s, tokens_per_s; `tiers` maps tier -> bytes."""
+    if self.flops:
+      record = {**record, "tflops_per_device": self.flops / record["step_time_s"] / 1e12}
+      if self.peak:
+        record["mfu"] = record["tflops_per_device"] / self.peak
     if self.jsonl:
       self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
       self.jsonl.flush()
@@ -235,6 +243,10 @@ class Progress:
     line += (f" | "
             f"{record['tokens_per_s']:,.0f} tok/s | {1e3 * record['step_time_s']:.1f} ms/step | "
             f"per device: {tiers}")
+    if "tflops_per_device" in record:
+      line += f" | {record['tflops_per_device']:.3g} TFLOP/s per device"
+      if "mfu" in record:
+        line += f", MFU {record['mfu']:.1%} (of {self.peak:.4g})"
     if "optimizer_s" in record:  # offloaded optimizer: where the step's time went
       line += (f" | fwd/bwd {record['fwd_bwd_s']:.2f} s, optimizer {record['optimizer_s']:.2f} s "
                f"(Adam {record['adam_s']:.2f} s")
