@@ -4,13 +4,17 @@ makes of it, before any device time is spent.
   pip install "jax[cuda13]"   # the CUDA plugin and its libraries: no GPU or driver needed
   python scripts/compile_gpu.py --tokens 16384,65536
   python scripts/compile_gpu.py --target h200 --layer-residuals recompute --json out.json
+  python scripts/compile_gpu.py --init-from HF_FOLDER --layers 4 --seq-len 2048 --tokens 32768
   python scripts/compile_gpu.py --target h200 --layers 42 --hidden 5120 --heads 40 --vocab 65 \
       --tokens 8192 --offload-optimizer device:15,pinned_host --bf16-moments
 
 XLA compiles for a GPU described in text (`--target`: its memory, bandwidth,
 SMs, compute capability) with no device present (jax's deviceless
-`topologies`). For each token count, the step with every state on the device
-(the row `bench_gpu.py` times first, or the optimizer placed by `--offload-optimizer`)
+`topologies`). The model is a GPT of `--layers/--hidden/--heads/--vocab`, or
+with `--init-from` a Hugging Face checkpoint's (its config.json alone: GPT-2
+or the Llama family, Gemma's sliding layers included), `--layers` cutting it.
+For each token count, the step with every state on the device (the row
+`bench_gpu.py` times first, or the optimizer placed by `--offload-optimizer`)
 is compiled, and one table row says:
 
 * residuals: what the layer scan keeps for backward ("save", "dots" or
@@ -70,6 +74,7 @@ device_description_str: "{name}"
 """
 TARGETS = {"h100": dict(name="NVIDIA H100 80GB HBM3", memory=84929347584, bandwidth=3352320000000),
            "h200": dict(name="NVIDIA H200", memory=150754820096, bandwidth=4800000000000)}
+TARGET_CAPABILITY = (9, 0)  # both targets' (`cuda_compute_capability` above)
 ALLOCATOR_FRACTION = 0.75  # of the memory XLA:GPU's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)
 GIB = 1 << 30
 
@@ -77,11 +82,14 @@ GIB = 1 << 30
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--target", default="h100", choices=sorted(TARGETS))
-  p.add_argument("--layers", type=int, default=8)
-  p.add_argument("--hidden", type=int, default=2048)
-  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--init-from", default=None, metavar="HF_FOLDER",
+                 help="a Hugging Face checkpoint's model (GPT-2, the Llama family): its "
+                      "config.json alone, the weights unread (a folder, or the file)")
+  p.add_argument("--layers", type=int, default=None, help="(default: 8, or the checkpoint's)")
+  p.add_argument("--hidden", type=int, default=None, help="the GPT's (default 2048)")
+  p.add_argument("--heads", type=int, default=None, help="the GPT's (default 16)")
   p.add_argument("--seq-len", type=int, default=1024)
-  p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--vocab", type=int, default=None, help="the GPT's (default 32768)")
   p.add_argument("--tokens", default="4096,16384,65536", help="tokens per step, comma-separated")
   p.add_argument("--layer-residuals", default="auto", choices=("recompute", "save", "dots", "auto"))
   p.add_argument("--residual-budget", type=float, default=None,
@@ -95,7 +103,43 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="of the GPU's memory XLA's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION)")
   p.add_argument("--hlo", default=None, help="folder to write each program's optimized HLO to")
   p.add_argument("--json", default=None, help="write the rows to this file too")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  shape = {"hidden": 2048, "heads": 16, "vocab": 32768}
+  given = [f"--{k}" for k in shape if getattr(args, k) is not None]
+  if args.init_from and given:
+    p.error(f"{', '.join(given)}: the checkpoint's config.json gives the model's shape with "
+            "--init-from (--layers and --seq-len may cut it).")
+  for k, v in shape.items():
+    setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+  return args
+
+
+def model_of(args):
+  """(config, model factory, its name in the table) of the GPT or `--init-from`'s model, cut to
+  `--layers` (a layered model keeps its first layers' kinds)."""
+  from zinfjax.models import GPT, get_config, hf
+  if not args.init_from:
+    config = get_config("tiny", num_layers=args.layers or 8, hidden=args.hidden,
+                        num_heads=args.heads, seq_len=args.seq_len, vocab_size=args.vocab)
+    return config, lambda r: GPT(config, rngs=r), f"GPT {config.num_layers} x {config.hidden}"
+  folder = (os.path.dirname(args.init_from) or "." if args.init_from.endswith(".json")
+            else args.init_from)
+  try:
+    config = hf.config_from_hf(hf.read_config(folder))
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"compile_gpu: --init-from {args.init_from}: {e}") from None
+  if args.layers:
+    kinds = getattr(config, "layer_types", None)
+    try:
+      config = config.replace(num_layers=args.layers, **(
+          {"layer_types": kinds[:args.layers]} if kinds else {}))
+    except ValueError as e:  # more layers than a layered checkpoint names the kinds of
+      raise SystemExit(f"compile_gpu: --layers {args.layers}: {e}") from None
+  if args.seq_len > config.seq_len:
+    raise SystemExit(f"compile_gpu: --seq-len {args.seq_len} is longer than the model's "
+                     f"{config.seq_len}.")
+  name = f"{hf.family(hf.read_config(folder))} {config.num_layers} x {config.hidden}"
+  return config, hf.factory(config), name
 
 
 def gpu_mesh(target: str):
@@ -110,6 +154,18 @@ def gpu_mesh(target: str):
                      f"{str(e).splitlines()[0][:160]}). Install jax's CUDA plugin, which needs "
                      "no GPU: pip install \"jax[cuda13]\"") from None
   return topologies.make_mesh(topology, (1,), ("data",)), jax
+
+
+def answer_for_the_target(capability: tuple[int, int]) -> None:
+  """jax asks the local GPU's compute capability before some cuDNN attention shapes (head dim
+  256 on Hopper and later); none is present here, so the target's is the answer."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+  except ImportError:  # another jax: its own checks stand
+    return
+  parse = lambda text: tuple(int(x) for x in text.split("."))
+  fused.check_compute_capability = lambda text: capability >= parse(text)
+  fused.is_cuda_compute_capability_equal = lambda text: capability == parse(text)
 
 
 def zero_config(args):
@@ -149,15 +205,14 @@ def compile_step(args, mesh, tokens: int) -> dict:
   import _hlo
   import zinfjax
   from zinfjax import residuals as R
-  from zinfjax.models import GPT, get_config, lm_loss
+  from zinfjax.models import lm_loss
   from zinfjax.tier import Tier
 
-  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                      seq_len=args.seq_len, vocab_size=args.vocab)
+  config, factory, _ = model_of(args)
   target = TARGETS[args.target]
   limit = int(target["memory"] * args.mem_fraction)  # the allocator's limit, as the GPU reports it
   tx = zinfjax.optim.adamw(1e-4, moment_dtype="bfloat16" if args.bf16_moments else "float32")
-  make = lambda zero: zinfjax.abstract_init(lambda r: GPT(config, rngs=r), tx, zero, mesh)
+  make = lambda zero: zinfjax.abstract_init(factory, tx, zero, mesh)
   zero = zero_config(args)
   try:
     budget = (int(args.residual_budget * GIB) if args.residual_budget is not None else
@@ -165,7 +220,7 @@ def compile_step(args, mesh, tokens: int) -> dict:
   except ValueError as e:  # a split the model's layers cannot take
     raise SystemExit(f"compile_gpu: {e}") from None
   state = make(dataclasses.replace(zero, residual_budget=budget))
-  batch = {k: jax.ShapeDtypeStruct((max(1, tokens // config.seq_len), config.seq_len), jnp.int32,
+  batch = {k: jax.ShapeDtypeStruct((max(1, tokens // args.seq_len), args.seq_len), jnp.int32,
                                    sharding=NamedSharding(mesh, P("data")))
            for k in ("inputs", "targets")}
   tried = []  # the scan's residual choice as it traces: (bytes per layer, kept)
@@ -190,7 +245,7 @@ def compile_step(args, mesh, tokens: int) -> dict:
   kept = [n for n, k in tried if k]
   mode = R.saving(args.layer_residuals) if kept else "recompute"
   flops = _hlo.matmul_flops(hlo)
-  model = config.train_flops(batch["inputs"].shape[0] * config.seq_len)
+  model = config.train_flops(batch["inputs"].shape[0] * args.seq_len, args.seq_len)
   attention = Counter()  # cuDNN fused attention calls: backward (True) or forward
   for call, n in _hlo.custom_calls(hlo).items():
     if call.startswith("__cudnn$fmha"):
@@ -210,8 +265,9 @@ def compile_step(args, mesh, tokens: int) -> dict:
 
 
 def table(rows: list[dict], args) -> str:
-  head = (f"GPT {args.layers} x {args.hidden} ({args.heads} heads, seq {args.seq_len}, vocab "
-          f"{args.vocab}), {placed(args)}, compiled for {TARGETS[args.target]['name']} "
+  config, _, name = model_of(args)
+  head = (f"{name} ({config.num_heads} heads, seq {args.seq_len}, vocab "
+          f"{config.vocab_size}), {placed(args)}, compiled for {TARGETS[args.target]['name']} "
           f"(no GPU present), layer_residuals={args.layer_residuals}, attention {args.attention}")
   lines = [head, "", "| tokens | residuals (GiB/layer) | products run TFLOP | model TFLOP | run / model "
            "| written GiB | not bf16 TFLOP | cuDNN fwd / bwd | HBM GiB: arguments + temporaries "
@@ -234,8 +290,10 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
   os.environ["ZINFJAX_ATTENTION"] = args.attention  # the CPU is jax's backend here
-  zero_config(args)  # a misspelt tier is refused before XLA:GPU is asked for
+  zero_config(args)  # a misspelt tier, or a model that cannot be, is refused before XLA:GPU is
+  model_of(args)     # asked for
   mesh, _ = gpu_mesh(args.target)
+  answer_for_the_target(TARGET_CAPABILITY)
   rows = [compile_step(args, mesh, int(t)) for t in args.tokens.split(",")]
   print(table(rows, args), flush=True)
   if args.json:

@@ -156,3 +156,44 @@ def test_compile_gpu_rows_drop_the_optimizer_the_host_pipeline_holds():
   assert placed["run_tflop"] == pytest.approx(whole["run_tflop"], rel=1e-9)
   assert placed["hbm_gib"] < whole["hbm_gib"] and placed["residuals"] == "recompute"
   assert "optimizer device:1,pinned_host, bf16 moments" in compile_gpu.table([placed], args)
+
+
+def test_compile_gpu_takes_a_checkpoints_model_from_its_config():
+  """--init-from reads config.json alone (a folder or the file), --layers keeps the first
+  layers with their kinds: the row's model TFLOP is that model's standard count, and the step
+  runs its products (here without recompute) once plus the explicit form's masked half of
+  attention, less the norms the count rounds in."""
+  import compile_gpu
+  import zinfjax
+  from zinfjax.models import hf
+  from zinfjax.models.config import attention_flops
+
+  folder = os.path.join(REPO, "tests", "data", "hf", "gemma3")
+  args = compile_gpu.parse_args(["--init-from", os.path.join(folder, "config.json"), "--layers",
+                                 "2", "--seq-len", "32", "--layer-residuals", "save",
+                                 "--attention", "explicit"])
+  config, _, name = compile_gpu.model_of(args)
+  assert config.num_layers == 2 and config.layer_types == ("sliding", "full")
+  assert config.sliding_window == 5 and name == f"{hf.family(hf.read_config(folder))} 2 x 32"
+  row = compile_gpu.compile_step(args, zinfjax.make_mesh(1), 128)
+  model = config.train_flops(128, 32)
+  assert row["model_tflop"] * 1e12 == pytest.approx(model, rel=1e-12)
+  norms = 4 * config.hidden + 2 * config.dim  # in, out of attention and MLP; q and k per head
+  masked = attention_flops(128, 32, config.num_heads * config.dim, [None, None])
+  windows = masked - attention_flops(128, 32, config.num_heads * config.dim, [5, None])
+  expected = model + masked + windows - 6 * 128 * (2 * norms + config.hidden)
+  assert row["run_tflop"] * 1e12 == pytest.approx(expected, rel=1e-12)
+  assert name in compile_gpu.table([row], args)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--hidden", "64"], "--hidden: the checkpoint's config.json gives the model's shape"),
+    (["--seq-len", "4096"], "--seq-len 4096 is longer than the model's 64"),
+    (["--layers", "5"], "--layers 5: LlamaConfig.layer_types must give"),
+])
+def test_compile_gpu_refuses_a_model_it_cannot_make_before_asking_for_xla_gpu(flags, says):
+  gemma3 = os.path.join(REPO, "tests", "data", "hf", "gemma3")
+  out = subprocess.run([sys.executable, os.path.join(SCRIPTS, "compile_gpu.py"), "--tokens", "64",
+                        "--init-from", gemma3, *flags], capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0 and says in out.stderr, out.stderr
+  assert "pip install" not in out.stderr and "Traceback" not in out.stderr
