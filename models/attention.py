@@ -2,8 +2,10 @@
 
 On a GPU with bf16/fp16 inputs whose shapes it takes, cuDNN's fused (flash)
 attention through `jax.nn.dot_product_attention(..., is_causal=True)`: no
-`[T, T]` logits in HBM. Elsewhere (the CPU, fp32 runs) the explicit form:
-fp32 logits, a causal mask, softmax. It is kept rather than XLA's
+`[T, T]` logits in HBM. Elsewhere (the CPU, fp32 runs, Gemma 2's capped
+logits) the explicit form: fp32 logits, a causal mask, softmax, taken a block
+of queries at a time on sequences longer than `EXPLICIT_BLOCK` (each against
+the keys it sees alone). It is kept rather than XLA's
 `dot_product_attention` because its programs round the same whatever the
 placement around them, which the exact-resume tests rely on (XLA's fused
 form differed by an ulp between two placements' programs). Grouped-query
@@ -34,6 +36,8 @@ import jax.numpy as jnp
 # head dims cuDNN's fused attention takes (the ones these models use; 256, Gemma's, from Hopper
 # on: an older GPU's refusal is caught by `cudnn_compiles`)
 CUDNN_HEAD_DIMS = (64, 128, 256)
+# queries per block of the explicit form on a longer sequence (`explicit_attention`)
+EXPLICIT_BLOCK = 1024
 
 
 def use_cudnn(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, window: int | None = None) -> bool:
@@ -92,23 +96,54 @@ def causal_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.
 
 def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
                        window: int | None = None, scale_dim: float | None = None,
-                       softcap: float | None = None) -> jax.Array:
-  """The same attention written out: fp32 logits and softmax, a [T, T] causal mask (banded
-  to `window` positions when given)."""
-  b, t, n, h = q_BxTxNxH.shape
-  g = k_BxTxKxH.shape[2]
+                       softcap: float | None = None, block: int | None = None) -> jax.Array:
+  """The same attention written out: fp32 logits and softmax under a causal mask (banded to
+  `window` positions when given).
+
+  A sequence longer than `block` queries (default `EXPLICIT_BLOCK`) is taken a block of queries
+  at a time, each against the keys it can see alone (those before its last query, within the
+  window): no [T, T] logits, about half the causal square's products and the band's alone
+  under a window. Each block is recomputed in backward (`jax.checkpoint`), so one block's
+  logits are live at a time, in the forward and the backward pass.
+  """
+  t = q_BxTxNxH.shape[1]
+  block = EXPLICIT_BLOCK if block is None else block
+  attend = functools.partial(_attend, window=window, scale_dim=scale_dim, softcap=softcap)
+  if t <= block:
+    return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, 0, 0)
+  outs = []
+  for start in range(0, t, block):
+    stop = min(start + block, t)
+    lo = 0 if window is None else max(0, start - window + 1)  # the first key it sees
+    run = jax.checkpoint(functools.partial(attend, first_query=start, first_key=lo))
+    outs.append(run(q_BxTxNxH[:, start:stop], k_BxTxKxH[:, lo:stop], v_BxTxKxH[:, lo:stop]))
+    # the next block reads the keys after this one is done: one block's logits live at a time
+    outs[-1], k_BxTxKxH, v_BxTxKxH = jax.lax.optimization_barrier(
+        (outs[-1], k_BxTxKxH, v_BxTxKxH))
+  return jnp.concatenate(outs, axis=1)
+
+
+def _attend(q_BxQxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, first_query: int,
+            first_key: int, window: int | None, scale_dim: float | None,
+            softcap: float | None) -> jax.Array:
+  """Queries at positions first_query... against keys at first_key...: fp32 logits, the
+  causal (and window's) mask by position, softmax, the values' weighted sum."""
+  b, q, n, h = q_BxQxNxH.shape
+  s, g = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
   root = math.sqrt(h if scale_dim is None else scale_dim)
   cap = (lambda x: x) if softcap is None else (lambda x: jnp.tanh(x / softcap) * softcap)
-  causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+  query_Qx1 = (first_query + jnp.arange(q))[:, None]
+  key_1xS = (first_key + jnp.arange(s))[None, :]
+  allowed_QxS = key_1xS <= query_Qx1
   if window is not None:
-    causal_TxT &= ~jnp.tril(jnp.ones((t, t), dtype=bool), -window)
+    allowed_QxS &= key_1xS > query_Qx1 - window
   if g == n:
-    logits = cap(jnp.einsum("bqhk,bthk->bhqt", q_BxTxNxH, k_BxTxKxH,
+    logits = cap(jnp.einsum("bqhk,bthk->bhqt", q_BxQxNxH, k_BxSxKxH,
                             preferred_element_type=jnp.float32) / root)
-    probs = jax.nn.softmax(jnp.where(causal_TxT, logits, -1e30), axis=-1).astype(v_BxTxKxH.dtype)
-    return jnp.einsum("bhqt,bthk->bqhk", probs, v_BxTxKxH)
-  q_BxTxGxRxH = q_BxTxNxH.reshape(b, t, g, n // g, h)
-  logits = cap(jnp.einsum("bqgrk,btgk->bgrqt", q_BxTxGxRxH, k_BxTxKxH,
+    probs = jax.nn.softmax(jnp.where(allowed_QxS, logits, -1e30), axis=-1).astype(v_BxSxKxH.dtype)
+    return jnp.einsum("bhqt,bthk->bqhk", probs, v_BxSxKxH)
+  q_BxQxGxRxH = q_BxQxNxH.reshape(b, q, g, n // g, h)
+  logits = cap(jnp.einsum("bqgrk,btgk->bgrqt", q_BxQxGxRxH, k_BxSxKxH,
                           preferred_element_type=jnp.float32) / root)
-  probs = jax.nn.softmax(jnp.where(causal_TxT, logits, -1e30), axis=-1).astype(v_BxTxKxH.dtype)
-  return jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxTxKxH).reshape(b, t, n, h)
+  probs = jax.nn.softmax(jnp.where(allowed_QxS, logits, -1e30), axis=-1).astype(v_BxSxKxH.dtype)
+  return jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxSxKxH).reshape(b, q, n, h)

@@ -1,0 +1,74 @@
+"""The explicit attention taken a block of queries at a time on long sequences: the same values
+and grads as the whole [T, T] form, one block's logits live, fewer products."""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import SCRIPTS
+from zinfjax.models import attention
+
+sys.path.insert(0, SCRIPTS)
+import _hlo  # noqa: E402
+
+
+def _qkv(t: int, heads: int, kv_heads: int, h: int = 16, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal((2, t, n, h)), jnp.float32)
+          for n in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, window, softcap", [
+    (4, 4, None, None), (4, 2, 7, None), (4, 1, 20, 5.0), (2, 2, 64, 3.0), (4, 2, 1, None)])
+@pytest.mark.parametrize("block", [8, 13])
+def test_blocks_equal_the_whole_form_values_and_grads(heads, kv_heads, window, softcap, block):
+  """fp32, random inputs, 40 positions in blocks of 8 (even) or 13 (a short last one): values
+  and the grads of q, k and v to 1e-6 of the unblocked form, with GQA, windows shorter and
+  longer than a block, Gemma 2's cap, and a window of one (each query sees itself alone)."""
+  q, k, v = _qkv(40, heads, kv_heads)
+  weights = jnp.asarray(np.random.default_rng(1).standard_normal((2, 40, heads, 16)), jnp.float32)
+
+  def loss(block):
+    return lambda q, k, v: (attention.explicit_attention(
+        q, k, v, window, 12.0, softcap, block=block) * weights).sum()
+
+  whole, blocked = loss(40), loss(block)
+  forward = jax.jit(attention.explicit_attention, static_argnums=(3, 4, 5, 6))
+  np.testing.assert_allclose(forward(q, k, v, window, 12.0, softcap, block),
+                             forward(q, k, v, window, 12.0, softcap, 40), rtol=1e-6, atol=1e-6)
+  grads = lambda f: jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
+  for got, want in zip(grads(blocked), grads(whole)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_long_sequence_runs_fewer_products_and_holds_less():
+  """4096 positions, 8 heads, blocks of 512: the whole form's step (value and grads) runs 3
+  squares of products (forward, backward's two) and holds [T, T] fp32 logits; in blocks it runs
+  the causal (n + 1) / 2n of them (plus at most each block's forward again, its recompute), the
+  band's alone under a window, and holds less than half the whole form's temporaries (on XLA:GPU,
+  compiled for an H100, about a seventh)."""
+  t, n = 4096, 8
+  q = jax.ShapeDtypeStruct((1, t, n, 64), jnp.bfloat16)
+  weights = jax.ShapeDtypeStruct((1, t, n, 64), jnp.float32)
+
+  def compiled(block, window=None):
+    loss = lambda q, k, v, w: (attention.explicit_attention(
+        q, k, v, window, block=block).astype(jnp.float32) * w).sum()
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, q, q, weights).compile()
+
+  whole, blocked, band = compiled(t), compiled(512), compiled(512, window=512)
+  square = 2 * n * t * t * 64 * 2  # q·k and p·v, forward
+  flops = lambda c: _hlo.matmul_flops(c.as_text()).total
+  assert flops(whole) == 3 * square
+  blocks = t // 512
+  causal = square * (blocks + 1) / (2 * blocks)
+  assert 3 * causal <= flops(blocked) <= 4 * causal
+  # under a 512 window each block but the first sees its own and the 511 keys before it
+  seen = square * (512 + (blocks - 1) * 1023) / blocks / t
+  assert 3 * seen <= flops(band) <= 4 * seen
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes
+  assert temp(whole) >= n * t * t * 4  # at least the [T, T] fp32 logits of every head
+  assert temp(band) < temp(blocked) < temp(whole) / 2, (temp(band), temp(blocked), temp(whole))
