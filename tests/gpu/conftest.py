@@ -32,7 +32,7 @@ def gpus() -> list:
 FIRST = ("test_cuda_handlers_are_registered", "test_cuda_swap_handlers_are_bit_exact",
          "test_host_pipeline_trains_like_all_device", "test_grads_through_the_copy_stream",
          "test_mixed_store_trains_like_all_device", "test_cudnn_attention_equals_the_explicit",
-         "test_gemma3_layers_take_fused_attention")
+         "test_gemma3_layers_take_fused_attention", "test_blocked_explicit_attention")
 
 
 def priority(item) -> int:
