@@ -95,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--residual-budget", type=float, default=None,
                  help="GiB the saved residuals may take (default: what the target's GPU gives)")
   p.add_argument("--attention", default="cudnn", choices=("cudnn", "explicit"))
+  p.add_argument("--explicit-block", type=int, default=None, metavar="N",
+                 help="queries per block of the explicit form (where it runs: Gemma 2's capped "
+                      "logits, --attention explicit); 0: the whole [T, T] at once (default "
+                      "attention.EXPLICIT_BLOCK)")
   p.add_argument("--offload-optimizer", default="device",
                  help="tier of the optimizer states, or a per-layer split such as "
                       "'device:15,pinned_host' (off the device: the host pipeline's stores)")
@@ -268,7 +272,9 @@ def table(rows: list[dict], args) -> str:
   config, _, name = model_of(args)
   head = (f"{name} ({config.num_heads} heads, seq {args.seq_len}, vocab "
           f"{config.vocab_size}), {placed(args)}, compiled for {TARGETS[args.target]['name']} "
-          f"(no GPU present), layer_residuals={args.layer_residuals}, attention {args.attention}")
+          f"(no GPU present), layer_residuals={args.layer_residuals}, attention {args.attention}"
+          + ("" if args.explicit_block is None else
+             f", explicit form in blocks of {args.explicit_block or 'all'} queries"))
   lines = [head, "", "| tokens | residuals (GiB/layer) | products run TFLOP | model TFLOP | run / model "
            "| written GiB | not bf16 TFLOP | cuDNN fwd / bwd | HBM GiB: arguments + temporaries "
            f"(of the {args.mem_fraction:.0%} limit / of memory) | state copies GiB |",
@@ -290,6 +296,9 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
   os.environ["ZINFJAX_ATTENTION"] = args.attention  # the CPU is jax's backend here
+  if args.explicit_block is not None:
+    from zinfjax.models import attention
+    attention.EXPLICIT_BLOCK = args.explicit_block or 1 << 62
   zero_config(args)  # a misspelt tier, or a model that cannot be, is refused before XLA:GPU is
   model_of(args)     # asked for
   mesh, _ = gpu_mesh(args.target)
