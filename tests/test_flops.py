@@ -1,7 +1,8 @@
 """The standard FLOP count of a training step (`train_flops`, the MFU numerator) against what the
 compiled step multiplies (scripts/_hlo.py), and its sliding windows against the keys the model's
-attention lets each query see."""
+attention lets each query see; the public checkpoints' shapes it is shown on (data/shapes)."""
 
+import os
 import sys
 
 import jax
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import SCRIPTS
-from zinfjax.models import GPTConfig, Llama, LlamaConfig, lm_loss
+from helpers import REPO, SCRIPTS
+from zinfjax.models import GPTConfig, Llama, LlamaConfig, hf, lm_loss
 from zinfjax.models.attention import explicit_attention
 from zinfjax.models.config import attention_flops
 
@@ -112,3 +113,14 @@ def test_gemma3_layers_count_their_own_windows_and_gpt_its_standard_count():
   gpt = GPTConfig(vocab_size=96, seq_len=64, num_layers=2, num_heads=4, hidden=64)
   assert gpt.train_flops(tokens) == 6 * gpt.num_params * tokens + 12 * 2 * tokens * 64 * 64 // 2
   assert gpt.train_flops(tokens, 16) == 6 * gpt.num_params * tokens + 12 * 2 * tokens * 16 * 64 // 2
+
+
+@pytest.mark.parametrize("name, params, kinds", [
+    ("gemma2-2b", 2_614_341_888, ("sliding", "full") * 13),
+    ("gemma3-1b", 999_885_952, (("sliding",) * 5 + ("full",)) * 4 + ("sliding",) * 2),
+    ("llama3-8b", 8_030_261_248, None)])
+def test_the_shipped_shapes_are_their_checkpoints(name, params, kinds):
+  """data/shapes' config.json files read as the public checkpoints: their exact parameter counts
+  (as published) and their layers' kinds."""
+  config = hf.config_from_hf(hf.read_config(os.path.join(REPO, "data", "shapes", name)))
+  assert config.num_params == params and config.layer_types == kinds
