@@ -36,7 +36,8 @@ import jax.numpy as jnp
 # head dims cuDNN's fused attention takes (the ones these models use; 256, Gemma's, from Hopper
 # on: an older GPU's refusal is caught by `cudnn_compiles`)
 CUDNN_HEAD_DIMS = (64, 128, 256)
-# queries per block of the explicit form on a longer sequence (`explicit_attention`)
+# queries per block of the explicit form on a longer sequence (`explicit_attention`);
+# ZINFJAX_EXPLICIT_BLOCK=N sets it (0: the whole sequence at once)
 EXPLICIT_BLOCK = 1024
 
 
@@ -100,14 +101,16 @@ def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: ja
   """The same attention written out: fp32 logits and softmax under a causal mask (banded to
   `window` positions when given).
 
-  A sequence longer than `block` queries (default `EXPLICIT_BLOCK`) is taken a block of queries
-  at a time, each against the keys it can see alone (those before its last query, within the
-  window): no [T, T] logits, about half the causal square's products and the band's alone
-  under a window. Each block is recomputed in backward (`jax.checkpoint`), so one block's
-  logits are live at a time, in the forward and the backward pass.
+  A sequence longer than `block` queries (default `EXPLICIT_BLOCK`, or ZINFJAX_EXPLICIT_BLOCK's;
+  0 there: the whole sequence) is taken a block of queries at a time, each against the keys it
+  can see alone (those before its last query, within the window): no [T, T] logits, about half
+  the causal square's products and the band's alone under a window. Each block is a
+  `jax.checkpoint` (backward may remake its logits rather than keep them) and the next starts
+  after it: compiled for an H100, a step at 8k positions holds under 4 blocks' logits.
   """
   t = q_BxTxNxH.shape[1]
-  block = EXPLICIT_BLOCK if block is None else block
+  if block is None:
+    block = int(os.environ.get("ZINFJAX_EXPLICIT_BLOCK", EXPLICIT_BLOCK)) or t
   attend = functools.partial(_attend, window=window, scale_dim=scale_dim, softcap=softcap)
   if t <= block:
     return attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, 0, 0)

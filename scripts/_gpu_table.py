@@ -78,7 +78,7 @@ def table(r: dict) -> str:
                  f"{d['store_write']:.2f} / read {d['store_read']:.2f} GB/s")
   if h:
     lines.append(f"\nhost ({h['threads']} threads): copy {h['copy_gbs']:.1f} GB/s (read + write); "
-                 f"over the GPT's {h['params'] / 1e6:.0f}M params the C++ AdamW alone "
+                 f"over the model's {h['params'] / 1e6:.0f}M params the C++ AdamW alone "
                  f"{h['adam_s']:.3f} s, "
                  f"a host-pipeline step alone (RAM store, in place) {h['pipeline_s']:.3f} s"
                  + (f" ({h['pipeline_bf16_s']:.3f} s with bf16 moments)"
@@ -87,6 +87,7 @@ def table(r: dict) -> str:
                      f"{t}: {ms:.2f}" for t, ms in h["call_ms_by_threads"].items())
                     if h.get("call_ms_by_threads") else ""))
   if r.get("steps"):
+    lines += [f"\nsteps of {r['model']}" if r.get("model") else ""]
     lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
               f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device "
               "| vs max(compute, I/O or host alone), or compute + link alone "

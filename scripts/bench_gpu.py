@@ -12,7 +12,9 @@ One table (also written as JSON under --out):
   the disk is not what is measured);
 * the GPU's bf16 matmul rate (8192^3, random inputs): the MFU denominator;
 * the disk under --nvme-path: fio (or dd) ceiling and the zinfjax store;
-* the GPT step (tokens/s, TFLOP/s, MFU) with states all on device (compute
+* the GPT step (or with `--init-from`, a Hugging Face checkpoint's model from
+  its config.json alone, randomly initialized: `data/shapes`) (tokens/s,
+  TFLOP/s, MFU by the model's standard count) with states all on device (compute
   alone), params + optimizer on pinned host, and on NVMe, at each --tokens;
   the NVMe row also against max(compute alone, I/O alone), I/O alone being
   the step's bytes moved through the store with nothing else running; each
@@ -87,6 +89,9 @@ OPT_IN = {"mixed", "pipeline-atomic", "device-explicit", "stream", "pipeline-del
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="folder for bench_gpu.json")
+  p.add_argument("--init-from", default=None, metavar="HF_FOLDER",
+                 help="time a Hugging Face checkpoint's model (its config.json alone, random "
+                      "init) instead of the GPT; --layers cuts it, --hidden/--heads do not apply")
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--hidden", type=int, default=2048)
   p.add_argument("--heads", type=int, default=16)
@@ -153,7 +158,8 @@ def isolated_steps(args, peak_tflops: float | None, root: str, rows: list[dict],
   import subprocess
   keep = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
           "--seq-len", str(args.seq_len), "--pinned-budget", str(args.pinned_budget),
-          "--steps", str(args.steps)] + ["--tiny"] * args.tiny
+          "--steps", str(args.steps)] + ["--tiny"] * args.tiny + (
+              ["--init-from", args.init_from] if args.init_from else [])
   for tokens, (key, *_, name) in row_specs(args):
     out = os.path.join(root, f"row-{tokens}-{key}")
     command = [sys.executable, os.path.abspath(__file__), "--out", out, "--sections", "steps",
@@ -192,27 +198,46 @@ def isolated_steps(args, peak_tflops: float | None, root: str, rows: list[dict],
   return rows
 
 
+def bench_model(args):
+  """(config, model factory) of the step rows' model (the GPT, or `--init-from`'s): the one
+  `host_alone` sizes itself by."""
+  from zinfjax.models import GPT, get_config
+  if args.init_from:
+    from _shapes import hf_model
+    return hf_model(args.init_from, args.layers, args.seq_len, "bench_gpu")[:2]
+  config = get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
+                      seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
+  return config, lambda r: GPT(config, rngs=r)
+
+
 def bench_config(args):
-  """The bench GPT's config: the step rows' model and the one `host_alone` sizes itself by."""
-  from zinfjax.models import get_config
-  return get_config("tiny", num_layers=args.layers, hidden=args.hidden, num_heads=args.heads,
-                    seq_len=args.seq_len, vocab_size=32768 if not args.tiny else 65)
+  return bench_model(args)[0]
+
+
+def model_name(args) -> str:
+  """The step rows' model in the table's words: its shape, params and sequence length."""
+  from zinfjax.progress import human_count
+  config = bench_config(args)
+  name = (f"{args.init_from} ({config.num_layers} layers)" if args.init_from
+          else f"GPT {config.num_layers} x {config.hidden}")
+  return f"{name}, {human_count(config.num_params)} params, sequences of {args.seq_len}"
 
 
 def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict], saved) -> list[dict]:
   """GPT steps at each placement and token count; `rows` grows and `saved()` runs after each."""
   import numpy as np
   import zinfjax
-  from zinfjax.models import GPT, lm_loss
-  config = bench_config(args)
+  from zinfjax.models import lm_loss
+  config, factory = bench_model(args)
+  seq = args.seq_len
   mesh = zinfjax.make_mesh(1)
   specs = row_specs(args)
   for tokens in dict.fromkeys(t for t, _ in specs):
-    batch_size = max(1, tokens // config.seq_len)
+    batch_size = max(1, tokens // seq)
     rng = np.random.default_rng(tokens)
-    batches = [{k: rng.integers(0, config.vocab_size, (batch_size, config.seq_len)).astype(np.int32)
+    batches = [{k: rng.integers(0, config.vocab_size, (batch_size, seq)).astype(np.int32)
                 for k in ("inputs", "targets")} for _ in range(args.steps + WARMUP)]
-    flops = config.train_flops(batch_size * config.seq_len)  # 6 N T + causal attention
+    flops = config.train_flops(batch_size * seq, seq)  # 6 N T + causal attention
     for _, param, optimizer, name in [p for t, p in specs if t == tokens]:
       os.environ["ZINFJAX_ATTENTION"] = "explicit" if "explicit attention" in name else "auto"
       atomic = "all or nothing" in name
@@ -230,11 +255,11 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
       state = None
       try:
         moments = "bfloat16" if "bf16 moments" in name else "float32"
-        state = zinfjax.init(lambda r: GPT(config, rngs=r),
-                             zinfjax.optim.adamw(1e-4, moment_dtype=moments), zero, mesh, 0)
+        state = zinfjax.init(factory, zinfjax.optim.adamw(1e-4, moment_dtype=moments), zero,
+                             mesh, 0)
         step, state, metrics = median_step(state, batches, lm_loss, WARMUP)
-        rows.append({"tokens": batch_size * config.seq_len, "placement": name, "step_s": step,
-                     "tokens_per_s": batch_size * config.seq_len / step,
+        rows.append({"tokens": batch_size * seq, "placement": name, "step_s": step,
+                     "tokens_per_s": batch_size * seq / step,
                      # MFU needs the matmul rate: a row run in its own process gets it from its parent
                      "tflops": flops / step / 1e12,
                      "mfu": flops / step / 1e12 / peak_tflops if peak_tflops else None,
@@ -248,7 +273,7 @@ def gpt_steps(jax, args, peak_tflops: float | None, root: str, rows: list[dict],
         print(f"  {name} at {tokens} tokens: {step:.3f} s{phase_line(rows[-1])}", flush=True)
       except Exception as e:  # noqa: BLE001  (the other rows still run)
         traceback.print_exc()
-        rows.append({"tokens": batch_size * config.seq_len, "placement": name,
+        rows.append({"tokens": batch_size * seq, "placement": name,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
       saved()
       if state is not None and state.engine.store is not None:
@@ -279,12 +304,13 @@ def host_alone(args) -> dict:
   core, the C++ AdamW kernel over the bench GPT's params, and one host-pipeline step over them
   in the RAM store (bf16 grads in, bf16 params out, updated in place), best of 3. The pipeline
   rows cannot beat max(compute, that step)."""
-  n = bench_config(args).num_params
-  layer = 12 * args.hidden ** 2  # one block's params: the pipeline's sub-groups are about this
+  config = bench_config(args)
+  n, hidden = config.num_params, config.hidden
+  layer = 12 * hidden ** 2  # one block's params: the pipeline's sub-groups are about this
   cores = os.cpu_count() or 1
   # one kernel call over a block's largest tensor by the threads it is split over (the kernel
   # starts them per call): what that start costs on this host's cores
-  largest = 4 * args.hidden ** 2
+  largest = 4 * hidden ** 2
   calls = bench_calls([largest], sorted({1, max(1, cores // 4), cores}), 3)[largest]
   found = {"params": n, "threads": cores,
            "copy_gbs": copy_bandwidth(min(n * 4, 1 << 30), 3) / 1e9,
@@ -310,7 +336,7 @@ def main(argv=None) -> int:
   shm = tempfile.mkdtemp(prefix="zinfjax-bench-shm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
   nbytes = args.copy_mib << 20
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}", flush=True)
-  result = {"device": device.device_kind, "platform": device.platform}
+  result = {"device": device.device_kind, "platform": device.platform, "model": model_name(args)}
   path = os.path.join(args.out, "bench_gpu.json")
   sections = set(args.sections.split(","))
 

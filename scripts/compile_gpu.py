@@ -120,30 +120,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_of(args):
   """(config, model factory, its name in the table) of the GPT or `--init-from`'s model, cut to
-  `--layers` (a layered model keeps its first layers' kinds)."""
-  from zinfjax.models import GPT, get_config, hf
-  if not args.init_from:
-    config = get_config("tiny", num_layers=args.layers or 8, hidden=args.hidden,
-                        num_heads=args.heads, seq_len=args.seq_len, vocab_size=args.vocab)
-    return config, lambda r: GPT(config, rngs=r), f"GPT {config.num_layers} x {config.hidden}"
-  folder = (os.path.dirname(args.init_from) or "." if args.init_from.endswith(".json")
-            else args.init_from)
-  try:
-    config = hf.config_from_hf(hf.read_config(folder))
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"compile_gpu: --init-from {args.init_from}: {e}") from None
-  if args.layers:
-    kinds = getattr(config, "layer_types", None)
-    try:
-      config = config.replace(num_layers=args.layers, **(
-          {"layer_types": kinds[:args.layers]} if kinds else {}))
-    except ValueError as e:  # more layers than a layered checkpoint names the kinds of
-      raise SystemExit(f"compile_gpu: --layers {args.layers}: {e}") from None
-  if args.seq_len > config.seq_len:
-    raise SystemExit(f"compile_gpu: --seq-len {args.seq_len} is longer than the model's "
-                     f"{config.seq_len}.")
-  name = f"{hf.family(hf.read_config(folder))} {config.num_layers} x {config.hidden}"
-  return config, hf.factory(config), name
+  `--layers` (`_shapes.hf_model`)."""
+  from zinfjax.models import GPT, get_config
+  if args.init_from:
+    from _shapes import hf_model
+    return hf_model(args.init_from, args.layers, args.seq_len, "compile_gpu")
+  config = get_config("tiny", num_layers=args.layers or 8, hidden=args.hidden,
+                      num_heads=args.heads, seq_len=args.seq_len, vocab_size=args.vocab)
+  return config, lambda r: GPT(config, rngs=r), f"GPT {config.num_layers} x {config.hidden}"
 
 
 def gpu_mesh(target: str):
@@ -297,8 +281,7 @@ def main(argv=None) -> int:
   os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
   os.environ["ZINFJAX_ATTENTION"] = args.attention  # the CPU is jax's backend here
   if args.explicit_block is not None:
-    from zinfjax.models import attention
-    attention.EXPLICIT_BLOCK = args.explicit_block or 1 << 62
+    os.environ["ZINFJAX_EXPLICIT_BLOCK"] = str(args.explicit_block)
   zero_config(args)  # a misspelt tier, or a model that cannot be, is refused before XLA:GPU is
   model_of(args)     # asked for
   mesh, _ = gpu_mesh(args.target)

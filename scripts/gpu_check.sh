@@ -13,6 +13,10 @@
 #                bf16 moments; SPEED_PLACEMENTS picks other bench_gpu.py rows) at 16k and 64k
 #                tokens, with the host's side alone, each row in its own process (speed.log,
 #                speed/bench_gpu.json)
+#   families     the all-device step of Llama 3.1 8B (4 layers), Gemma 3 1B (6) and Gemma 2 2B (4,
+#                8k sequences: explicit attention in blocks) from data/shapes, random init: MFU by
+#                the Llama family's count (families_*.log); FAMILY_PLACEMENTS adds bench_gpu.py
+#                rows (e.g. device,pipeline-under), FAMILIES picks models
 #   bench        every row of bench_gpu.py: copies, disk, steps, NVMe's against I/O alone, each step
 #                row in its own process (bench_gpu.log, bench_gpu.json)
 #   copy-stream  the host-pipeline step (and NVMe's with COPY_PLACEMENTS=device,pipeline-under,nvme)
@@ -60,7 +64,8 @@
 #               what comes back is a few files: progress.txt, logs.tgz, speed.json, gpu_tests.log
 # --dry-run     on a machine without a GPU: checks that every stage's commands exist and run (GPU
 #               tests skipped, benchmarks at tiny sizes), builds nothing; alone, it runs
-#               env,gpu-tests,speed,bench,ckpt,largest,profile,peer,copy-stream,cpu-confirm
+#               env,gpu-tests,speed,bench,families,ckpt,largest,profile,peer,copy-stream,
+#               cpu-confirm
 #
 # Each stage writes its log under OUT and lines to OUT/progress.txt, with the seconds it took.
 # The first failure stops the check (unless KEEP_GOING=1) and names the stage and its log.
@@ -74,7 +79,7 @@ DRY=0
 TINY=(--tiny --tokens 64 --nvme-tokens 64)  # a dry run's benchmark rows: one small token count
 if [[ "$STAGES" == "--dry-run" ]]; then
   DRY=1
-  STAGES=env,gpu-tests,speed,bench,ckpt,largest,profile,peer,copy-stream,cpu-confirm
+  STAGES=env,gpu-tests,speed,bench,families,ckpt,largest,profile,peer,copy-stream,cpu-confirm
 elif [[ "${3:-}" == "--dry-run" ]]; then
   DRY=1
 fi
@@ -91,7 +96,8 @@ elif [[ "$STAGES" == second ]]; then
   PEER_CPU_KEYS=${PEER_CPU_KEYS:-pipeline-under}
 fi
 DEADLINE=${DEADLINE:-0} KEEP_GOING=${KEEP_GOING:-0} PACK=${PACK:-0} LARGEST_S=${LARGEST_S:-0}
-KNOWN=" env build gpu-tests speed bench copy-stream profile ckpt largest peer cpu-confirm cpu-suite "
+KNOWN=" env build gpu-tests speed bench families copy-stream profile ckpt largest peer "
+KNOWN+="cpu-confirm cpu-suite "
 for s in ${STAGES//,/ }; do  # a misspelt stage is found before any device time is spent
   [[ "$KNOWN" == *" $s "* ]] || {
     echo "gpu_check: unknown stage \"$s\"; choose from:$KNOWN(or first, second)" >&2; exit 2; }
@@ -189,6 +195,23 @@ stage_bench() {
     run bench_gpu.log 600 $PY scripts/bench_gpu.py --out "$OUT" --isolate 200
   fi
   note "bench: table in bench_gpu.log, numbers in bench_gpu.json"
+}
+
+stage_families() {
+  local name size shape
+  for name in ${FAMILIES:-llama3-8b gemma3-1b gemma2-2b}; do
+    case $name in  # its layers and sequence; the test checkpoint of its family for a dry run
+      llama3-8b) size=(--layers 4 --seq-len 2048) shape=llama3;;
+      gemma3-1b) size=(--layers 6 --seq-len 2048) shape=gemma3;;
+      *) size=(--layers 4 --seq-len 8192) shape=gemma2;;
+    esac
+    if [[ $DRY == 1 ]]; then shape=$REPO/tests/data/hf/$shape size=("${TINY[@]}")
+    else shape=$REPO/data/shapes/$name size+=(--tokens 16384); fi
+    (cd /tmp && run "families_$name.log" 240 $PY "$REPO/scripts/bench_gpu.py" --isolate 200 \
+       --out "$OUT/families_$name" --sections matmul,steps --init-from "$shape" \
+       --placements "${FAMILY_PLACEMENTS:-device}" "${size[@]}")
+  done
+  note "families: tables in $(printf 'families_%s.log ' ${FAMILIES:-llama3-8b gemma3-1b gemma2-2b})"
 }
 
 stage_copy_stream() {

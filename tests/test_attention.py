@@ -47,12 +47,12 @@ def test_blocks_equal_the_whole_form_values_and_grads(heads, kv_heads, window, s
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_long_sequence_runs_fewer_products_and_holds_less():
+def test_a_long_sequence_runs_fewer_products_and_holds_less(monkeypatch):
   """4096 positions, 8 heads, blocks of 512: the whole form's step (value and grads) runs 3
   squares of products (forward, backward's two) and holds [T, T] fp32 logits; in blocks it runs
   the causal (n + 1) / 2n of them (plus at most each block's forward again, its recompute), the
   band's alone under a window, and holds less than half the whole form's temporaries (on XLA:GPU,
-  compiled for an H100, about a seventh)."""
+  compiled for an H100, about a fifth). ZINFJAX_EXPLICIT_BLOCK sets the default block (0: all)."""
   t, n = 4096, 8
   q = jax.ShapeDtypeStruct((1, t, n, 64), jnp.bfloat16)
   weights = jax.ShapeDtypeStruct((1, t, n, 64), jnp.float32)
@@ -65,6 +65,11 @@ def test_a_long_sequence_runs_fewer_products_and_holds_less():
   whole, blocked, band = compiled(t), compiled(512), compiled(512, window=512)
   square = 2 * n * t * t * 64 * 2  # q·k and p·v, forward
   flops = lambda c: _hlo.matmul_flops(c.as_text()).total
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes
+  for default, same in (("0", whole), ("512", blocked)):  # the whole sequence at once; 512
+    monkeypatch.setenv("ZINFJAX_EXPLICIT_BLOCK", default)
+    chosen = compiled(None)
+    assert (flops(chosen), temp(chosen)) == (flops(same), temp(same)), default
   assert flops(whole) == 3 * square
   blocks = t // 512
   causal = square * (blocks + 1) / (2 * blocks)
@@ -72,7 +77,6 @@ def test_a_long_sequence_runs_fewer_products_and_holds_less():
   # under a 512 window each block but the first sees its own and the 511 keys before it
   seen = square * (512 + (blocks - 1) * 1023) / blocks / t
   assert 3 * seen <= flops(band) <= 4 * seen
-  temp = lambda c: c.memory_analysis().temp_size_in_bytes
   assert temp(whole) >= n * t * t * 4  # at least the [T, T] fp32 logits of every head
   assert temp(band) < temp(blocked) < temp(whole) / 2, (temp(band), temp(blocked), temp(whole))
 
@@ -90,7 +94,8 @@ GEMMA2 = LlamaConfig(vocab_size=59, hidden=32, intermediate=64, num_layers=4, nu
     dict(layer_residuals="save"), dict(micro_batches=2, tiles=2)],
     ids=["split", "saved", "micro+tiles"])
 def test_blocks_train_as_the_whole_form_in_the_layer_scans(zero, mesh, tmp_path, monkeypatch):
-  """A Gemma 2 shaped model whose 16 positions are blocks of 5 (the last of 1), in zinfjax's
+  """A Gemma 2 shaped model whose 16 positions are blocks of 5 (the last of 1:
+  ZINFJAX_EXPLICIT_BLOCK=5), in zinfjax's
   layer scans (a stack split over tiers, saved residuals, micro-batches and tiles): losses equal
   the model's own scan with the whole form on one device (fp32, 1e-5), each param leaf to 1e-5
   on average."""
@@ -98,7 +103,7 @@ def test_blocks_train_as_the_whole_form_in_the_layer_scans(zero, mesh, tmp_path,
   make = lambda r: Llama(GEMMA2, rngs=r)
   want_losses, want = reference_losses(make, optax.adamw(1e-2, weight_decay=0.1), lm_loss,
                                        batches)
-  monkeypatch.setattr(attention, "EXPLICIT_BLOCK", 5)
+  monkeypatch.setenv("ZINFJAX_EXPLICIT_BLOCK", "5")
   tx = (zinfjax.optim.adamw(1e-2, weight_decay=0.1) if "offload_optimizer" in zero
         else optax.adamw(1e-2, weight_decay=0.1))
   config = zinfjax.ZeroConfig(precision="fp32", nvme_path=str(tmp_path / "nvme"), **zero)

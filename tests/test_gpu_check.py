@@ -8,6 +8,7 @@ import sys
 import tarfile
 
 import numpy as np
+import pytest
 
 from helpers import REPO, SCRIPTS, load_script
 
@@ -63,6 +64,16 @@ def test_gpu_check_dry_run_runs_every_stage_it_can_here(tmp_path):
   for mode in ("0", "1"):
     rows = json.loads((out / f"copy_stream_{mode}" / "bench_gpu.json").read_text())["steps"]
     assert rows and all(r["step_s"] > 0 and r["copy_stream"] == (mode == "1") for r in rows), rows
+  # the families stage: each model's all-device step, its TFLOP/s by that model's own count
+  from zinfjax.models import hf
+  for name, test in (("llama3-8b", "llama3"), ("gemma3-1b", "gemma3"), ("gemma2-2b", "gemma2")):
+    result = json.loads((out / f"families_{name}" / "bench_gpu.json").read_text())
+    config = hf.config_from_hf(hf.read_config(os.path.join(REPO, "tests", "data", "hf", test)))
+    flops = config.replace(num_layers=2, layer_types=config.layer_types and
+                           config.layer_types[:2]).train_flops(64, 32)
+    [row] = result["steps"]
+    assert row["tflops"] * row["step_s"] * 1e12 == pytest.approx(flops, rel=1e-9), name
+    assert f"tests/data/hf/{test} (2 layers)" in result["model"]
   if (out / "peer_deepspeed.json").exists():
     assert "| zinfjax / DeepSpeed |" in (out / "peer_table.txt").read_text()
   # the speed stage: the rows alone, each with the loss of the same batches as all-device,
