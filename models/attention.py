@@ -120,7 +120,7 @@ def explicit_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: ja
     lo = 0 if window is None else max(0, start - window + 1)  # the first key it sees
     run = jax.checkpoint(functools.partial(attend, first_query=start, first_key=lo))
     outs.append(run(q_BxTxNxH[:, start:stop], k_BxTxKxH[:, lo:stop], v_BxTxKxH[:, lo:stop]))
-    # the next block reads the keys after this one is done: one block's logits live at a time
+    # the next block reads the keys after this one is done: its logits are not made beside them
     outs[-1], k_BxTxKxH, v_BxTxKxH = jax.lax.optimization_barrier(
         (outs[-1], k_BxTxKxH, v_BxTxKxH))
   return jnp.concatenate(outs, axis=1)

@@ -282,8 +282,8 @@ def _gemma3_ropes(c: LlamaConfig) -> dict[str, Any]:
 
 
 def _kinds(c: LlamaConfig) -> tuple[str, ...]:
-  """Each layer's attention, "full" or "sliding" (every layer's window where none are given)."""
-  return c.layer_types or (("sliding" if c.sliding_window else "full"),) * c.num_layers
+  """Each layer's attention, "full" or "sliding" (by its window, `LlamaConfig.windows`)."""
+  return tuple("full" if window is None else "sliding" for window in c.windows)
 
 
 def _rope_hf(c: LlamaConfig, theta: bool = True) -> dict[str, Any]:

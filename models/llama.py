@@ -149,17 +149,22 @@ class LlamaConfig:
     head = 0 if self.tie_embeddings else d * self.vocab_size
     return self.vocab_size * d + self.num_layers * block + d + head
 
+  @property
+  def windows(self) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: full attention): `layer_types`' sliding layers take
+    `sliding_window`, its full ones none; without them every layer takes `sliding_window`."""
+    kinds = self.layer_types or ("sliding",) * self.num_layers
+    return tuple(self.sliding_window if kind == "sliding" else None for kind in kinds)
+
   def train_flops(self, tokens: int, seq_len: int | None = None, frozen: bool = False) -> int:
     """FLOPs of one training step over `tokens` tokens in sequences of `seq_len` (default the
     config's), the standard count (`config.train_flops`): 6·N·T, N the params that multiply
     each token (all but an untied embedding table, a lookup), plus causal attention over the
     queries' width, each sliding layer over its window (4·N·T with `frozen` params: LoRA's)."""
     table = 0 if self.tie_embeddings else self.vocab_size * self.hidden
-    kinds = self.layer_types or ("sliding",) * self.num_layers
-    windows = [self.sliding_window if kind == "sliding" else None for kind in kinds]
     s = self.seq_len if seq_len is None else seq_len
-    return train_flops(self.num_params - table, tokens, s, self.num_heads * self.dim, windows,
-                       frozen)
+    return train_flops(self.num_params - table, tokens, s, self.num_heads * self.dim,
+                       self.windows, frozen)
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)

@@ -87,7 +87,8 @@ def table(r: dict) -> str:
                      f"{t}: {ms:.2f}" for t, ms in h["call_ms_by_threads"].items())
                     if h.get("call_ms_by_threads") else ""))
   if r.get("steps"):
-    lines += [f"\nsteps of {r['model']}" if r.get("model") else ""]
+    if r.get("model"):
+      lines.append(f"\nsteps of {r['model']}")
     lines += ["\n| tokens/step | placement | step s | tokens/s | TFLOP/s | MFU of measured matmul "
               f"| MFU of {SPEC_TFLOPS:.0f} (spec) | vs all on device "
               "| vs max(compute, I/O or host alone), or compute + link alone "
