@@ -17,6 +17,10 @@ NVMe traffic and the host optimizer, at the rates given (defaults: one H100).
 config.json: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, GPT-2; no weight is read) and counts its
 parameters exactly instead of 12·nl·hd².
 
+With an exact count (`--init-from`, `--lora-rank`), the model-state working memory is that
+model's largest operator's (`zinfjax.memory.largest_operator`: one layer of a stack, or a
+weight outside the stacks, as a large vocabulary's embedding), not the paper's GPT MLP.
+
 `--lora-rank R` counts a LoRA fine-tune (`ZeroConfig(trainable=nnx.LoRAParam)`):
 the adapters of rank R train, and the weights they adapt, frozen, keep their
 params alone: no grads, no master, no moments.
@@ -138,14 +142,19 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
   return 0
 
 
-def param_counts(config) -> tuple[int, int]:
-  """(every param, those of LoRA adapters) of `config`'s model, counted on its abstract shape."""
+def exact_counts(config, lora_rank: int) -> tuple[int, int | None, tuple]:
+  """Counted on `config`'s abstract model with LoRA adapters of `lora_rank` (0: none): every
+  param, those that train (the adapters; None: all) and the largest operator
+  (`zinfjax.memory.largest_operator`)."""
   import jax
   from flax import nnx
+  from zinfjax.memory import largest_operator
   from zinfjax.models import hf
-  model = nnx.eval_shape(lambda: hf.factory(config)(nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: hf.factory(config.replace(lora_rank=lora_rank))(nnx.Rngs(0)))
   size = lambda kind: sum(x.size for x in jax.tree.leaves(nnx.state(model, kind)))
-  return size(nnx.Param), size(nnx.LoRAParam)   # a LoRAParam is an nnx.Param
+  trains = nnx.LoRAParam if lora_rank else nnx.Param   # a LoRAParam is an nnx.Param
+  return (size(nnx.Param), size(nnx.LoRAParam) if lora_rank else None,
+          largest_operator(model, trains))
 
 
 def lora_note(args, plan) -> str:
@@ -210,10 +219,10 @@ def main(argv=None) -> int:
     return 2
   if args.plan:
     return show_plan(args, layers, hidden, heads, config)
-  num_params, trainable = (config.num_params if config else None), None
-  if args.lora_rank:  # counted exactly on the model with its adapters
+  num_params = trainable = operator = None
+  if config is not None or args.lora_rank:  # counted exactly on the model, adapters included
     config = model_config(args, layers, hidden, heads, config)
-    num_params, trainable = param_counts(config.replace(lora_rank=args.lora_rank))
+    num_params, trainable, operator = exact_counts(config, args.lora_rank)
   est = estimate_memory(layers=layers, hidden=hidden, heads=heads, seq_len=args.seq_len,
                         num_params=num_params, trainable_params=trainable,
                         batch_per_device=args.batch_per_device, devices=args.devices,
@@ -222,11 +231,13 @@ def main(argv=None) -> int:
                         offload_param=args.offload_param, offload_grad=args.offload_grad,
                         offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme,
                         bf16_moments=args.bf16_moments, host_optimizer=args.host_optimizer,
-                        atomic_host=args.host_atomic_steps, delay_update=args.delay_update)
+                        atomic_host=args.host_atomic_steps, delay_update=args.delay_update,
+                        operator_bytes=operator[2] if operator else None)
   inputs = {k: v for k, v in vars(args).items() if k != "json"}
   inputs.update(layers=layers, hidden=hidden, heads=heads)
   if args.json:
-    print(json.dumps({**est.as_dict(), "inputs": inputs}, indent=2))
+    largest = {"name": operator[0], "shape": list(operator[1])} if operator else None
+    print(json.dumps({**est.as_dict(), "largest_operator": largest, "inputs": inputs}, indent=2))
     return 0
   print(f"{model_name(args)} {layers} layers x {hidden} hidden, {heads} heads: "
         f"{est.num_params / 1e9:,.2f}B params ({'exact' if config else '12·nl·hd²'}), "
@@ -239,7 +250,8 @@ def main(argv=None) -> int:
   rows += [(f"model states per device on {t}", b) for t, b in est.per_device.items()]
   rows += [(f"model states per node on {t}", b) for t, b in est.per_node.items()]
   rows += [("activation checkpoints per device", est.activation_checkpoints),
-           ("model-state working memory (4·hd·4hd)", est.model_state_working_memory),
+           (f"model-state working memory ({operator_note(operator)})",
+            est.model_state_working_memory),
            ("activation working memory per device", est.activation_working_memory)]
   width = max(len(r[0]) for r in rows)
   for name, value in rows:
@@ -251,6 +263,14 @@ def main(argv=None) -> int:
     kept = ", ".join(f"{t} {b:g}" for t, b in est.per_frozen_param.items() if b)
     print(f"  and per frozen parameter: {kept}")
   return 0
+
+
+def operator_note(operator) -> str:
+  """What the model-state working memory holds: the paper's GPT MLP, or a real model's largest
+  operator (its params, and grads where it trains)."""
+  if operator is None:
+    return "4·hd·4hd"
+  return f"{operator[0]}, {'x'.join(map(str, operator[1]))}"
 
 
 def copies_note(args) -> str:

@@ -35,6 +35,11 @@ def test_estimate_memory_of_a_hugging_face_checkpoint():
   ckpt = Checkpoint(folder)
   n = sum(int(np.prod(ckpt.tensor(k).shape)) for k in ckpt)
   assert data["num_params"] == n and data["inputs"]["seq_len"] == 128  # its own, under 1024
+  # the working memory is its largest tensor's (a layer's, as the checkpoint stores them), bf16
+  # params and grads, not the paper's GPT MLP
+  largest = max(int(np.prod(ckpt.tensor(k).shape)) for k in ckpt)
+  assert data["model_state_working_memory"] == 4 * largest
+  assert data["largest_operator"] == {"name": "embed.embedding", "shape": [hf_vocab(folder), 32]}
   assert data["per_device"] == {"device": 4 * n // 2, "pinned_host": 0, "nvme": 16 * n // 2}
   out = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder, "--seq-len",
              "64", "--plan", "--budget", "device=100KiB"])
@@ -52,6 +57,7 @@ def test_estimate_memory_of_a_hugging_face_checkpoint():
   assert lora["num_params"] == n + t and lora["trainable_params"] == t
   assert lora["per_device"] == {"device": n + 2 * t, "pinned_host": 0, "nvme": 8 * t}
   assert lora["per_frozen_param"] == {"device": 2, "pinned_host": 0, "nvme": 0}
+  assert lora["model_state_working_memory"] == 2 * largest   # frozen: its params alone
   out = run([os.path.join(SCRIPTS, "estimate_memory.py"), "--init-from", folder, "--plan",
              "--lora-rank", "2"])
   assert f"{t / 1e6:,.2f}M of LoRA adapters of rank 2" in out and "placement" in out
@@ -61,6 +67,10 @@ def test_estimate_memory_of_a_hugging_face_checkpoint():
     done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "estimate_memory.py"),
                            "--init-from", folder, *extra], capture_output=True, text=True)
     assert done.returncode == 2 and problem in done.stderr, done.stderr
+
+
+def hf_vocab(folder: str) -> int:
+  return json.loads(open(os.path.join(folder, "config.json"), encoding="utf-8").read())["vocab_size"]
 
 
 def test_estimate_memory_table_for_a_preset():

@@ -219,6 +219,24 @@ def test_the_delayed_update_counts_its_host_arrays():
   assert est.per_param["pinned_host"] == 6
 
 
+def test_the_largest_operator_is_a_layer_of_a_stack_or_a_whole_leaf():
+  """A stack's weight counts one layer (hd x 4hd in the MLP, not L of them), a leaf outside the
+  stacks whole: the embedding once the vocabulary outgrows 4hd; frozen weights (LoRA) keep
+  their params alone; the estimate takes the bytes as its working memory."""
+  from flax import nnx
+  from zinfjax.memory import largest_operator
+  shape = lambda **kw: nnx.eval_shape(lambda: GPT(GPTConfig(
+      num_layers=3, hidden=32, num_heads=4, seq_len=16, **kw), rngs=nnx.Rngs(0)))
+  assert largest_operator(shape(vocab_size=100)) == ("blocks.block.fc.kernel", (32, 128),
+                                                     4 * 32 * 128)
+  assert largest_operator(shape(vocab_size=200)) == ("wte.embedding", (200, 32), 4 * 200 * 32)
+  lora = shape(vocab_size=100, lora_rank=2)
+  assert largest_operator(lora, nnx.LoRAParam)[2] == 2 * 32 * 128
+  est = estimate_memory(layers=3, hidden=32, heads=4, operator_bytes=4 * 200 * 32)
+  assert est.model_state_working_memory == 4 * 200 * 32
+  assert estimate_memory(layers=3, hidden=32, heads=4).model_state_working_memory == 16 * 32 ** 2
+
+
 def test_xla_gpu_pinned_host_limit_is_raised_and_checked():
   """XLA:GPU's pinned-host cap (64 GiB unless set) is raised to 90% of the machine's RAM where
   the environment leaves it unset, never lowered, and a plan above it is refused by name."""

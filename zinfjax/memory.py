@@ -13,8 +13,10 @@ import dataclasses
 from typing import Any
 
 import jax
+from flax import nnx
 
 from .config import host_pipeline_applies
+from .layers import Stack
 from .placement import TIERS, Tier
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
@@ -94,7 +96,7 @@ class MemoryEstimate:
   per_device: dict[str, int]           # model states held per device, by tier
   per_node: dict[str, int]             # the same summed over a node's devices, by tier
   activation_checkpoints: int          # per device: 2·bsz·seq·hd·nl/ci
-  model_state_working_memory: int      # 4·hd·4hd: params + grads of the largest linear
+  model_state_working_memory: int      # params + grads of the largest operator (GPT: 4·hd·4hd)
   activation_working_memory: int       # per device: bsz·seq·ci·(16·hd + 2·heads·seq)
   per_param: dict[str, float] = dataclasses.field(default_factory=dict)  # zinfjax's, by tier
   trainable_params: int | None = None  # those that train (the rest frozen); None: all
@@ -111,7 +113,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                     num_params: int | None = None, atomic_nvme: bool = True,
                     bf16_moments: bool = False, host_optimizer: str = "xla",
                     atomic_host: bool = False, delay_update: str = "none",
-                    trainable_params: int | None = None) -> MemoryEstimate:
+                    trainable_params: int | None = None,
+                    operator_bytes: int | None = None) -> MemoryEstimate:
   """The paper's estimates for a GPT of `layers` x `hidden` on `devices` data-parallel ranks.
 
   `offload_grad` follows `offload_param` unless given. `num_params` overrides
@@ -121,7 +124,9 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   both it and `per_device`'s optimizer states by the moments' 4 bytes.
   `trainable_params` of the `num_params` train (LoRA's adapters, say; None: all): the frozen
   rest keep their params alone (`ZeroConfig.trainable`), no grads and no optimizer states,
-  `per_frozen_param` bytes each.
+  `per_frozen_param` bytes each. `operator_bytes` is the model-state working memory: the
+  params and grads of the largest operator (`largest_operator` of a real model); the
+  paper's GPT has 4·hd·4hd, the bf16 params and grads of its MLP's hd x 4hd weights.
   """
   for name, tier in (("offload_param", offload_param), ("offload_grad", offload_grad),
                      ("offload_optimizer", offload_optimizer)):
@@ -156,7 +161,8 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
       per_device=per_device,
       per_node={t: b * per_node_devices for t, b in per_device.items()},
       activation_checkpoints=2 * batch_per_device * seq_len * hidden * layers // ci,
-      model_state_working_memory=4 * hidden * 4 * hidden,
+      model_state_working_memory=(4 * hidden * 4 * hidden if operator_bytes is None
+                                  else operator_bytes),
       activation_working_memory=batch_per_device * seq_len * ci * (16 * hidden + 2 * heads * seq_len),
       per_param=bytes_per_param(offload_param, offload_grad, offload_optimizer,
                                 atomic_nvme=atomic_nvme, bf16_moments=bf16_moments,
@@ -164,6 +170,28 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
                                 delay_update=delay_update),
       trainable_params=trainable_params, per_frozen_param=frozen,
   )
+
+
+def largest_operator(model: nnx.Module,
+                     trainable: Any = nnx.Param) -> tuple[str, tuple[int, ...], int]:
+  """The weight of `model` that takes the most memory while it is used: (its path, its shape,
+  the bytes of its bf16 params and, where it trains (`trainable`, a `ZeroConfig.trainable`
+  filter), its bf16 grads). A stack's weight counts one layer (the step gathers a layer at a
+  time); a weight outside the stacks counts whole, as the embedding or the head: in a large
+  vocabulary that one, not the paper's MLP, is the largest."""
+  stacks = [tuple(p) for p, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+  trains = {tuple(p) for p, _ in nnx.to_flat_state(nnx.state(model, trainable))}
+  best = ("", (), 0)
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    shape = tuple(var.shape)
+    if any(tuple(path[:len(s)]) == s for s in stacks):
+      shape = shape[1:]
+    size = PARAM_BYTES + (GRAD_BYTES if tuple(path) in trains else 0)
+    for n in shape:
+      size *= n
+    if size > best[2]:
+      best = (".".join(map(str, path)), shape, size)
+  return best
 
 
 def tier_bytes(tree: Any) -> dict[str, int]:
