@@ -70,7 +70,8 @@ def test_estimate_memory_of_a_hugging_face_checkpoint():
 
 
 def hf_vocab(folder: str) -> int:
-  return json.loads(open(os.path.join(folder, "config.json"), encoding="utf-8").read())["vocab_size"]
+  with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+    return json.load(f)["vocab_size"]
 
 
 def test_estimate_memory_table_for_a_preset():
