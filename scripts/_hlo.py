@@ -2,7 +2,7 @@
 
 `matmul_flops` adds up the matrix products the program executes: every `dot`
 (inside fusions too: XLA:GPU's Triton GEMMs), cuBLAS GEMM custom calls, and
-cuDNN's fused attention (its four products, halved when causal), each times
+cuDNN's fused attention (its four products over the keys a query sees), each times
 the trip counts of the loops around it. Set against the model's 6·N·T plus
 attention it tells how much a step recomputes before anything is timed.
 `written_bytes` adds up what its kernels write: a floor of its memory traffic.
@@ -28,6 +28,7 @@ _CALLS = re.compile(r"(?:calls|body|to_apply|true_computation|false_computation)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_WINDOW = re.compile(r'"sliding_window_length":\s*"?(\d+)')
 
 
 def shape(text: str) -> tuple[str, tuple[int, ...]]:
@@ -116,15 +117,20 @@ def _product_flops(ins: Instr, types: dict[str, str], contracting: list[int]) ->
 
 def _attention_flops(ins: Instr, types: dict[str, str], backward: bool) -> float:
   """cuDNN's fused attention: q k^T and p v forward (four with the backward's dq, dk, dv and
-  the recomputed logits: 2.5x), halved under a causal mask. q is [B, T, N, H]."""
+  the recomputed logits: 2.5x), over the keys each query sees: all, half under a causal mask,
+  and under a sliding window of w keys (its `sliding_window_length`) w - w²/2s on average, as
+  `models.config.attention_flops` counts them. q is [B, T, N, H]."""
   q = shape(types.get(ins.operands[0], ""))[1]
   if len(q) != 4:
     return 0.0
   b, t, n, h = q
   kv = shape(types.get(ins.operands[1], ""))[1]
   s = kv[1] if len(kv) == 4 else t
-  causal = 0.5 if "CAUSAL" in ins.rest else 1.0
-  return 4.0 * b * n * t * s * h * causal * (2.5 if backward else 1.0)
+  keys = s / 2 if "CAUSAL" in ins.rest else s
+  window = int((_WINDOW.search(ins.rest) or [None, 0])[1])
+  if 0 < window < s:
+    keys = window - window * window / (2 * s)
+  return 4.0 * b * n * t * keys * h * (2.5 if backward else 1.0)
 
 
 def _flops_of(ins: Instr, types: dict[str, str], comps) -> Counter:

@@ -94,6 +94,12 @@ def test_gpu_custom_calls_are_counted():
   assert flops.by_dtype == {"bf16": 3 * 2 * 64 * 32 * 32}
   assert flops.attention == 4 * 2 * 4 * 128 * 128 * 64 * 0.5
   assert _hlo.custom_calls(GPU_HLO) == {"__cublas$gemm": 1, "__cudnn$fmhaSoftmax": 1}
+  # a sliding window of 32 keys (jax writes 0 for none): a query sees 32 - 32²/(2·128) on
+  # average, as the model's count says
+  causal = '"mask_type":"CAUSAL"'
+  for window, keys in [(32, 32 - 32 ** 2 / 256), (0, 64), (128, 64)]:
+    text = GPU_HLO.replace(causal, f'{causal},"sliding_window_length":{window}')
+    assert _hlo.matmul_flops(text).attention == 4 * 2 * 4 * 128 * keys * 64
   assert _hlo.entry_copies(GPU_HLO) == 16
   # the loop's GEMM output and workspace 3 times, the attention's outputs, the copy, the
   # broadcast, the row (reshaped, then written in place by the update), the costlier branch,
