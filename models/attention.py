@@ -141,12 +141,32 @@ def _attend(q_BxQxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, fi
   if window is not None:
     allowed_QxS &= key_1xS > query_Qx1 - window
   if g == n:
-    logits = cap(jnp.einsum("bqhk,bthk->bhqt", q_BxQxNxH, k_BxSxKxH,
-                            preferred_element_type=jnp.float32) / root)
+    logits = cap(_logits("bqhk,bthk->bhqt", q_BxQxNxH, k_BxSxKxH) / root)
     probs = jax.nn.softmax(jnp.where(allowed_QxS, logits, -1e30), axis=-1).astype(v_BxSxKxH.dtype)
     return jnp.einsum("bhqt,bthk->bqhk", probs, v_BxSxKxH)
   q_BxQxGxRxH = q_BxQxNxH.reshape(b, q, g, n // g, h)
-  logits = cap(jnp.einsum("bqgrk,btgk->bgrqt", q_BxQxGxRxH, k_BxSxKxH,
-                          preferred_element_type=jnp.float32) / root)
+  logits = cap(_logits("bqgrk,btgk->bgrqt", q_BxQxGxRxH, k_BxSxKxH) / root)
   probs = jax.nn.softmax(jnp.where(allowed_QxS, logits, -1e30), axis=-1).astype(v_BxSxKxH.dtype)
   return jnp.einsum("bgrqt,btgk->bqgrk", probs, v_BxSxKxH).reshape(b, q, n, h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _logits(spec: str, q: jax.Array, k: jax.Array) -> jax.Array:
+  """q·k in fp32, whatever q's and k's dtype. Its backward multiplies the logits' grads in q's
+  dtype, as flash attention does: bf16 runs then take dq and dk from bf16 products (fp32
+  accumulation) rather than fp32 ones, where XLA would upcast q and k; in fp32 it is the plain
+  product's backward."""
+  return jnp.einsum(spec, q, k, preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(spec: str, q: jax.Array, k: jax.Array):
+  return _logits(spec, q, k), (q, k)
+
+
+def _logits_bwd(spec: str, saved, grad: jax.Array):
+  q, k = saved
+  _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=q.dtype), q, k)
+  return vjp(grad.astype(q.dtype))
+
+
+_logits.defvjp(_logits_fwd, _logits_bwd)
