@@ -92,7 +92,8 @@ def test_a_long_sequence_runs_fewer_products_and_holds_less(monkeypatch):
   squares of products (forward, backward's two) and holds [T, T] fp32 logits; in blocks it runs
   the causal (n + 1) / 2n of them (plus at most each block's forward again, its recompute), the
   band's alone under a window, and holds under 60% of the whole form's temporaries (XLA:CPU
-  plans 968 against 1832 MiB; compiled for an H100, 175 against 1028 MiB). ZINFJAX_EXPLICIT_BLOCK sets the default block (0: all)."""
+  plans 968 against 1832 MiB; compiled for an H100, 175 against 1028 MiB).
+  ZINFJAX_EXPLICIT_BLOCK sets the default block (0: all)."""
   t, n = 4096, 8
   q = jax.ShapeDtypeStruct((1, t, n, 64), jnp.bfloat16)
   weights = jax.ShapeDtypeStruct((1, t, n, 64), jnp.float32)
