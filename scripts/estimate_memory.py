@@ -145,7 +145,7 @@ def show_plan(args, layers: int, hidden: int, heads: int, config=None) -> int:
 def exact_counts(config, lora_rank: int) -> tuple[int, int | None, tuple]:
   """Counted on `config`'s abstract model with LoRA adapters of `lora_rank` (0: none): every
   param, those that train (the adapters; None: all) and the largest operator
-  (`zinfjax.memory.largest_operator`)."""
+  (`zinfjax.memory.largest_operator`, an `Operator`)."""
   import jax
   from flax import nnx
   from zinfjax.memory import largest_operator
@@ -232,11 +232,11 @@ def main(argv=None) -> int:
                         offload_optimizer=args.offload_optimizer, atomic_nvme=args.atomic_nvme,
                         bf16_moments=args.bf16_moments, host_optimizer=args.host_optimizer,
                         atomic_host=args.host_atomic_steps, delay_update=args.delay_update,
-                        operator_bytes=operator[2] if operator else None)
+                        operator_bytes=operator.bytes if operator else None)
   inputs = {k: v for k, v in vars(args).items() if k != "json"}
   inputs.update(layers=layers, hidden=hidden, heads=heads)
   if args.json:
-    largest = {"name": operator[0], "shape": list(operator[1])} if operator else None
+    largest = {"name": operator.name, "shape": list(operator.shape)} if operator else None
     print(json.dumps({**est.as_dict(), "largest_operator": largest, "inputs": inputs}, indent=2))
     return 0
   print(f"{model_name(args)} {layers} layers x {hidden} hidden, {heads} heads: "
@@ -270,7 +270,7 @@ def operator_note(operator) -> str:
   operator (its params, and grads where it trains)."""
   if operator is None:
     return "4·hd·4hd"
-  return f"{operator[0]}, {'x'.join(map(str, operator[1]))}"
+  return f"{operator.name}, {'x'.join(map(str, operator.shape))}"
 
 
 def copies_note(args) -> str:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from .autoplace import AutoPlan, plan_placement
 from . import _ffi, hostlimit
 from .config import ZeroConfig
-from .layers import Stack
+from .layers import stack_paths as model_stacks
 from .offload.mixed import MixedStore
 from .offload.store import AioStore, NoSpaceError
 from .optim.adam import OffloadedTransformation
@@ -97,10 +97,6 @@ class Engine:
   @property
   def stack_paths(self) -> tuple[Path, ...]:
     return tuple(s.path for s in self.plan.stacks)
-
-
-def _stack_paths(model: nnx.Module) -> tuple[Path, ...]:
-  return tuple(tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Stack))
 
 
 def _path_name(path: tuple) -> str:
@@ -258,7 +254,7 @@ def build_engine(model_factory: ModelFactory, tx: optax.GradientTransformation,
   abstract_model = nnx.eval_shape(lambda: model_of(model_factory, nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract_model)
   _check_params_only(abstract_model)
-  stack_paths = _stack_paths(abstract_model)
+  stack_paths = model_stacks(abstract_model)
   if config.stage == 3 and not stack_paths:
     warnings.warn(
         "the model has no zinfjax.Stack: under ZeRO-3 each step gathers all of its params at "

@@ -126,3 +126,8 @@ class Stack(nnx.Module):
         return micro.apply(lambda xm, am: call(state, xm, am), n, x, args)
 
     return run(self.block, x, args, jnp.arange(self.num_layers, dtype=jnp.int32))
+
+
+def stack_paths(model: nnx.Module) -> tuple[tuple, ...]:
+  """The paths of `model`'s `Stack`s (their leaves carry a leading layer axis)."""
+  return tuple(tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Stack))

@@ -10,13 +10,14 @@ data-parallel devices; each state lives on its own tier.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
 
 from .config import host_pipeline_applies
-from .layers import Stack
+from .layers import stack_paths
 from .placement import TIERS, Tier
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 16
@@ -172,25 +173,31 @@ def estimate_memory(*, layers: int, hidden: int, heads: int, seq_len: int = 1024
   )
 
 
-def largest_operator(model: nnx.Module,
-                     trainable: Any = nnx.Param) -> tuple[str, tuple[int, ...], int]:
-  """The weight of `model` that takes the most memory while it is used: (its path, its shape,
-  the bytes of its bf16 params and, where it trains (`trainable`, a `ZeroConfig.trainable`
-  filter), its bf16 grads). A stack's weight counts one layer (the step gathers a layer at a
-  time); a weight outside the stacks counts whole, as the embedding or the head: in a large
-  vocabulary that one, not the paper's MLP, is the largest."""
-  stacks = [tuple(p) for p, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+class Operator(NamedTuple):
+  """A weight as `largest_operator` finds it: its path, its shape (a stack's: one layer's) and
+  the bytes of its bf16 params and, where it trains, grads."""
+
+  name: str
+  shape: tuple[int, ...]
+  bytes: int
+
+
+def largest_operator(model: nnx.Module, trainable: Any = nnx.Param) -> Operator:
+  """The weight of `model` that takes the most memory while it is used: its bf16 params and,
+  where it trains (`trainable`, a `ZeroConfig.trainable` filter), its bf16 grads. A stack's
+  weight counts one layer (the step gathers a layer at a time); a weight outside the stacks
+  counts whole, as the embedding or the head: in a large vocabulary that one, not the paper's
+  MLP, is the largest."""
+  stacks = stack_paths(model)
   trains = {tuple(p) for p, _ in nnx.to_flat_state(nnx.state(model, trainable))}
-  best = ("", (), 0)
+  best = Operator("", (), 0)
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    shape = tuple(var.shape)
-    if any(tuple(path[:len(s)]) == s for s in stacks):
-      shape = shape[1:]
-    size = PARAM_BYTES + (GRAD_BYTES if tuple(path) in trains else 0)
-    for n in shape:
-      size *= n
-    if size > best[2]:
-      best = (".".join(map(str, path)), shape, size)
+    path = tuple(path)
+    stacked = any(path[:len(s)] == s for s in stacks)
+    shape = tuple(var.shape)[1 if stacked else 0:]
+    size = (PARAM_BYTES + (GRAD_BYTES if path in trains else 0)) * math.prod(shape)
+    if size > best.bytes:
+      best = Operator(".".join(map(str, path)), shape, size)
   return best
 
 
